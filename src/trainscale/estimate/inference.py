@@ -1,0 +1,122 @@
+"""Inference and quantized sizes: forward FLOPs, weight bytes, group-quantized and GGUF files."""
+
+from __future__ import annotations
+
+from math import ceil, prod
+
+from trainscale.estimate.params import tensor_inventory
+from trainscale.specs import ModelSpec
+
+
+def inference_flops_per_token(n_params: float) -> float:
+    """Forward pass only: 2 FLOPs per parameter per token (Kaplan et al. 2020, Sec. 2.1)."""
+    return 2.0 * n_params
+
+
+def weights_bytes(n_params: float, bits_per_weight: float) -> float:
+    """Weights-only memory at a given precision."""
+    return n_params * bits_per_weight / 8
+
+
+def group_quant_bytes(numel: int, bits: int, group_size: int, scale_bytes: int = 2,
+                      asymmetric: bool = False) -> float:
+    """Group-wise quantization: ``bits`` per weight packed, plus one fp16 scale (and an fp16 zero
+    point when asymmetric) per group of ``group_size`` weights (e.g. Frantar et al. 2022, GPTQ;
+    Dettmers et al. 2023, QLoRA Sec. 2)."""
+    groups = ceil(numel / group_size)
+    return numel * bits / 8 + groups * scale_bytes * (2 if asymmetric else 1)
+
+
+QUANT_BITS = {"bf16": 16, "int8": 8, "int4": 4}
+
+
+def quantized_model_bytes(m: ModelSpec, fmt: str, group_size: int = 32, asymmetric: bool = False) -> float:
+    """Tensor bytes of a model quantized by trainscale's own format: every 2-D weight matrix
+    (embeddings and output included) group-quantized along its rows; 1-D tensors (norms, biases)
+    kept in bf16."""
+    if fmt not in QUANT_BITS:
+        raise ValueError(f"format must be one of {', '.join(QUANT_BITS)}, not {fmt!r}")
+    total = 0.0
+    for _, shape in tensor_inventory(m):
+        n = prod(shape)
+        if fmt == "bf16" or len(shape) == 1:
+            total += 2 * n
+        else:
+            rows, cols = shape
+            total += rows * group_quant_bytes(cols, QUANT_BITS[fmt], group_size, asymmetric=asymmetric)
+    return total
+
+
+# ggml block types: (bytes per block, weights per block) from ggml/src/ggml-common.h block structs.
+GGML_BLOCK = {
+    "F32": (4, 1),
+    "F16": (2, 1),
+    "Q8_0": (34, 32),  # fp16 scale + 32 int8
+    "Q4_0": (18, 32),  # fp16 scale + 32 x 4 bit
+    "Q4_K": (144, 256),  # 2 fp16 + 12 bytes of 6-bit scales/mins + 128 bytes of nibbles: 4.5 bpw
+    "Q5_K": (176, 256),
+    "Q6_K": (210, 256),  # 6.5625 bpw
+}
+
+
+def bits_per_weight(ggml_type: str) -> float:
+    nbytes, nweights = GGML_BLOCK[ggml_type]
+    return 8 * nbytes / nweights
+
+
+def gguf_name(name: str) -> str:
+    """trainscale tensor name -> llama.cpp GGUF tensor name."""
+    fixed = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "output.weight": "output.weight", "pos_embeddings.weight": "position_embd.weight"}
+    if name in fixed:
+        return fixed[name]
+    _, i, *rest = name.split(".")
+    sub = ".".join(rest)
+    table = {"attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+             "attention.wq.weight": "attn_q.weight", "attention.wk.weight": "attn_k.weight",
+             "attention.wv.weight": "attn_v.weight", "attention.wo.weight": "attn_output.weight",
+             "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
+             "feed_forward.w2.weight": "ffn_down.weight"}
+    return f"blk.{i}.{table.get(sub, sub)}"
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp src/llama-quant.cpp use_more_bits(): first and last eighth of layers, every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def gguf_tensor_types(m: ModelSpec, ftype: str, llama_cpp_mix: bool = True) -> dict[str, str]:
+    """ggml type per GGUF tensor for a file type, following llama.cpp's llama_tensor_get_type().
+
+    f16: matrices F16; q8_0 / q4_0: matrices of that type; q4_k_m: Q4_K with Q6_K for output.weight
+    and for attn_v / ffn_down in the layers use_more_bits() picks. Norms are F32 throughout. With
+    ``llama_cpp_mix`` off, every matrix gets the base type (what trainscale's own writer does).
+    """
+    base = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K"}.get(ftype)
+    if base is None:
+        raise ValueError(f"GGUF type must be f16, q8_0, q4_0 or q4_k_m, not {ftype!r}")
+    out: dict[str, str] = {}
+    for name, shape in tensor_inventory(m):
+        g = gguf_name(name)
+        t = "F32" if len(shape) == 1 else base
+        if llama_cpp_mix and len(shape) == 2:
+            if g == "output.weight" and base in ("Q4_0", "Q4_K"):
+                t = "Q6_K"
+            elif ftype == "q4_k_m" and g.endswith(("attn_v.weight", "ffn_down.weight")):
+                if _use_more_bits(int(g.split(".")[1]), m.n_layers):
+                    t = "Q6_K"
+        block = GGML_BLOCK[t][1]
+        if len(shape) == 2 and shape[-1] % block:  # row not a whole number of blocks: llama.cpp falls back
+            t = "F16"
+        out[g] = t
+    return out
+
+
+def gguf_tensor_bytes(m: ModelSpec, ftype: str, llama_cpp_mix: bool = True) -> float:
+    """Bytes of tensor data in a GGUF file: sum over tensors of numel x bytes-per-weight of its type."""
+    types = gguf_tensor_types(m, ftype, llama_cpp_mix)
+    total = 0.0
+    for name, shape in tensor_inventory(m):
+        nbytes, nweights = GGML_BLOCK[types[gguf_name(name)]]
+        total += prod(shape) * nbytes / nweights
+    return total

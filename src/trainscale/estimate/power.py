@@ -1,0 +1,28 @@
+"""Power and floor space."""
+
+from __future__ import annotations
+
+from math import ceil
+
+
+def gpu_power_watts(n_gpus: int, tdp_watts: float, utilization: float = 1.0) -> float:
+    """GPUs drawing ``utilization`` x TDP: the ceiling is n x TDP (datasheet TDP)."""
+    return n_gpus * tdp_watts * utilization
+
+
+def facility_power_watts(it_watts: float, pue: float) -> float:
+    """PUE = facility power / IT power (The Green Grid; Uptime Institute 2024 average 1.56)."""
+    return it_watts * pue
+
+
+def racks_for(n_gpus: int, gpus_per_rack: int) -> int:
+    return ceil(n_gpus / gpus_per_rack)
+
+
+def rack_floor_m2(n_racks: int, width_m: float, depth_m: float) -> float:
+    """Footprint of the racks alone (no aisles): n x width x depth (Open Rack V3: 0.6 x 1.068 m)."""
+    return n_racks * width_m * depth_m
+
+
+def energy_joules(watts: float, seconds: float) -> float:
+    return watts * seconds

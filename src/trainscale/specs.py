@@ -1,0 +1,327 @@
+"""The model of the world: what a model, a GPU, a cluster and a parallel layout are.
+
+Every other part of trainscale reads these objects; nothing else defines a shape or a constant.
+Loaders accept a catalog name, a TOML file, or (for models) a Hugging Face ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainscale.errors import TrainscaleError
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Spec):
+    """A decoder-only transformer, Llama-style or GPT-style."""
+
+    name: str = "custom"
+    source: str = ""
+    n_layers: int = Field(gt=0)
+    d_model: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    n_kv_heads: int = Field(gt=0)
+    d_ff: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    max_seq_len: int = Field(gt=0)
+    head_dim_override: int | None = Field(default=None, gt=0, alias="head_dim")
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    positions: Literal["rope", "learned"] = "rope"
+    rope_theta: float = Field(default=10000.0, gt=0)
+    tied_embeddings: bool = False
+    bias: bool = False
+    norm_eps: float = Field(default=1e-5, gt=0)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSpec:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim_override is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.d_model // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+class GPUSpec(_Spec):
+    name: str = "custom"
+    source: str = ""
+    peak_bf16_flops: float = Field(gt=0)
+    memory_bytes: float = Field(gt=0)
+    hbm_bandwidth: float = Field(gt=0)
+    tdp_watts: float = Field(gt=0)
+    scale_up: str = ""
+    scale_up_bandwidth: float = Field(gt=0)
+
+
+class ClusterSpec(_Spec):
+    name: str = "custom"
+    source: str = ""
+    gpu: str
+    gpus: int = Field(gt=0)
+    gpus_per_server: int = Field(gt=0)
+    servers_per_rack: int = Field(gt=0)
+    scale_up_domain: int = Field(gt=0)
+    network_bandwidth: float = Field(gt=0, description="per GPU, one direction, bytes/s")
+    network_latency_s: float = Field(default=5e-6, ge=0)
+    host_link: str = ""
+    host_link_bandwidth: float | None = None
+
+    @property
+    def gpus_per_rack(self) -> int:
+        return self.gpus_per_server * self.servers_per_rack
+
+
+class Facility(_Spec):
+    name: str = "default"
+    pue: float = Field(gt=1.0 - 1e-9)
+    pue_source: str = ""
+    rack_width_m: float = Field(gt=0)
+    rack_depth_m: float = Field(gt=0)
+    rack_height_m: float = Field(gt=0)
+    rack_source: str = ""
+    gpus_per_rack: int = Field(gt=0)
+    gpus_per_rack_source: str = ""
+    building_floor_m2: float = Field(gt=0)
+    building_source: str = ""
+
+
+# --------------------------------------------------------------------------- layout
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Recompute = Literal["none", "selective", "full"]
+
+_NUM_TOKEN = re.compile(r"^(tp|cp|pp|dp|fsdp|mb|v|zero|hsdp)(\d+)$")
+
+
+class Layout(_Spec):
+    """How one training job is split: the same object the planner emits and the runtime applies.
+
+    World size = tp * cp * pp * dp. ``dp`` is the whole data-parallel degree; ``zero`` says how the
+    model state is sharded over it (0: replicated, 1: optimizer, 2: + gradients, 3: + parameters =
+    FSDP). With zero > 0, ``hsdp`` > 1 replicates over ``hsdp`` groups and shards within each
+    (hybrid sharding).
+    """
+
+    tp: int = Field(default=1, gt=0)
+    cp: int = Field(default=1, gt=0)
+    pp: int = Field(default=1, gt=0)
+    dp: int = Field(default=1, gt=0)
+    zero: int = Field(default=0, ge=0, le=3)
+    hsdp: int = Field(default=1, gt=0)
+    mb: int = Field(default=1, gt=0)
+    v: int = Field(default=1, gt=0)
+    schedule: Schedule = "1f1b"
+    recompute: Recompute = "none"
+    sp: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> Layout:
+        if self.dp % self.hsdp:
+            raise ValueError(f"hsdp{self.hsdp} must divide dp{self.dp}")
+        if self.hsdp > 1 and self.zero == 0:
+            raise ValueError("hsdp needs a sharded data-parallel mode (zero1-3 or fsdp)")
+        if self.v > 1 and self.schedule != "interleaved":
+            raise ValueError(f"v{self.v} (virtual stages) needs the interleaved schedule")
+        if self.schedule == "interleaved" and self.pp == 1:
+            raise ValueError("the interleaved schedule needs pp > 1")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp if self.zero == 0 else self.hsdp
+
+    @property
+    def dp_shard(self) -> int:
+        return 1 if self.zero == 0 else self.dp // self.hsdp
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """Parse ``tp8,cp1,pp16,dp128,mb1,v1,1f1b,zero1,rc=selective`` (any order, any subset)."""
+        fields: dict[str, Any] = {}
+        for raw in text.replace(" ", "").lower().split(","):
+            if not raw:
+                continue
+            if m := _NUM_TOKEN.match(raw):
+                key, val = m.group(1), int(m.group(2))
+                if key == "fsdp":
+                    fields["dp"] = val
+                    fields.setdefault("zero", 3)
+                else:
+                    fields[key] = val
+            elif raw in ("gpipe", "1f1b", "interleaved"):
+                fields["schedule"] = raw
+            elif raw in ("sp", "nosp"):
+                fields["sp"] = raw == "sp"
+            elif raw.startswith(("rc=", "recompute=")):
+                fields["recompute"] = raw.split("=", 1)[1]
+            elif raw in ("selective", "full"):
+                fields["recompute"] = raw
+            else:
+                raise TrainscaleError(
+                    f"layout token '{raw}' is not understood; use tpN, cpN, ppN, dpN, fsdpN, hsdpN, mbN, vN, "
+                    "zeroN, gpipe|1f1b|interleaved, rc=none|selective|full"
+                )
+        if fields.get("v", 1) > 1 and "schedule" not in fields:
+            fields["schedule"] = "interleaved"
+        try:
+            return cls(**fields)
+        except ValidationError as e:
+            raise TrainscaleError(f"layout '{text}' is invalid: {_first_error(e)}") from None
+
+    def __str__(self) -> str:
+        parts = [f"tp{self.tp}", f"cp{self.cp}", f"pp{self.pp}", f"dp{self.dp}", f"mb{self.mb}"]
+        if self.pp > 1:
+            parts.append(self.schedule)
+            if self.v > 1:
+                parts.append(f"v{self.v}")
+        parts.append(f"zero{self.zero}")
+        if self.hsdp > 1:
+            parts.append(f"hsdp{self.hsdp}")
+        if self.recompute != "none":
+            parts.append(f"rc={self.recompute}")
+        if self.tp > 1 and not self.sp:
+            parts.append("nosp")
+        return ",".join(parts)
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def _first_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()))
+    msg = err.get("msg", str(e)).removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg
+
+
+@cache
+def _catalog(kind: str) -> dict[str, dict[str, Any]]:
+    text = resources.files("trainscale.catalog").joinpath(f"{kind}.toml").read_text()
+    return tomllib.loads(text)
+
+
+def catalog_names(kind: str) -> list[str]:
+    return sorted(_catalog(kind))
+
+
+def facts() -> dict[str, dict[str, Any]]:
+    """Published figures (with sources) from ``catalog/facts.toml``."""
+    return _catalog("facts")
+
+
+def _build(cls: type[BaseModel], data: dict[str, Any], what: str) -> Any:
+    try:
+        return cls(**data)
+    except ValidationError as e:
+        raise TrainscaleError(f"{what} is invalid: {_first_error(e)}") from None
+    except TypeError as e:
+        raise TrainscaleError(f"{what} is invalid: {e}") from None
+
+
+def _read_toml(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise TrainscaleError(f"{what} file {path} cannot be read: {e}") from None
+
+
+def _load(kind: str, cls: type[BaseModel], ref: str | Path, what: str) -> Any:
+    path = Path(ref)
+    if str(ref) in _catalog(kind):
+        return _build(cls, {"name": str(ref), **_catalog(kind)[str(ref)]}, f"{what} '{ref}'")
+    if path.suffix == ".toml" and path.exists():
+        data = _read_toml(path, what)
+        data.setdefault("name", path.stem)
+        return _build(cls, data, f"{what} file {path}")
+    raise TrainscaleError(
+        f"unknown {what} '{ref}'; known: {', '.join(catalog_names(kind))} (or a path to a .toml file)"
+    )
+
+
+def load_model(ref: str | Path | dict[str, Any]) -> ModelSpec:
+    """A model from a catalog name, a TOML file, a Hugging Face config.json, or a dict."""
+    if isinstance(ref, ModelSpec):
+        return ref
+    if isinstance(ref, dict):
+        return _build(ModelSpec, dict(ref), "model")
+    path = Path(ref)
+    if path.is_dir() and (path / "config.json").exists():
+        path = path / "config.json"
+    if path.suffix == ".json" and path.exists():
+        return model_from_hf_config(path)
+    return _load("models", ModelSpec, ref, "model")
+
+
+def model_from_hf_config(path: Path) -> ModelSpec:
+    """Read the Llama-family fields of a Hugging Face ``config.json``."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TrainscaleError(f"model file {path} cannot be read as JSON: {e}") from None
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                           "vocab_size") if k not in cfg]
+    if missing:
+        raise TrainscaleError(f"model file {path} lacks the Llama config fields {', '.join(missing)}")
+    act = cfg.get("hidden_act", "silu")
+    data = {
+        "name": cfg.get("_name_or_path") or Path(path).parent.name or "hf-model",
+        "source": f"Hugging Face config.json ({path})",
+        "n_layers": cfg["num_hidden_layers"],
+        "d_model": cfg["hidden_size"],
+        "n_heads": cfg["num_attention_heads"],
+        "n_kv_heads": cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        "d_ff": cfg["intermediate_size"],
+        "vocab_size": cfg["vocab_size"],
+        "max_seq_len": cfg.get("max_position_embeddings", 2048),
+        "mlp": "swiglu" if act in ("silu", "swish") else "gelu",
+        "norm": "rmsnorm",
+        "positions": "rope",
+        "rope_theta": cfg.get("rope_theta", 10000.0),
+        "tied_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "bias": bool(cfg.get("attention_bias", False)),
+        "norm_eps": cfg.get("rms_norm_eps", 1e-5),
+    }
+    if cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]:
+        data["head_dim"] = cfg["head_dim"]
+    return _build(ModelSpec, data, f"model file {path}")
+
+
+def load_gpu(ref: str | Path) -> GPUSpec:
+    return ref if isinstance(ref, GPUSpec) else _load("gpus", GPUSpec, ref, "GPU")
+
+
+def load_cluster(ref: str | Path) -> ClusterSpec:
+    return ref if isinstance(ref, ClusterSpec) else _load("clusters", ClusterSpec, ref, "cluster")
+
+
+def load_facility(ref: str | Path = "default") -> Facility:
+    return _load("facility", Facility, ref, "facility")
