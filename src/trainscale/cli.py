@@ -12,7 +12,6 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from trainscale.errors import TrainscaleError
 
@@ -39,43 +38,18 @@ def emit_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
 
 
-@app.command()
-def explain(
-    model: str = typer.Option("llama3.1-405b", help="catalog name, TOML file or HF config.json"),
-    tokens: float = typer.Option(None, help="training tokens (default: Llama 3.1's 15.6T)"),
-    gpu: str = typer.Option("h100-sxm", help="the cluster's GPU"),
-    gpus: int = typer.Option(None, help="GPUs in the cluster (default: Meta's 16,384)"),
-    mfu: float = typer.Option(0.40, help="model FLOPs utilization for the what-if figures"),
-    home_gpu: str = typer.Option("rtx4090", help="the one card at home"),
-    home_model: str = typer.Option("llama3.1-8b", help="the model to run at home"),
-    gpu_hours: float = typer.Option(None, help="reported GPU-hours (default: Meta's 30.84M for 405B)"),
-    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
-) -> None:
-    """Walk through why training takes a data center, every figure with its formula and source."""
-    from trainscale.estimate.walkthrough import walkthrough
-    from trainscale.report.fmt import value
+def _register_commands() -> None:
+    """Each module in trainscale/commands/ defines ``register(app)``; sorted for a stable --help."""
+    import importlib
+    import pkgutil
 
-    if gpus is not None and gpus <= 0:
-        raise TrainscaleError(f"--gpus must be positive, not {gpus}")
-    if tokens is not None and tokens <= 0:
-        raise TrainscaleError(f"--tokens must be positive, not {tokens}")
-    w = walkthrough(model=model, tokens=tokens, gpu=gpu, gpus=gpus, mfu=mfu, home_gpu=home_gpu,
-                    home_model=home_model, gpu_hours=gpu_hours)
-    if as_json:
-        emit_json(w)
-        return
-    inp = w["inputs"]
-    console.print(f"[bold]Why training {inp['model']} takes a data center[/bold] "
-                  f"({inp['tokens']:.3g} tokens, {inp['gpus']:,} x {inp['gpu']}, home: {inp['home_gpu']})")
-    for sec in w["sections"]:
-        t = Table(title=sec["title"], title_justify="left", show_edge=False, pad_edge=False)
-        t.add_column("figure")
-        t.add_column("value", justify="right")
-        t.add_column("how")
-        t.add_column("source", overflow="fold", max_width=48)
-        for f in sec["figures"]:
-            t.add_row(f["label"], value(f["value"], f["unit"]), f["formula"], short_source(f["source"]))
-        console.print(t)
+    import trainscale.commands as pkg
+
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        importlib.import_module(f"trainscale.commands.{info.name}").register(app)
+
+
+_register_commands()
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+"""CLI sub-commands: one module each, each with register(app)."""
