@@ -1,0 +1,191 @@
+"""A Llama-style (or GPT-style) decoder built from a ModelSpec, readable in one sitting.
+
+Parameter names equal ``estimate.params.tensor_inventory(spec)`` one for one, so the estimator's
+count is checkable against the real module. Parallelism is applied from outside (runtime/
+parallelize.py): this file only knows the math. Two hooks make that possible without touching
+the math here:
+
+- ``Attention.core`` is the attention kernel ``core(q, k, v) -> out`` on [batch, heads, seq, dim];
+  context parallelism replaces it with one that gathers K/V across the cp group.
+- ``Transformer.forward(tokens, positions=None)`` takes the positions of the local tokens, so a
+  rank that holds a (load-balanced) slice of the sequence rotates by the right angles.
+Head counts are inferred from tensor shapes (``view(b, s, -1, head_dim)``), so a tensor-parallel
+shard that holds n_heads / tp heads runs unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainscale.specs import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019, arXiv 1910.07467)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def make_norm(spec: ModelSpec) -> nn.Module:
+    if spec.norm == "rmsnorm":
+        return RMSNorm(spec.d_model, spec.norm_eps)
+    return nn.LayerNorm(spec.d_model, eps=spec.norm_eps)
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE's rotation angles pos * theta^(-2i/d) (Su et al. 2021, arXiv 2104.09864)."""
+    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    ang = positions.float()[:, None] * inv[None, :]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x [b, s, h, d] by the angles for their positions."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d) + causal mask) V on [b, h, s, d]; K/V heads repeated for GQA."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        d, b = spec.d_model, spec.bias
+        self.head_dim = spec.head_dim
+        self.rope = spec.positions == "rope"
+        self.wq = nn.Linear(d, spec.q_dim, bias=b)
+        self.wk = nn.Linear(d, spec.kv_dim, bias=b)
+        self.wv = nn.Linear(d, spec.kv_dim, bias=b)
+        self.wo = nn.Linear(spec.q_dim, d, bias=b)
+        self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x) (Shazeer 2020, arXiv 2002.05202); GELU: w2(gelu(w1 x))."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gated = spec.mlp == "swiglu"
+        self.w1 = nn.Linear(spec.d_model, spec.d_ff, bias=spec.bias)
+        if self.gated:
+            self.w3 = nn.Linear(spec.d_model, spec.d_ff, bias=spec.bias)
+        self.w2 = nn.Linear(spec.d_ff, spec.d_model, bias=spec.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(x))."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.attention_norm = make_norm(spec)
+        self.attention = Attention(spec)
+        self.ffn_norm = make_norm(spec)
+        self.feed_forward = FeedForward(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. ``layers`` is a ModuleDict keyed "0".."L-1" so a pipeline stage can drop
+    the layers it does not own (and the embeddings / head) and keep the original names."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tok_embeddings: nn.Module | None = nn.Embedding(spec.vocab_size, spec.d_model)
+        self.pos_embeddings: nn.Module | None = (
+            nn.Embedding(spec.max_seq_len, spec.d_model) if spec.positions == "learned" else None
+        )
+        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.n_layers)})
+        self.norm: nn.Module | None = make_norm(spec)
+        self.output: nn.Module | None = (
+            None if spec.tied_embeddings else nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        )
+        self.has_head = True  # False on pipeline stages that do not end the model
+
+    def init_weights(self, seed: int = 0) -> None:
+        """N(0, 0.02) for matrices, residual projections scaled by 1/sqrt(2L) (GPT-2, Radford et al.
+        2019), zeros for biases, ones for norms. Deterministic from ``seed`` on any device layout."""
+        g = torch.Generator().manual_seed(seed)
+        std, resid = 0.02, 0.02 / math.sqrt(2 * self.spec.n_layers)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif p.ndim == 1:
+                    p.fill_(1.0)
+                else:
+                    s = resid if name.endswith(("wo.weight", "w2.weight")) else std
+                    p.copy_(torch.randn(p.shape, generator=g) * s)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] (ints; or hidden states [b, s, d] on a later pipeline stage) -> logits or
+        hidden states. ``positions`` [s] are the global positions of the local tokens."""
+        seq = tokens.shape[1]
+        if positions is None:
+            positions = torch.arange(seq, device=tokens.device)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(positions)[None]
+        cos, sin = rope_angles(positions, self.spec.head_dim, self.spec.rope_theta)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if not self.has_head:
+            return h
+        if self.output is not None:
+            return self.output(h)
+        return F.linear(h, self.tok_embeddings.weight)  # tied embeddings
+
+
+def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
+    """Build the model; on the ``meta`` device no memory is allocated (for counting 405B)."""
+    with torch.device(device):
+        model = Transformer(spec)
+    if str(device) != "meta":
+        model.init_weights(seed)
+    return model
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over all positions."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
