@@ -6,18 +6,15 @@ exit code 2.
 
 from __future__ import annotations
 
-import json
 import sys
-from typing import Any
 
 import typer
-from rich.console import Console
 
+from trainscale.commands._common import console, emit_json, short_source  # noqa: F401  (re-exported)
 from trainscale.errors import TrainscaleError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan and run large-language-model training, from one laptop to a data center.")
-console = Console()
 
 
 @app.callback()
@@ -25,27 +22,16 @@ def _root() -> None:
     """Plan and run large-language-model training, from one laptop to a data center."""
 
 
-def short_source(src: str) -> str:
-    """A citation for a table cell: the first clause, without long parenthetical figure lists."""
-    import re
-
-    first = src.split(";")[0]
-    return re.sub(r" \([^)]{40,}\)", "", first)
-
-
-def emit_json(obj: Any) -> None:
-    """Machine output: one JSON object on stdout."""
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
-
-
 def _register_commands() -> None:
-    """Each module in trainscale/commands/ defines ``register(app)``; sorted for a stable --help."""
+    """Each public module in trainscale/commands/ defines ``register(app)``; sorted for a stable --help."""
     import importlib
     import pkgutil
 
     import trainscale.commands as pkg
 
     for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
         importlib.import_module(f"trainscale.commands.{info.name}").register(app)
 
 
@@ -68,7 +54,3 @@ def main() -> None:
             e.show()
             sys.exit(2)
         raise
-
-
-if __name__ == "__main__":
-    main()

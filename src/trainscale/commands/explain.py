@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from trainscale.cli import console, emit_json, short_source
+from trainscale.commands._common import console, emit_json, short_source
 from trainscale.errors import TrainscaleError
 
 

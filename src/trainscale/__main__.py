@@ -1,0 +1,5 @@
+"""``python -m trainscale`` = the ``trainscale`` command."""
+
+from trainscale.cli import main
+
+main()
