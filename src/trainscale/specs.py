@@ -108,6 +108,12 @@ class Facility(_Spec):
     gpus_per_rack_source: str = ""
     building_floor_m2: float = Field(gt=0)
     building_source: str = ""
+    server_overhead_fraction: float = Field(default=0.25, ge=0)
+    server_overhead_source: str = ""
+    gpu_idle_fraction: float = Field(default=0.1, ge=0, le=1)
+    gpu_idle_source: str = ""
+    price_per_kwh: float = Field(default=0.08, ge=0)
+    price_source: str = ""
 
 
 # --------------------------------------------------------------------------- layout

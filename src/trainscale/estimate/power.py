@@ -26,3 +26,26 @@ def rack_floor_m2(n_racks: int, width_m: float, depth_m: float) -> float:
 
 def energy_joules(watts: float, seconds: float) -> float:
     return watts * seconds
+
+
+def gpu_draw_watts(tdp_watts: float, utilization: float, idle_fraction: float) -> float:
+    """Per-GPU draw between idle and TDP, linear in utilization: idle + (TDP - idle) x u.
+
+    A linear power model (Fan, Weber & Barroso 2007, "Power provisioning for a warehouse-sized
+    computer", ISCA, Sec. 4); ``idle_fraction`` is idle power / TDP.
+    """
+    idle = idle_fraction * tdp_watts
+    return idle + (tdp_watts - idle) * utilization
+
+
+def it_power_watts(gpu_watts: float, overhead_fraction: float) -> float:
+    """IT power = GPUs x (1 + overhead) for CPUs, memory, network and storage around them."""
+    return gpu_watts * (1.0 + overhead_fraction)
+
+
+def energy_cost(joules: float, price_per_kwh: float) -> float:
+    return joules / 3.6e6 * price_per_kwh
+
+
+def power_per_rack_watts(it_watts: float, n_racks: int) -> float:
+    return it_watts / n_racks
