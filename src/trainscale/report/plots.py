@@ -182,7 +182,7 @@ def pipeline_gantt(tl: list[list[tuple[str, int, int, int]]], title: str, out: P
     ax.set_title(title)
     bubble = 1 - busy / (end * len(tl))
     ax.legend(handles=[Rectangle((0, 0), 1, 1, color=COLORS[0]), Rectangle((0, 0), 1, 1, color=COLORS[1])],
-              labels=["forward", "backward"], loc="upper right", fontsize=7)
+              labels=["forward", "backward"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     table = [("pipeline ranks", str(len(tl))), ("makespan (units)", str(end)),
              ("idle fraction (bubble)", f"{bubble:.1%}"), ("bubble / useful time", f"{bubble / (1 - bubble):.3f}")]
     return Plot(key, title, "Blue: forward of a micro-batch (number = micro-batch), orange: its backward; "

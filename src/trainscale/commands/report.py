@@ -1,0 +1,51 @@
+"""`trainscale report`: a self-contained HTML page with the pictures, for a plan or a real run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from trainscale.commands._common import console, emit_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(report)
+
+
+def report(
+    out: Path = typer.Option(..., "--out", help="folder for index.html and the figures"),
+    model: str = typer.Option("llama3.1-405b", help="catalog name, TOML file or HF config.json"),
+    gpu: str = typer.Option("h100-sxm", help="GPU of the cluster"),
+    gpus: int = typer.Option(16384, help="number of GPUs"),
+    cluster: str = typer.Option("meta-h100", help="cluster (servers, racks, links)"),
+    layout: str = typer.Option("tp8,cp1,pp16,dp128,mb1", help="layout to draw ('' for none)"),
+    tokens: float = typer.Option(None, help="training tokens (default: Llama 3.1's 15.6T)"),
+    mfu: float = typer.Option(0.40, help="MFU for time and energy"),
+    run: Path = typer.Option(None, "--run", help="a trainscale run folder to report on"),
+    check: bool = typer.Option(False, help="open the page in headless Chromium and check every image loads"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Write the HTML report (PNG + SVG figures, numbers as text) into --out; opens nothing."""
+    from trainscale.errors import TrainscaleError
+    from trainscale.report.build import build_report
+
+    if gpus <= 0:
+        raise TrainscaleError(f"--gpus must be positive, not {gpus}")
+    if not 0 < mfu <= 1:
+        raise TrainscaleError(f"--mfu must be in (0, 1], not {mfu}")
+    page = build_report(out, model=model, gpu=gpu, gpus=gpus, cluster=cluster, layout=layout or None,
+                        tokens=tokens, mfu=mfu, run_dir=run)
+    result = {"page": str(page), "files": sorted(p.name for p in Path(out).iterdir())}
+    if check:
+        from trainscale.report.browser import check_page
+
+        result["check"] = check_page(page, Path(out) / "screenshot.png")
+        if result["check"]["broken_images"] or result["check"]["console_errors"]:
+            raise TrainscaleError(f"the page has broken images or console errors: {result['check']}")
+    if as_json:
+        emit_json(result)
+    else:
+        console.print(f"report written to [bold]{page}[/bold] ({len(result['files'])} files)")
+        if check:
+            console.print(f"checked in headless Chromium: {result['check']['images']} images load, no console errors")

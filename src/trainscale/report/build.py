@@ -1,0 +1,119 @@
+"""Assemble the report: pick the figures that the inputs allow and write index.html beside them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainscale.errors import TrainscaleError
+from trainscale.estimate import flops, power
+from trainscale.estimate.params import param_count
+from trainscale.report import plots
+from trainscale.report.html import write_page
+from trainscale.report.schedule import bubble_fraction, rank_orders, timeline
+from trainscale.specs import Layout, facts, load_cluster, load_facility, load_gpu, load_model
+
+
+def seed_sections(out: Path, model: str, gpu: str, gpus: int, cluster: str, layout: Layout | None,
+                  tokens: float, mfu: float, home_gpu: str = "rtx4090") -> tuple[list, list[tuple[str, str]]]:
+    m, g, home, cl, fac = load_model(model), load_gpu(gpu), load_gpu(home_gpu), load_cluster(cluster), load_facility()
+    c = flops.training_flops(param_count(m), tokens)
+    sections: list[tuple[str, list[plots.Plot]]] = []
+    sections.append(("Memory", [plots.training_state(m, [home, g], out)]))
+    gr = facts()["compute_growth"]
+    sections.append(("Time and compute", [plots.time_to_train(m, tokens, home, g, gpus, mfu, out),
+                                          plots.compute_growth(c, gr["low"], gr["high"], out)]))
+    if layout is not None:
+        if layout.world_size != gpus:
+            raise TrainscaleError(f"layout {layout} uses {layout.world_size:,} GPUs, not the {gpus:,} asked for")
+        mesh = [plots.layout_mesh(layout, cl, out)]
+        if layout.pp > 1:
+            m_mb = max(layout.pp * 2, 8) if layout.schedule != "interleaved" else layout.pp * 2
+            tl = timeline(rank_orders(layout.schedule, layout.pp, m_mb, layout.v), layout.pp * layout.v)
+            bf = bubble_fraction(tl)
+            title = (f"{layout.schedule} schedule, {layout.pp} stages, {m_mb} micro-batches, v={layout.v}: "
+                     f"bubble {bf / (1 - bf):.3f} of useful time (formula (p-1)/(v m) = "
+                     f"{(layout.pp - 1) / (layout.v * m_mb):.3f})")
+            mesh.append(plots.pipeline_gantt(tl, title, out))
+        sections.append(("Parallel layout", mesh))
+    gw = power.gpu_power_watts(gpus, g.tdp_watts)
+    it = power.it_power_watts(gw, fac.server_overhead_fraction)
+    racks = power.racks_for(gpus, cl.gpus_per_rack)
+    days = flops.seconds_on(c, gpus, g.peak_bf16_flops, mfu) / flops.SECONDS_PER_DAY
+    energy = power.energy_joules(power.facility_power_watts(it, fac.pue), days * flops.SECONDS_PER_DAY)
+    summary = [
+        ("model", f"{m.name}: {param_count(m):,} parameters"),
+        ("training compute", f"{c:.3g} FLOPs (6ND, {tokens:.3g} tokens)"),
+        ("cluster", f"{gpus:,} x {g.name} in {racks:,} racks of {cl.gpus_per_rack}"),
+        ("GPU power at TDP", f"{gw / 1e6:,.2f} MW ({g.tdp_watts:.0f} W each)"),
+        ("GPUs at PUE " + f"{fac.pue}", f"{power.facility_power_watts(gw, fac.pue) / 1e6:,.2f} MW"),
+        ("IT incl. servers, facility", f"{it / 1e6:,.2f} MW IT, {power.facility_power_watts(it, fac.pue) / 1e6:,.2f} "
+                                       f"MW facility, {power.power_per_rack_watts(it, racks) / 1e3:,.1f} kW per rack"),
+        ("floor under racks", f"{power.rack_floor_m2(racks, fac.rack_width_m, fac.rack_depth_m):,.0f} m2"),
+        (f"days at {mfu:.0%} MFU", f"{days:,.1f}"),
+        ("facility energy", f"{energy / 3.6e9:,.0f} MWh, {power.energy_cost(energy, fac.price_per_kwh) / 1e6:,.1f} M$ "
+                            f"at {fac.price_per_kwh} $/kWh"),
+    ]
+    return sections, summary
+
+
+def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]:
+    """Figures of a real training run folder (metrics.jsonl written by trainscale train)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise TrainscaleError(f"{run_dir} has no metrics.jsonl; is it a trainscale run folder?")
+    rows: list[dict[str, Any]] = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise TrainscaleError(f"{path} line {i + 1} is not JSON") from None
+    steps = [r for r in rows if "loss" in r and "step" in r]
+    if not steps:
+        raise TrainscaleError(f"{path} has no training steps")
+    xs = [float(r["step"]) for r in steps]
+    figs = [plots.lines("run_loss", f"Training loss of {run_dir.name}", "step", "cross-entropy (nats/token)",
+                        {"train loss": (xs, [float(r["loss"]) for r in steps])}, out,
+                        "Per-step loss on the global batch.")]
+    evals = [r for r in rows if "val_loss" in r]
+    if evals:
+        figs[0] = plots.lines("run_loss", f"Training loss of {run_dir.name}", "step", "cross-entropy (nats/token)",
+                              {"train loss": (xs, [float(r["loss"]) for r in steps]),
+                               "held-out loss": ([float(r["step"]) for r in evals],
+                                                 [float(r["val_loss"]) for r in evals])}, out)
+    if all("tokens_per_s" in r for r in steps):
+        figs.append(plots.lines("run_throughput", "Throughput", "step", "tokens per second",
+                                {"tokens/s": (xs, [float(r["tokens_per_s"]) for r in steps])}, out))
+    if all("mfu" in r for r in steps):
+        figs.append(plots.lines("run_mfu", "Model FLOPs utilization", "step", "MFU (fraction of peak)",
+                                {"MFU": (xs, [float(r["mfu"]) for r in steps])}, out))
+    summary = [("run", str(run_dir)), ("steps", str(len(steps))), ("final loss", f"{float(steps[-1]['loss']):.4f}")]
+    for r in rows:
+        if "goodput" in r:
+            summary.append(("goodput", f"{float(r['goodput']):.1%}"))
+    return [(f"Run {run_dir.name}", figs)], summary
+
+
+def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100-sxm", gpus: int = 16384,
+                 cluster: str = "meta-h100", layout: str | None = "tp8,cp1,pp16,dp128,mb1",
+                 tokens: float | None = None, mfu: float = 0.40, run_dir: str | Path | None = None) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = tokens if tokens is not None else facts()["llama3_405b_training"]["tokens"]
+    lay = Layout.parse(layout) if layout else None
+    sections, summary = seed_sections(out, model, gpu, gpus, cluster, lay, tokens, mfu)
+    if run_dir is not None:
+        rs, rsum = run_sections(out, Path(run_dir))
+        sections += rs
+        summary += rsum
+    page = write_page(out, f"trainscale report: {model} on {gpus:,} x {gpu}",
+                      "Every number below is computed by trainscale from the model, hardware and run inputs.",
+                      sections, summary)
+    (out / "report.json").write_text(json.dumps({
+        "summary": dict(summary),
+        "figures": [{"key": p.key, "title": p.title, "files": p.files, "table": dict(p.table)}
+                    for _, ps in sections for p in ps]}, indent=2))
+    return page

@@ -1,0 +1,48 @@
+"""Issue 7: the report renders, and a reader's browser sees every image and no console errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from trainscale.report.build import build_report
+from trainscale.report.schedule import bubble_fraction, rank_orders, timeline
+
+ARTIFACTS = Path(os.environ.get("TRAINSCALE_ARTIFACTS", Path(__file__).resolve().parents[1] / "runs" / "ci-artifacts"))
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
+def test_schedule_bubble_matches_formula(schedule, v):
+    # Bubble / useful time = (p-1)/m for GPipe and 1F1B, (p-1)/(v m) for interleaved 1F1B
+    # (Narayanan et al. 2021, arXiv 2104.04473, Sec. 2.2); backward = 2 forward.
+    p, m = 4, 8
+    tl = timeline(rank_orders(schedule, p, m, v), p * v)
+    b = bubble_fraction(tl)
+    assert b / (1 - b) == pytest.approx((p - 1) / (v * m))
+
+
+def test_seed_report_in_chromium(tmp_path):
+    page = build_report(tmp_path / "seed")
+    data = json.loads((tmp_path / "seed" / "report.json").read_text())
+    keys = {f["key"] for f in data["figures"]}
+    assert {"training_state", "time_to_train", "compute_growth", "layout_mesh", "pipeline_schedule"} <= keys
+    for f in data["figures"]:
+        assert f["table"], f"figure {f['key']} shows no numbers as text"
+        for name in f["files"]:
+            assert (tmp_path / "seed" / name).stat().st_size > 1000
+    # The seed's power: 16,384 x 700 W = 11.47 MW; at PUE 1.56 = 17.89 MW.
+    assert data["summary"]["GPU power at TDP"].startswith("11.47 MW")
+    assert data["summary"]["GPUs at PUE 1.56"] == "17.89 MW"
+    if shutil.which("chromium") is None and os.environ.get("CI") != "true":
+        pytest.skip("chromium not installed (make installs it)")
+    from trainscale.report.browser import check_page
+
+    shot = ARTIFACTS / "report-seed.png"
+    res = check_page(page, shot)
+    assert res["images"] == len(data["figures"]) and not res["broken_images"]
+    assert res["console_errors"] == []
+    assert shot.stat().st_size > 10_000
