@@ -1,0 +1,68 @@
+"""Issue 5: atomic, verified checkpoints (single process; the multi-process cases run with the trainer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainscale.runtime.checkpoint import CheckpointManager, committed_steps, latest_good, verify
+
+
+def _state(seed: float):
+    model = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        model.weight.fill_(seed)
+        model.bias.fill_(-seed)
+    return model
+
+
+def test_save_commit_retain_and_load(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        m = _state(float(step))
+        mgr.save(step, {"model": m.state_dict()}, {"step": step, "loader": {"pos": step * 10}})
+    assert committed_steps(tmp_path) == [2, 3]  # retention: the last 2
+    assert not list(tmp_path.glob(".tmp-*"))
+    target = _state(0.0)
+    sd = target.state_dict()
+    step, extras = mgr.load({"model": sd})
+    target.load_state_dict(sd)
+    assert step == 3 and extras["loader"]["pos"] == 30
+    assert torch.equal(target.weight, torch.full((4, 8), 3.0))
+
+
+def test_corrupt_and_truncated_checkpoints_are_skipped(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep=5)
+    for step in (5, 10):
+        mgr.save(step, {"model": _state(float(step)).state_dict()}, {"step": step})
+    shard = next(p for p in (tmp_path / "step-00000010").iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # flip one byte: same size, wrong checksum
+    shard.write_bytes(bytes(data))
+    assert "checksum mismatch" in verify(tmp_path / "step-00000010")
+    messages = []
+    step, folder = latest_good(tmp_path, log=messages.append)
+    assert step == 5 and "damaged (" in messages[0] and "falling back" in messages[0]
+    shard5 = next(p for p in folder.iterdir() if p.suffix == ".distcp")
+    shard5.write_bytes(shard5.read_bytes()[:10])
+    assert "truncated" in verify(folder)
+    assert latest_good(tmp_path, log=messages.append) is None
+
+
+def test_kill_before_commit_leaves_previous_checkpoint(tmp_path):
+    class Killed(Exception):
+        pass
+
+    def die(step):
+        raise Killed(step)
+
+    mgr = CheckpointManager(tmp_path, keep=3, before_commit=lambda s: die(s) if s == 2 else None)
+    mgr.save(1, {"model": _state(1.0).state_dict()}, {"step": 1})
+    with pytest.raises(Killed):
+        mgr.save(2, {"model": _state(2.0).state_dict()}, {"step": 2})
+    assert committed_steps(tmp_path) == [1] and verify(tmp_path / "step-00000001") is None
+    # a new manager (the restarted job) cleans the half-written folder and resumes from step 1
+    mgr2 = CheckpointManager(tmp_path)
+    assert not list(tmp_path.glob(".tmp-*"))
+    sd = _state(0.0).state_dict()
+    assert mgr2.load({"model": sd})[0] == 1
