@@ -77,8 +77,8 @@ def walkthrough(model: str = "llama3.1-405b", tokens: float | None = None, gpu: 
     s = Section(f"One {home.name} against the math")
     years_peak = flops.seconds_on(c, 1, home.peak_bf16_flops) / flops.SECONDS_PER_YEAR
     years_mfu = flops.seconds_on(c, 1, home.peak_bf16_flops, mfu) / flops.SECONDS_PER_YEAR
-    s.add("one_gpu_seconds_at_peak", f"one {home.name} at peak", years_peak * flops.SECONDS_PER_YEAR, "s",
-          f"6ND / {home.peak_bf16_flops:.4g} FLOP/s", home.source)
+    s.add("one_gpu_seconds_at_peak", f"one {home.name} at peak, in seconds", years_peak * flops.SECONDS_PER_YEAR,
+          "seconds", f"6ND / {home.peak_bf16_flops:.4g} FLOP/s", home.source)
     s.add("one_gpu_years_at_peak", f"one {home.name} at peak", years_peak, "years", "seconds / 31,557,600")
     s.add("one_gpu_years_at_mfu", f"one {home.name} at {mfu:.0%} MFU", years_mfu, "years", "years at peak / MFU")
     if gpu_hours is not None:
