@@ -29,7 +29,8 @@ def test_seed_report_in_chromium(tmp_path):
     page = build_report(tmp_path / "seed")
     data = json.loads((tmp_path / "seed" / "report.json").read_text())
     keys = {f["key"] for f in data["figures"]}
-    assert {"training_state", "time_to_train", "compute_growth", "layout_mesh", "pipeline_schedule"} <= keys
+    assert {"training_state", "time_to_train", "compute_growth", "layout_mesh", "pipeline_schedule",
+            "reliability_sweep", "power_trace"} <= keys
     for f in data["figures"]:
         assert f["table"], f"figure {f['key']} shows no numbers as text"
         for name in f["files"]:
@@ -37,6 +38,9 @@ def test_seed_report_in_chromium(tmp_path):
     # The seed's power: 16,384 x 700 W = 11.47 MW; at PUE 1.56 = 17.89 MW.
     assert data["summary"]["GPU power at TDP"].startswith("11.47 MW")
     assert data["summary"]["GPUs at PUE 1.56"] == "17.89 MW"
+    # Meta (Llama 3 Sec. 3.3.4): the whole job pausing swings the data center by tens of megawatts.
+    swing = float(data["summary"]["power swing on a pause"].split()[0])
+    assert 10 < swing < 100
     if shutil.which("chromium") is None and os.environ.get("CI") != "true":
         pytest.skip("chromium not installed (make installs it)")
     from trainscale.report.browser import check_page

@@ -49,3 +49,27 @@ def energy_cost(joules: float, price_per_kwh: float) -> float:
 
 def power_per_rack_watts(it_watts: float, n_racks: int) -> float:
     return it_watts / n_racks
+
+
+def state_power_watts(n_gpus: int, tdp_watts: float, idle_fraction: float, overhead_fraction: float, pue: float,
+                      busy: float = 1.0) -> dict[str, float]:
+    """Facility power in each state of a run: GPUs computing draw ``busy`` x TDP (recomputed work
+    too), GPUs waiting on a checkpoint write or a restart draw idle power; servers and the facility
+    scale it (overhead, PUE). The gap between the two is the swing Meta describes ("tens of
+    megawatts", Llama 3, arXiv 2407.21783 Sec. 3.3.4) when the whole job pauses at once."""
+    def facility(u: float) -> float:
+        gpu = gpu_power_watts(n_gpus, gpu_draw_watts(tdp_watts, u, idle_fraction))
+        return facility_power_watts(it_power_watts(gpu, overhead_fraction), pue)
+
+    return {"compute": facility(busy), "lost": facility(busy), "checkpoint": facility(0.0),
+            "restart": facility(0.0)}
+
+
+def power_trace(state_at, times, state_names: tuple[str, ...], watts_by_state: dict[str, float]):
+    """Power at each time from a run's state timeline (``Timeline.state_at`` of the reliability
+    simulation): -> numpy array of watts (0 outside the run)."""
+    import numpy as np
+
+    idx = state_at(times)
+    table = np.array([watts_by_state[s] for s in state_names] + [0.0])
+    return table[np.where(idx < 0, len(state_names), idx)]

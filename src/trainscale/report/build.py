@@ -58,6 +58,51 @@ def seed_sections(out: Path, model: str, gpu: str, gpus: int, cluster: str, layo
     return sections, summary
 
 
+def reliability_sections(out: Path, model: str, gpu: str, gpus: int, window_h: float = 6.0
+                         ) -> tuple[list, list[tuple[str, str]]]:
+    """Checkpoint-interval sweep, one simulated run's timeline, and the power trace derived from it."""
+    import numpy as np
+
+    from trainscale.estimate.reliability import STATES, reliability_report
+
+    g, fac = load_gpu(gpu), load_facility()
+    minutes = [1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120]
+    rep = reliability_report(model=model, gpus=gpus, trials=200, sweep_intervals_s=[60 * x for x in minutes],
+                             timeline=True)
+    sw, iv = rep["sweep"], rep["intervals"]
+    sweep_plot = plots.lines(
+        "reliability_sweep", f"Effective training time vs checkpoint interval ({gpus:,} GPUs)",
+        "checkpoint interval (minutes)", "effective training time (fraction of wall time)",
+        {"simulated median": ([r["interval_s"] / 60 for r in sw], [r["effective_p50"] for r in sw]),
+         "simulated p5": ([r["interval_s"] / 60 for r in sw], [r["effective_p5"] for r in sw]),
+         "Daly analytic": ([r["interval_s"] / 60 for r in sw], [float(r["analytic"]) for r in sw])}, out,
+        f"Monte Carlo of the whole run (Meta's interruption rates), checkpoint write "
+        f"{rep['checkpoint']['write_s']:.1f} s, "
+        f"restart {rep['checkpoint']['restart_s'] / 60:.0f} min.",
+        marks={"Young interval (min)": iv["young_s"] / 60, "Daly interval (min)": iv["daly_s"] / 60})
+    tl = rep["_timeline"]
+    watts = power.state_power_watts(gpus, g.tdp_watts, fac.gpu_idle_fraction, fac.server_overhead_fraction, fac.pue)
+    t = np.arange(0.0, window_h * 3600, 1.0)
+    trace = power.power_trace(tl.state_at, t, STATES, watts)
+    states = tl.state_at(t)
+    power_plot = plots.lines(
+        "power_trace", f"Facility power over the first {window_h:.0f} h of a simulated run", "time (hours)",
+        "facility power (MW)", {"facility power": (list(t / 3600), list(trace / 1e6))}, out,
+        "GPUs at TDP while computing, at idle while the job writes a checkpoint or restarts; x server overhead x PUE.")
+    shares = {name: float((states == i).mean()) for i, name in enumerate(STATES)}
+    power_plot.table += [("power computing", f"{watts['compute'] / 1e6:,.1f} MW"),
+                         ("power paused (checkpoint / restart)", f"{watts['restart'] / 1e6:,.1f} MW"),
+                         ("swing when the whole job pauses", f"{(watts['compute'] - watts['restart']) / 1e6:,.1f} MW")]
+    power_plot.table += [(f"time {k} in window", f"{v:.1%}") for k, v in shares.items()]
+    sim = rep["simulation"]
+    n_int = rep["failures"]["expected_total"]
+    summary = [("interruptions expected", f"{n_int:,.0f} in {rep['inputs']['days']:g} days"),
+               ("effective training time", f"{sim['effective_p50']:.1%} (p5 {sim['effective_p5']:.1%}) at the Daly "
+                                           f"interval {iv['daly_s'] / 60:.1f} min"),
+               ("power swing on a pause", f"{(watts['compute'] - watts['restart']) / 1e6:,.1f} MW")]
+    return [("Failures, checkpoints and power", [sweep_plot, power_plot])], summary
+
+
 def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]:
     """Figures of a real training run folder (metrics.jsonl written by trainscale train)."""
     path = run_dir / "metrics.jsonl"
@@ -105,6 +150,9 @@ def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100
     tokens = tokens if tokens is not None else facts()["llama3_405b_training"]["tokens"]
     lay = Layout.parse(layout) if layout else None
     sections, summary = seed_sections(out, model, gpu, gpus, cluster, lay, tokens, mfu)
+    rel_sections, rel_summary = reliability_sections(out, model, gpu, gpus)
+    sections += rel_sections
+    summary += rel_summary
     if run_dir is not None:
         rs, rsum = run_sections(out, Path(run_dir))
         sections += rs
