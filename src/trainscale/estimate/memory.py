@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from math import ceil
+from typing import Any
+
+import numpy as np
 
 from trainscale.specs import ModelSpec
 
@@ -32,6 +35,11 @@ class StateBytes:
         return {**asdict(self), "total": self.total}
 
 
+def _out(x: Any) -> Any:
+    """Plain float for scalar inputs, the array for array inputs (the planner passes numpy arrays)."""
+    return float(x) if np.ndim(x) == 0 else x
+
+
 def training_state_bytes(n_params: float, weight_bytes: float = WEIGHT_BYTES, grad_bytes: float = GRAD_BYTES,
                          optimizer_bytes: float = ADAM_BYTES) -> StateBytes:
     """(2 + 2 + K)·Ψ with K = 12 for mixed-precision Adam: 16 bytes/param (ZeRO, Sec. 3.1)."""
@@ -43,12 +51,14 @@ def zero_state_bytes_per_gpu(n_params: float, dp: int, zero: int, weight_bytes: 
     """Per-GPU model state under ZeRO stage 0-3 over ``dp`` ranks (ZeRO Sec. 5, Fig. 1):
 
     stage 1 shards the optimizer (P_os), stage 2 also the gradients (P_os+g), stage 3 (= FSDP) also
-    the weights (P_os+g+p). ``n_params`` is what this rank's model-parallel slice holds.
+    the weights (P_os+g+p). ``n_params`` is what this rank's model-parallel slice holds. Scalars or
+    numpy arrays.
     """
-    w = weight_bytes * n_params / (dp if zero >= 3 else 1)
-    g = grad_bytes * n_params / (dp if zero >= 2 else 1)
-    o = optimizer_bytes * n_params / (dp if zero >= 1 else 1)
-    return StateBytes(w, g, o)
+    zero = np.asarray(zero)
+    w = weight_bytes * n_params / np.where(zero >= 3, dp, 1)
+    g = grad_bytes * n_params / np.where(zero >= 2, dp, 1)
+    o = optimizer_bytes * n_params / np.where(zero >= 1, dp, 1)
+    return StateBytes(_out(w), _out(g), _out(o))
 
 
 def gpus_to_hold(total_bytes: float, gpu_memory_bytes: float) -> int:
@@ -83,27 +93,30 @@ def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sp: b
     return sbh * (10 + 24 / t + attn / t)
 
 
-def interleave_factor(p: int, v: int) -> float:
+def interleave_factor(p: Any, v: Any) -> Any:
     """First-stage activation factor of interleaved 1F1B: 1 + (p-1)/(p·v) (Korthikanti Sec. 4.2.3)."""
-    return 1.0 + (p - 1) / (p * v) if v > 1 else 1.0
+    p, v = np.asarray(p, dtype=float), np.asarray(v, dtype=float)
+    return _out(np.where(v > 1, 1.0 + (p - 1) / (p * np.maximum(v, 1)), 1.0))
 
 
-def first_stage_activation_bytes(m: ModelSpec, s: int, b: int, t: int = 1, p: int = 1, sp: bool = False,
-                                 recompute: str = "none", v: int = 1, schedule: str = "1f1b",
-                                 n_microbatches: int = 1, cp: int = 1) -> float:
+def first_stage_activation_bytes(m: ModelSpec, s: Any, b: Any, t: Any = 1, p: Any = 1, sp: bool = False,
+                                 recompute: str = "none", v: Any = 1, schedule: str = "1f1b",
+                                 n_microbatches: Any = 1, cp: Any = 1, layers: Any = None) -> Any:
     """Activations held on the first pipeline stage, the most loaded one (Korthikanti Sec. 4.2.3).
 
     1F1B keeps p micro-batches in flight on stage 1, each through L/p layers: L · per-layer in total,
     times the interleaving factor; GPipe keeps all m micro-batches. Context parallelism splits the
-    sequence, so each rank holds s/cp of it.
+    sequence, so each rank holds s/cp of it. ``layers`` overrides L/p when the first stage holds a
+    different share (Llama 3 gives it one layer fewer). Scalars or numpy arrays (the planner's search).
     """
-    per_layer = activation_bytes_per_layer(s // cp, b, m.d_model, m.n_heads, t, sp, recompute)
-    layers_per_stage = m.n_layers / p
+    per_layer = activation_bytes_per_layer(np.asarray(s) // cp, b, m.d_model, m.n_heads, t, sp, recompute)
+    layers_per_stage = m.n_layers / np.asarray(p, dtype=float) if layers is None else layers
+    n_mb = np.asarray(n_microbatches)
     if schedule == "gpipe":
-        in_flight = n_microbatches
+        in_flight = n_mb
     else:
-        in_flight = min(p, n_microbatches) if n_microbatches else p
-    return per_layer * layers_per_stage * in_flight * interleave_factor(p, v)
+        in_flight = np.where(n_mb > 0, np.minimum(p, n_mb), p)
+    return _out(per_layer * layers_per_stage * in_flight * interleave_factor(p, v))
 
 
 def kv_cache_bytes_per_token(m: ModelSpec, bytes_per_value: float = 2) -> float:

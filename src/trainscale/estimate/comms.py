@@ -1,0 +1,106 @@
+"""Communication: the topology a layout lands on, and what each collective costs on it.
+
+Ranks are laid out [TP, CP, PP, DP] from inner to outer (Llama 3, arXiv 2407.21783 Sec. 3.3.2):
+a group of size n whose members are ``stride`` ranks apart spans ``extent`` = n x stride
+consecutive ranks. A group that fits in one scale-up domain (NVLink) runs at its bandwidth; one
+that leaves it runs at each GPU's scale-out link, and one that leaves a pod may share the
+oversubscribed uplinks. Every function takes scalars or numpy arrays (the planner's search).
+
+Bandwidths are per GPU and per direction; collectives are bandwidth-optimal rings
+(Patarasuk & Yuan 2009; NCCL-tests PERFORMANCE.md "bus bandwidth"), so time = factor x bytes /
+bus bandwidth + steps x latency.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from trainscale.specs import ClusterSpec, GPUSpec
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The wires, per GPU and per direction, as the step-time model sees them."""
+
+    name: str
+    gpus_per_server: int
+    scale_up_domain: int
+    scale_up_bandwidth: float  # bytes/s per GPU per direction (NVLink)
+    scale_up_latency_s: float
+    network_bandwidth: float  # bytes/s per GPU per direction (scale-out NIC)
+    network_latency_s: float
+    scale_up_efficiency: float = 1.0  # achieved bus bandwidth / link bandwidth
+    network_efficiency: float = 1.0
+    pod_gpus: int = 0  # 0: one flat network with full bisection bandwidth
+    oversubscription: float = 1.0
+    source: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def topology(cluster: ClusterSpec, gpu: GPUSpec, scale_up_efficiency: float, network_efficiency: float,
+             scale_up_latency_s: float, pod_gpus: int = 0, oversubscription: float = 1.0,
+             source: str = "") -> Topology:
+    """A cluster's topology. Vendors quote NVLink counting both directions: per direction = half
+    (NVIDIA H100 datasheet: 900 GB/s total = 18 links x 25 GB/s x 2 directions)."""
+    return Topology(name=cluster.name, gpus_per_server=cluster.gpus_per_server,
+                    scale_up_domain=cluster.scale_up_domain, scale_up_bandwidth=gpu.scale_up_bandwidth / 2,
+                    scale_up_latency_s=scale_up_latency_s, network_bandwidth=cluster.network_bandwidth,
+                    network_latency_s=cluster.network_latency_s, scale_up_efficiency=scale_up_efficiency,
+                    network_efficiency=network_efficiency, pod_gpus=pod_gpus, oversubscription=oversubscription,
+                    source=source or cluster.source)
+
+
+def in_scale_up(topo: Topology, extent: Any) -> Any:
+    """A group stays on NVLink when the ranks it spans fit one scale-up domain."""
+    return np.asarray(extent) <= topo.scale_up_domain
+
+
+def pod_share(topo: Topology, n: Any, extent: Any) -> Any:
+    """Fraction of the link rate a ring keeps when it spans several pods of an oversubscribed fabric.
+
+    A topology-aware ring crosses each pod boundary once, so a pod carries one uplink flow per group
+    while its uplinks carry pod_gpus / oversubscription GPUs' worth: the ring keeps
+    min(1, members per pod / oversubscription) (Llama 3 Sec. 3.3.1 topology; NCCL rings follow it).
+    """
+    n, extent = np.asarray(n, dtype=float), np.asarray(extent, dtype=float)
+    if not topo.pod_gpus or topo.oversubscription <= 1:
+        return np.ones_like(extent)
+    pods = np.ceil(extent / topo.pod_gpus)
+    members = n / np.maximum(pods, 1)
+    return np.where(pods > 1, np.minimum(1.0, members / topo.oversubscription), 1.0)
+
+
+def link(topo: Topology, n: Any, extent: Any) -> tuple[Any, Any]:
+    """(bus bandwidth bytes/s, latency s per step) of a group of n ranks spanning ``extent`` ranks."""
+    inside = in_scale_up(topo, extent)
+    bw = np.where(inside, topo.scale_up_bandwidth * topo.scale_up_efficiency,
+                  topo.network_bandwidth * topo.network_efficiency * pod_share(topo, n, extent))
+    lat = np.where(inside, topo.scale_up_latency_s, topo.network_latency_s)
+    return bw, lat
+
+
+def all_reduce_time(nbytes: Any, n: Any, bw: Any, latency: Any) -> Any:
+    """Ring all-reduce: 2(n-1)/n · bytes / busbw + 2(n-1) latency steps (Patarasuk & Yuan 2009; NCCL-tests)."""
+    n = np.asarray(n, dtype=float)
+    return np.where(n > 1, 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * latency, 0.0)
+
+
+def all_gather_time(nbytes: Any, n: Any, bw: Any, latency: Any) -> Any:
+    """Ring all-gather of a ``nbytes`` result: (n-1)/n · bytes / busbw + (n-1) latency steps (NCCL-tests)."""
+    n = np.asarray(n, dtype=float)
+    return np.where(n > 1, (n - 1) / n * nbytes / bw + (n - 1) * latency, 0.0)
+
+
+def reduce_scatter_time(nbytes: Any, n: Any, bw: Any, latency: Any) -> Any:
+    """Ring reduce-scatter of a ``nbytes`` input: (n-1)/n · bytes / busbw + (n-1) latency (NCCL-tests)."""
+    return all_gather_time(nbytes, n, bw, latency)
+
+
+def p2p_time(nbytes: Any, bw: Any, latency: Any) -> Any:
+    """Point to point (pipeline activations): bytes / bandwidth + one latency."""
+    return np.asarray(nbytes) / bw + latency
