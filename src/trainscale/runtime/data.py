@@ -8,8 +8,12 @@ here with Hugging Face ``tokenizers`` and saved with the run.
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+import torch
 
 from trainscale.errors import TrainscaleError
 
@@ -65,3 +69,142 @@ def load_tokenizer(path: str | Path):
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises its own Exception type
         raise TrainscaleError(f"tokenizer file {path} cannot be read: {e}") from None
+
+
+# --------------------------------------------------------------------------- tokenised corpus, cached
+
+
+def cache_root() -> Path:
+    """Where tokenizers and token ids are cached: $TRAINSCALE_CACHE, else ~/.cache/trainscale."""
+    import os
+
+    return Path(os.environ.get("TRAINSCALE_CACHE") or Path.home() / ".cache" / "trainscale")
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A trained tokenizer and the corpus as token ids (train and held-out), on disk."""
+
+    folder: Path
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.folder / "tokenizer.json"
+
+    def tokens(self, split: str):
+        import numpy as np
+
+        return np.load(self.folder / f"{split}.npy", mmap_mode="r")
+
+
+def prepare_corpus(vocab_size: int, max_chars: int | None = None, cache: Path | None = None) -> Corpus:
+    """Train the tokenizer on the train split (its first ``max_chars`` characters) and tokenise both
+    splits, once: the result is cached under a folder named by its inputs, written aside and renamed
+    into place, so concurrent runs never see half a cache."""
+    import os
+    import shutil
+
+    import numpy as np
+
+    names = ",".join(f.name for f in corpus_files())
+    key = hashlib.sha256(f"{names}|{vocab_size}|{max_chars}|{HELD_OUT_EVERY}".encode()).hexdigest()[:12]
+    folder = (cache or cache_root()) / f"corpus-v{vocab_size}-{max_chars or 'all'}-{key}"
+    if (folder / "val.npy").exists():
+        return Corpus(folder)
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    train_text = corpus_text("train", max_chars)
+    tok = train_tokenizer(vocab_size, train_text)
+    tok.save(str(tmp / "tokenizer.json"))
+    dtype = np.uint16 if vocab_size <= 65536 else np.uint32
+    for split, text in (("train", train_text), ("val", corpus_text("val", max_chars and max_chars // 10))):
+        paragraphs = text.split("\n\n")
+        ids = [i for enc in tok.encode_batch([p + "\n\n" for p in paragraphs]) for i in enc.ids]
+        np.save(tmp / f"{split}.npy", np.asarray(ids, dtype=dtype))
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another process got there first: theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Corpus(folder)
+
+
+# --------------------------------------------------------------------------- the loader
+
+
+class TokenLoader:
+    """Deterministic batches of ``seq_len + 1``-token windows, sharded over data-parallel ranks.
+
+    The corpus is cut into non-overlapping windows; each epoch visits them in a permutation drawn from
+    ``seed + epoch``. Global batch ``i`` is windows ``i*B .. (i+1)*B`` of that order; dp rank d of n
+    takes rows ``d*B/n .. (d+1)*B/n``, so every layout sees the same global batch. ``state_dict()`` is
+    the position (batches consumed): restoring it resumes the exact sequence of batches.
+    """
+
+    def __init__(self, tokens, seq_len: int, global_batch: int, dp_rank: int = 0, dp: int = 1,
+                 seed: int = 0) -> None:
+        if global_batch % dp:
+            raise TrainscaleError(f"global_batch {global_batch} is not divisible by dp {dp}")
+        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+        self.dp_rank, self.dp, self.seed = dp_rank, dp, seed
+        self.n_windows = (len(tokens) - 1) // seq_len
+        if self.n_windows < global_batch:
+            raise TrainscaleError(f"the corpus has {self.n_windows} windows of {seq_len} tokens, fewer than "
+                                  f"one global batch ({global_batch})")
+        self.batches = 0
+        self._perm: tuple[int, object] | None = None
+
+    def _order(self, epoch: int):
+        import numpy as np
+
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng(self.seed + epoch).permutation(self.n_windows))
+        return self._perm[1]
+
+    def window_ids(self, batch: int) -> list[int]:
+        local = self.global_batch // self.dp
+        out = []
+        for j in range(self.dp_rank * local, (self.dp_rank + 1) * local):
+            k = batch * self.global_batch + j
+            out.append(int(self._order(k // self.n_windows)[k % self.n_windows]))
+        return out
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (inputs, targets), each [global_batch / dp, seq_len] int64."""
+        import numpy as np
+
+        rows = [np.asarray(self.tokens[w * self.seq_len: w * self.seq_len + self.seq_len + 1], dtype=np.int64)
+                for w in self.window_ids(self.batches)]
+        self.batches += 1
+        x = torch.from_numpy(np.stack(rows))
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": self.batches, "seed": self.seed, "seq_len": self.seq_len,
+                "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for k in ("seed", "seq_len", "global_batch"):
+            if k in state and state[k] != getattr(self, k):
+                raise TrainscaleError(f"the data position was saved with {k}={state[k]}, not {getattr(self, k)}")
+        self.batches = int(state["batches"])
+
+
+def eval_windows(tokens, seq_len: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` windows of held-out text: (inputs, targets) [n, seq_len]."""
+    import numpy as np
+
+    n = min(n, (len(tokens) - 1) // seq_len)
+    x = torch.from_numpy(np.asarray(tokens[: n * seq_len + 1], dtype=np.int64))
+    inputs = torch.stack([x[i * seq_len: (i + 1) * seq_len] for i in range(n)])
+    targets = torch.stack([x[i * seq_len + 1: (i + 1) * seq_len + 1] for i in range(n)])
+    return inputs, targets
+
+
+def unigram_loss(train_tokens, targets: torch.Tensor, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of ``targets`` under the train split's token frequencies (add-one
+    smoothed): the loss of a model that predicts without context, the baseline to beat."""
+    import numpy as np
+
+    counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[targets.flatten().numpy()].mean())

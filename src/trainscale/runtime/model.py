@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainscale.specs import ModelSpec
 
@@ -140,11 +141,15 @@ class Transformer(nn.Module):
             None if spec.tied_embeddings else nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         )
         self.has_head = True  # False on pipeline stages that do not end the model
+        # Global positions of the local tokens when the caller does not pass them: set once by
+        # runtime/parallelize.py (context parallel slices; pipeline stages see hidden states, not tokens).
+        self.positions: torch.Tensor | None = None
 
     def init_weights(self, seed: int = 0) -> None:
         """N(0, 0.02) for matrices, residual projections scaled by 1/sqrt(2L) (GPT-2, Radford et al.
         2019), zeros for biases, ones for norms. Deterministic from ``seed`` on any device layout."""
         g = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
         std, resid = 0.02, 0.02 / math.sqrt(2 * self.spec.n_layers)
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -154,17 +159,36 @@ class Transformer(nn.Module):
                     p.fill_(1.0)
                 else:
                     s = resid if name.endswith(("wo.weight", "w2.weight")) else std
-                    p.copy_(torch.randn(p.shape, generator=g) * s)
+                    if isinstance(p, DTensor):  # built on meta and sharded: DTensor's RNG fills each shard
+                        nn.init.normal_(p, std=s)
+                    else:
+                        p.copy_(torch.randn(p.shape, generator=g) * s)
+
+    def stage(self, layer_ids: list[int], first: bool, last: bool) -> Transformer:
+        """A pipeline stage that shares this model's modules: layers ``layer_ids`` (keeping their keys,
+        so parameter names are unchanged), the embeddings only if ``first``, the final norm and the head
+        only if ``last``."""
+        part = Transformer.__new__(Transformer)
+        nn.Module.__init__(part)
+        part.spec = self.spec
+        part.tok_embeddings = self.tok_embeddings if first else None
+        part.pos_embeddings = self.pos_embeddings if first else None
+        part.layers = nn.ModuleDict({str(i): self.layers[str(i)] for i in layer_ids})
+        part.norm = self.norm if last else None
+        part.output = self.output if last else None
+        part.has_head = last
+        part.positions = self.positions
+        return part
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [b, s] (ints; or hidden states [b, s, d] on a later pipeline stage) -> logits or
         hidden states. ``positions`` [s] are the global positions of the local tokens."""
-        seq = tokens.shape[1]
         if positions is None:
-            positions = torch.arange(seq, device=tokens.device)
+            positions = self.positions if self.positions is not None else torch.arange(tokens.shape[1])
+        positions = positions.to(tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(positions)[None]
+            h = h + self.pos_embeddings(positions[None])
         cos, sin = rope_angles(positions, self.spec.head_dim, self.spec.rope_theta)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

@@ -1,0 +1,98 @@
+"""Throughput and utilization of a running job: tokens/s, achieved FLOP/s, MFU.
+
+MFU = model FLOPs per token x tokens/s / peak (Chowdhery et al. 2022, PaLM App. B), with the FLOPs
+per token from ``estimate.flops.model_flops_per_token`` (6N + 12·L·H·Q·T), N counting the weights
+that take part in matrix multiplies (every parameter but the embedding lookup tables; a tied output
+head is a matmul and counts). The peak is the GPU's datasheet bf16 figure from the catalog, times
+the GPUs in the job; on CPU it is this machine's peak, measured once with a large fp32 matmul using
+all cores, and cached (the processes of a CPU job share those cores, so the machine is the device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+from trainscale.estimate.flops import model_flops_per_token
+from trainscale.estimate.params import embedding_params, param_count
+from trainscale.specs import ModelSpec, catalog_names, load_gpu
+
+
+def matmul_params(spec: ModelSpec) -> int:
+    n = param_count(spec) - embedding_params(spec)
+    return n + (spec.vocab_size * spec.d_model if spec.tied_embeddings else 0)
+
+
+def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    return model_flops_per_token(spec, matmul_params(spec), seq_len)
+
+
+def measure_matmul_peak(n: int = 2048, repeat: int = 5, threads: int | None = None) -> float:
+    """Best FLOP/s of an [n, n] x [n, n] fp32 matmul (2n^3 FLOPs) on the CPU, using ``threads``."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old)
+    return 2.0 * n**3 / best
+
+
+def cpu_peak_flops() -> float:
+    """This CPU's matmul peak (FLOP/s): $TRAINSCALE_CPU_PEAK, else measured once and cached."""
+    if os.environ.get("TRAINSCALE_CPU_PEAK"):
+        return float(os.environ["TRAINSCALE_CPU_PEAK"])
+    from trainscale.runtime.data import cache_root
+
+    key = f"{platform.node()}|{platform.processor() or platform.machine()}|{os.cpu_count()}|{torch.__version__}"
+    path = cache_root() / "cpu_peak.json"
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return float(cached["flops"])
+    except (OSError, ValueError):
+        pass
+    flops = measure_matmul_peak()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "flops": flops, "how": "best of 5 fp32 2048^3 matmuls, all cores"}))
+        tmp.replace(path)
+    except OSError:
+        pass
+    return flops
+
+
+def gpu_peak_flops() -> tuple[float, str]:
+    """(peak bf16 FLOP/s of this GPU from the catalog, its catalog name)."""
+    name = torch.cuda.get_device_name().lower().replace(" ", "")
+    best = None
+    for entry in catalog_names("gpus"):
+        key = entry.lower().replace("-sxm", "").replace("-80gb", "").replace("-", "")
+        if key and key in name.replace("-", "") and (best is None or len(entry) > len(best)):
+            best = entry
+    if best is None:
+        return 989e12, "unknown GPU (H100 SXM peak assumed)"
+    return load_gpu(best).peak_bf16_flops, best
+
+
+def job_peak_flops(world_size: int) -> tuple[float, str]:
+    """The peak the job's MFU is measured against, and where it comes from."""
+    if torch.cuda.is_available():
+        peak, name = gpu_peak_flops()
+        return peak * world_size, f"{world_size} x {name} bf16 peak"
+    return cpu_peak_flops(), "CPU fp32 matmul peak (measured)"
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, peak: float) -> float:
+    return tokens_per_s * flops_per_tok / peak

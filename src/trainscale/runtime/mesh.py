@@ -1,0 +1,122 @@
+"""Processes, backend, and the device mesh a Layout lays out over them.
+
+The world of ``pp * dp * cp * tp`` processes is one 5-D DeviceMesh with dims, outermost first,
+
+    (pp, dp_replicate, dp_shard, cp, tp)
+
+so tensor parallelism, which talks every layer, is innermost: on a GPU server its ranks are
+neighbours on NVLink (Megatron-LM's ordering; torchtitan's ParallelDims uses the same). Three
+flattened dims are derived from it:
+
+    dp        = dp_replicate x dp_shard   which slice of the global batch this rank reads
+    dp_shard_cp = dp_shard x cp           the group FSDP shards over (CP ranks hold the same weights)
+    dp_cp     = dp_replicate x dp_shard x cp  the group gradients are averaged over
+
+Backend: NCCL on GPUs, gloo on CPU, chosen automatically.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainscale.errors import TrainscaleError
+from trainscale.specs import Layout
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend() -> str:
+    """NCCL where there are GPUs, gloo on CPU."""
+    return "nccl" if device_type() == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> torch.device:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...), or make a
+    one-process group when run directly, so one code path serves both. -> this rank's device."""
+    if device_type() == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend())
+        else:
+            dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    return dev
+
+
+@dataclass
+class ParallelMesh:
+    """The world mesh plus this rank's coordinate on every dimension."""
+
+    layout: Layout
+    world: DeviceMesh
+    flat: dict[str, DeviceMesh] = field(default_factory=dict)  # the flattened dims, kept (not re-sliced)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        lo = self.layout
+        return {"pp": lo.pp, "dp_replicate": lo.dp_replicate, "dp_shard": lo.dp_shard, "cp": lo.cp, "tp": lo.tp}
+
+    def __getitem__(self, dim: str) -> DeviceMesh:
+        return self.flat[dim] if dim in self.flat else self.world[dim]
+
+    def coord(self, dim: str) -> int:
+        return self[dim].get_local_rank()
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        return self[dim].get_group()
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP's mesh: 1-D (dp_shard_cp), or 2-D (dp_replicate, dp_shard_cp) for HSDP."""
+        if self.layout.dp_replicate > 1:
+            return DeviceMesh._concatenate([self.world["dp_replicate"], self.flat["dp_shard_cp"]])
+        return self.flat["dp_shard_cp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord("pp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord("dp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord("cp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coord("tp")
+
+
+def build_mesh(layout: Layout) -> ParallelMesh:
+    """Lay ``layout`` over the running world (whose size must equal layout.world_size)."""
+    world = dist.get_world_size()
+    if world != layout.world_size:
+        raise TrainscaleError(f"layout {layout} needs {layout.world_size} processes, but {world} are running")
+    p = ParallelMesh(layout, None)  # type: ignore[arg-type]
+    shape = tuple(p.sizes[d] for d in DIMS)
+    p.world = init_device_mesh(device_type(), shape, mesh_dim_names=DIMS)
+    for name, dims in (("dp", ("dp_replicate", "dp_shard")), ("dp_shard_cp", ("dp_shard", "cp")),
+                       ("dp_cp", ("dp_replicate", "dp_shard", "cp"))):
+        p.flat[name] = p.world[dims]._flatten(name)
+    return p

@@ -1,0 +1,197 @@
+"""Apply a Layout to (a pipeline stage of) the model, in one fixed order (torchtitan's):
+
+  1. tensor parallel + sequence parallel  DTensor ``parallelize_module`` (Megatron-LM, Shoeybi et al.
+     2019; SP: Korthikanti et al. 2022, arXiv 2205.05198)
+  2. context parallel                      ``context.apply_context_parallel`` (the attention kernel)
+  3. activation checkpointing              none / selective (the attention core) / full (each block)
+  4. data parallel                         FSDP2 ``fully_shard`` (ZeRO, Rajbhandari et al. 2020; HSDP
+                                           when dp_replicate > 1), or, with zero0, replicated weights
+                                           and one gradient all-reduce per step (``allreduce_gradients``)
+
+Pipeline parallelism is applied before all of these (runtime/pipeline.py cuts the model into stages;
+each stage is parallelized here). Parameter names never change: no wrapper modules are inserted, so
+a state dict (and a checkpoint) has the names of ``estimate.params.tensor_inventory``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import checkpoint
+
+from trainscale.runtime import context
+from trainscale.runtime.mesh import ParallelMesh
+from trainscale.runtime.model import Transformer
+from trainscale.specs import Layout
+
+# ----------------------------------------------------------------------------- 1. tensor parallel
+
+
+def apply_tensor_parallel(model: Transformer, mesh: ParallelMesh, sp: bool) -> None:
+    """Column-parallel Q/K/V and MLP-up, row-parallel attention-out and MLP-down: one all-reduce (or,
+    with SP, one all-gather + one reduce-scatter) per sub-layer. With SP the norms and the residual
+    stream between sub-layers hold seq/tp tokens per rank (the activations are sharded too)."""
+    tp = mesh["tp"]
+    seq = Shard(1) if sp else Replicate()
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.pos_embeddings is not None:
+        top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sp:
+        top["norm"] = SequenceParallel()
+    if model.output is not None and model.has_head:
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    if top:
+        parallelize_module(model, tp, top)
+    for block in model.layers.values():
+        plan: dict[str, object] = {
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if block.feed_forward.gated:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sp:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp, plan)
+
+
+# ----------------------------------------------------------------------------- 3. activation checkpointing
+
+
+def _checkpointed(fn):
+    @functools.wraps(fn)
+    def run(*args):
+        return checkpoint(fn, *args, use_reentrant=False)
+
+    return run
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """full: keep only each block's input, recompute the block in the backward pass (Chen et al. 2016,
+    arXiv 1604.06174). selective: recompute only softmax(QK^T)V, the attention core whose activations
+    grow with seq^2 (Korthikanti et al. 2022, Sec. 5). The forward methods are wrapped in place, so no
+    module (and no parameter name) is added."""
+    if mode == "none":
+        return
+    for block in model.layers.values():
+        if mode == "full":
+            block.forward = _checkpointed(block.forward)
+        elif mode == "selective":
+            block.attention.core = _checkpointed(block.attention.core)
+        else:
+            raise ValueError(f"recompute mode {mode!r}")
+
+
+# ----------------------------------------------------------------------------- 4. data parallel
+
+
+def apply_fsdp(model: Transformer, mesh: ParallelMesh, layout: Layout) -> None:
+    """FSDP2: each block is one all-gather / reduce-scatter unit, the rest (embeddings, head) another.
+    zero3 frees the gathered weights after use (reshard_after_forward); zero1/2 keep them for the
+    backward pass, sharding gradients and optimizer state only (FSDP2's ZeRO-2; it has no ZeRO-1)."""
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh.fsdp_mesh()
+    reshard = layout.zero == 3
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+
+
+def uses_fsdp(layout: Layout) -> bool:
+    return layout.zero > 0
+
+
+def gradient_group(mesh: ParallelMesh) -> dist.ProcessGroup | None:
+    """The group whose ranks hold replicas of the same weights and average their gradients, when the
+    weights are replicated (zero0): every dp and cp rank with this rank's pp and tp coordinate."""
+    lo = mesh.layout
+    if uses_fsdp(lo) or lo.dp * lo.cp == 1:
+        return None
+    return mesh.group("dp_cp")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Replicated data parallel (DDP's math): average gradients over ``group`` in one flat bucket."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMesh) -> float:
+    """Clip by the global gradient norm over every shard on every rank, with one all-reduce.
+
+    Each rank adds the squares of its local gradient shard, weighted by 1 / (number of ranks holding an
+    identical copy of that shard), so the world sum counts every element of every gradient once."""
+    lo = mesh.layout
+    replicas = lo.dp * lo.cp * lo.tp  # ranks per pipeline stage
+    total = torch.zeros((), dtype=torch.float64, device=next(iter(params)).device)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad
+        copies = replicas
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+                p.grad = g
+            for size, pl in zip(g.device_mesh.shape, g.placements, strict=True):
+                if pl.is_shard():
+                    copies //= size
+        total += _local(g).double().pow(2).sum() / copies
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    norm = float(total.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                _local(p.grad).mul_(scale)
+    return norm
+
+
+# ----------------------------------------------------------------------------- the order
+
+
+def parallelize(model: Transformer, mesh: ParallelMesh, layout: Layout, seq_len: int) -> None:
+    """TP+SP -> CP -> activation checkpointing -> FSDP, in place, on one model (or pipeline stage)."""
+    if layout.tp > 1:
+        apply_tensor_parallel(model, mesh, sp=layout.sp)
+    positions = context.local_positions(seq_len, layout.cp, mesh.cp_rank)
+    model.positions = positions
+    if layout.cp > 1:
+        context.apply_context_parallel(model, mesh.group("cp"), positions, layout.cp, seq_len)
+    apply_activation_checkpointing(model, layout.recompute)
+    if uses_fsdp(layout):
+        apply_fsdp(model, mesh, layout)

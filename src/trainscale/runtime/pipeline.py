@@ -1,0 +1,73 @@
+"""Pipeline parallelism: the layers cut into ``pp * v`` stages, run by torch.distributed.pipelining.
+
+Stage s holds a contiguous run of layers (as even as the layer count allows); the first stage also
+holds the embeddings, the last the final norm and the output head. A stage is the same Transformer
+class sharing the full model's modules, so parameter names (``layers.17.attention.wq.weight``) are
+those of the unsplit model. With ``v`` virtual stages per rank (interleaved 1F1B, Narayanan et al.
+2021, arXiv 2104.04473), rank r holds stages r, r + pp, r + 2pp, ... ("looped" placement).
+
+Schedules (torch.distributed.pipelining.schedules): GPipe (all forwards, then all backwards; Huang
+et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 2019) and interleaved 1F1B. Each splits the
+rank's local batch into ``local_batch / mb`` microbatches; the loss of each is its mean token loss
+and the schedule divides the accumulated gradients by the number of microbatches
+(``scale_grads``), so the gradient is that of the mean over the local batch, as without a pipeline.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from trainscale.runtime.mesh import ParallelMesh
+from trainscale.runtime.model import Transformer, lm_loss
+from trainscale.specs import Layout
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """Contiguous layer ranges, as even as possible (the first stages take one extra)."""
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def local_stage_ids(layout: Layout, pp_rank: int) -> list[int]:
+    return [pp_rank + i * layout.pp for i in range(layout.v)]
+
+
+def split_model(model: Transformer, layout: Layout, pp_rank: int) -> list[tuple[int, Transformer]]:
+    """-> [(stage index, stage module)] for the stages this rank runs."""
+    n_stages = layout.pp * layout.v
+    ranges = stage_layers(model.spec.n_layers, n_stages)
+    return [(s, model.stage(ranges[s], first=s == 0, last=s == n_stages - 1)) for s in local_stage_ids(layout, pp_rank)]
+
+
+class Pipeline:
+    """The stages this rank runs and the schedule that drives them."""
+
+    def __init__(self, parts: list[tuple[int, Transformer]], layout: Layout, mesh: ParallelMesh,
+                 device: torch.device, n_microbatches: int) -> None:
+        n_stages = layout.pp * layout.v
+        group = mesh.group("pp")
+        self.stages = [PipelineStage(mod, idx, n_stages, device, group=group) for idx, mod in parts]
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
+        if layout.schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches, loss_fn=lm_loss)
+        elif layout.schedule == "gpipe":
+            self.schedule = ScheduleGPipe(self.stages[0], n_microbatches, loss_fn=lm_loss)
+        else:
+            self.schedule = Schedule1F1B(self.stages[0], n_microbatches, loss_fn=lm_loss)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward over all microbatches; -> the mean loss on the last stage, else None."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        if self.has_last:
+            self.schedule.step(*args, target=targets, losses=losses, return_outputs=False)
+            return torch.stack([x.detach() for x in losses]).mean()
+        self.schedule.step(*args, return_outputs=False)
+        return None

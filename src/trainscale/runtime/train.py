@@ -1,0 +1,333 @@
+"""The training loop, one process per rank: ``python -m trainscale.runtime.train --config X.toml``,
+normally started by torchrun (``trainscale train`` does that for you).
+
+What happens, in order:
+  1. join the process group (torchrun's env, or a one-process group); lay the Layout out as a
+     DeviceMesh (runtime/mesh.py)
+  2. tokenise the corpus (rank 0 first, then everyone reads the cache)
+  3. build the whole model on CPU and initialise it from the seed, identically on every rank, so
+     every layout starts from the same weights (models too big for that are built on the meta device
+     and initialised shard by shard)
+  4. cut it into pipeline stages (runtime/pipeline.py), parallelize each stage: TP+SP -> CP ->
+     activation checkpointing -> FSDP (runtime/parallelize.py)
+  5. per step: the global batch (dp ranks take disjoint rows, cp ranks their load-balanced chunks),
+     forward + backward (through the pipeline schedule, or in ``local_batch / mb`` accumulation
+     steps), gradient average over replicas, clipping by the global norm, AdamW, LR schedule; the
+     step's mean loss over the whole global batch is logged with tokens/s, FLOP/s and MFU
+  6. rank 0 writes the gathered, unsharded weights as RUN_DIR/final (runtime/artifact.py) and
+     evaluates them on held-out text against the unigram baseline
+
+Run folder: config.toml, run.json (layout, world size, model, results), metrics.jsonl (a line per
+step), tokenizer.json, final/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from trainscale.errors import TrainscaleError
+from trainscale.estimate.params import param_count
+from trainscale.runtime import measure
+from trainscale.runtime.config import TrainConfig, check_layout, load_config, micro_batch
+from trainscale.runtime.context import local_positions, shard_sequence
+from trainscale.runtime.data import TokenLoader, eval_windows, prepare_corpus, unigram_loss
+from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed
+from trainscale.runtime.model import Transformer, build_model, lm_loss
+from trainscale.runtime.parallelize import allreduce_gradients, clip_grad_norm, gradient_group, parallelize, uses_fsdp
+from trainscale.runtime.pipeline import Pipeline, split_model
+from trainscale.specs import Layout
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr`` at the
+    last step (the Chinchilla / Llama recipe, Hoffmann et al. 2022)."""
+    t = cfg.train
+    if t.warmup and step < t.warmup:
+        return t.lr * (step + 1) / t.warmup
+    span = max(1, t.steps - t.warmup)
+    progress = min(1.0, (step - t.warmup) / span)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    out: Path | None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    eval_loss: float | None = None
+    unigram_loss: float | None = None
+    local_params: int = 0  # parameter elements this rank holds (its shards)
+
+
+class Trainer:
+    """Everything one rank holds: mesh, model stages, optimizer, data position.
+
+    Issue 5 (checkpoints, faults) hooks in at ``run()``'s marked places: ``state()`` is what a
+    checkpoint must hold, and the loop starts at ``self.step`` (restored by a resume)."""
+
+    def __init__(self, cfg: TrainConfig, layout: Layout, out: Path | None = None, log: Callable[[str], None] = print):
+        self.cfg, self.layout, self.out = cfg, layout, out
+        check_layout(cfg, layout)
+        self.device = init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.log = log if self.rank == 0 else (lambda _m: None)
+        self.mesh: ParallelMesh = build_mesh(layout)
+        t = cfg.train
+        torch.manual_seed(t.seed)
+
+        # data: rank 0 tokenises (or finds the cache), then everyone reads it
+        cache = Path(cfg.data.cache) if cfg.data.cache else None
+        if self.rank == 0:
+            prepare_corpus(cfg.model.vocab_size, cfg.data.max_chars, cache)
+        self._barrier()
+        self.corpus = prepare_corpus(cfg.model.vocab_size, cfg.data.max_chars, cache)
+        self.loader = TokenLoader(self.corpus.tokens("train"), t.seq_len, t.global_batch, self.mesh.dp_rank,
+                                  layout.dp, t.seed)
+        self.positions = local_positions(t.seq_len, layout.cp, self.mesh.cp_rank)
+
+        # model: whole and identical on every rank, then split and parallelized
+        self.parts = self._build_parts()
+        self.params = [p for _, part in self.parts for p in part.parameters()]
+        decay = [p for p in self.params if p.ndim >= 2]
+        no_decay = [p for p in self.params if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr_at(0, cfg), betas=t.betas, eps=1e-8)
+        self.micro = micro_batch(cfg, layout)
+        self.n_micro = t.global_batch // layout.dp // self.micro
+        self.pipeline = Pipeline(self.parts, layout, self.mesh, self.device, self.n_micro) if layout.pp > 1 else None
+        self.grad_group = gradient_group(self.mesh)
+        self.step = 0
+
+        self.flops_per_token = measure.flops_per_token(cfg.model, t.seq_len)
+        self.peak, self.peak_source = measure.job_peak_flops(self.world)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                         else contextlib.nullcontext())
+
+    # ------------------------------------------------------------------ setup
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def _build_parts(self) -> list[tuple[int, Transformer]]:
+        spec, lo, seed = self.cfg.model, self.layout, self.cfg.train.seed
+        on_meta = self.device.type == "cuda" and param_count(spec) * 4 > 0.25 * torch.cuda.get_device_properties(
+            self.device).total_memory
+        model = build_model(spec, "meta" if on_meta else "cpu", seed=seed)
+        if not on_meta:
+            model.to(self.device)
+        parts = split_model(model, lo, self.mesh.pp_rank) if lo.pp > 1 else [(0, model)]
+        for _, part in parts:
+            parallelize(part, self.mesh, lo, self.cfg.train.seq_len)
+            if on_meta:  # too big to hold whole on one GPU: allocate the shards, initialise them
+                part.to_empty(device=self.device)
+                part.init_weights(seed)
+        return parts
+
+    # ------------------------------------------------------------------ one step
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """-> this rank's mean loss over its tokens (zero on pipeline stages without the head)."""
+        if self.pipeline is not None:
+            with self.autocast:
+                loss = self.pipeline.step(inputs, targets)
+            return loss if loss is not None else torch.zeros((), device=self.device)
+        model = self.parts[0][1]
+        total = torch.zeros((), device=self.device)
+        for i in range(self.n_micro):
+            x, y = (t[i * self.micro:(i + 1) * self.micro] for t in (inputs, targets))
+            if uses_fsdp(self.layout):
+                model.set_requires_gradient_sync(i == self.n_micro - 1)  # reduce-scatter once per step
+            with self.autocast:
+                loss = lm_loss(model(x), y) / self.n_micro
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def train_step(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        lr = lr_at(self.step, self.cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        inputs, targets = self.loader.next_batch()
+        if self.layout.cp > 1:
+            inputs, targets = shard_sequence(inputs, self.positions), shard_sequence(targets, self.positions)
+        loss = self._forward_backward(inputs.to(self.device), targets.to(self.device))
+        if self.grad_group is not None:
+            allreduce_gradients(self.params, self.grad_group)
+        grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip, self.mesh)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # the global batch's mean loss: every dp and cp rank of the last stage holds the mean of its share
+        loss = loss.detach().float().reshape(1)
+        if self.world > 1:
+            dist.all_reduce(loss)
+            loss /= self.layout.dp * self.layout.cp * self.layout.tp
+        value = float(loss.item())
+        dt = time.perf_counter() - t0
+        tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
+        tps = tokens / dt
+        self.step += 1
+        return {"step": self.step, "loss": value, "tokens_per_s": tps, "flops_per_s": tps * self.flops_per_token,
+                "mfu": measure.mfu(tps, self.flops_per_token, self.peak), "lr": lr, "grad_norm": grad_norm,
+                "step_time_s": dt}
+
+    # ------------------------------------------------------------------ the loop
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint must hold to continue exactly (issue 5 saves it with DCP)."""
+        return {"model_parts": [part for _, part in self.parts], "optimizer": self.optimizer, "step": self.step,
+                "loader": self.loader.state_dict()}
+
+    def run(self, steps: int | None = None) -> RunResult:
+        steps = steps or self.cfg.train.steps
+        metrics_file = None
+        if self.rank == 0 and self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.toml").write_text(self.cfg.to_toml())
+            (self.out / "tokenizer.json").write_bytes(self.corpus.tokenizer_path.read_bytes())
+            self._write_run_json({"status": "running"})
+            metrics_file = open(self.out / "metrics.jsonl", "w")  # noqa: SIM115  (closed below)
+        self.log(f"training {self.cfg.model.name} ({param_count(self.cfg.model) / 1e6:.2f}M params) on "
+                 f"{self.world} process(es), layout {self.layout}, {steps} steps, "
+                 f"{self.cfg.train.global_batch} x {self.cfg.train.seq_len} tokens per step")
+        start = time.perf_counter()
+        losses, rows = [], []
+        # [issue 5] resume: restore state() from the newest good checkpoint here, setting self.step
+        while self.step < steps:
+            # [issue 5] faults.at_step(...) here
+            row = self.train_step()
+            row["time"] = time.perf_counter() - start
+            losses.append(row["loss"])
+            rows.append(row)
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+            if self.step % self.cfg.run.log_every == 0 or self.step == steps:
+                self.log(f"step {self.step:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
+                         f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%}  lr {row['lr']:.2e}")
+            # [issue 5] checkpoint save every N steps here
+        if metrics_file is not None:
+            metrics_file.close()
+        result = RunResult(losses, self.out, rows, local_params=self.local_params())
+        if self.out is not None:
+            self._finish(result, time.perf_counter() - start)
+        return result
+
+    # ------------------------------------------------------------------ the end
+
+    def local_params(self) -> int:
+        return sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in self.params)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded weights, on rank 0 (None elsewhere): DTensors (TP, FSDP) are gathered within
+        each stage, and with a pipeline the stages' first ranks send theirs to rank 0."""
+        sd = {}
+        for _, part in self.parts:
+            for name, p in part.named_parameters():
+                t = p.full_tensor() if isinstance(p, DTensor) else p
+                sd[name] = t.detach().to("cpu", torch.float32)
+        if self.layout.pp == 1:
+            return sd if self.rank == 0 else None
+        m = self.mesh
+        if m.dp_rank == 0 and m.cp_rank == 0 and m.tp_rank == 0 and m.coord("dp_replicate") == 0:
+            got = [None] * self.layout.pp if self.rank == 0 else None
+            dist.gather_object(sd, got, dst=0, group=m.group("pp"))
+            if self.rank == 0:
+                return {k: v for part in got for k, v in part.items()}
+        return None
+
+    def evaluate(self, state: dict[str, torch.Tensor]) -> tuple[float | None, float | None]:
+        n = self.cfg.run.eval_sequences
+        if not n:
+            return None, None
+        spec, seq = self.cfg.model, self.cfg.train.seq_len
+        model = build_model(spec, "meta")
+        model.load_state_dict(state, assign=True)
+        model.eval()
+        inputs, targets = eval_windows(self.corpus.tokens("val"), seq, n)
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for i in range(0, len(inputs), 16):
+                x, y = inputs[i:i + 16], targets[i:i + 16]
+                total += float(lm_loss(model(x), y)) * y.numel()
+                count += y.numel()
+        return total / count, unigram_loss(self.corpus.tokens("train"), targets, spec.vocab_size)
+
+    def _finish(self, result: RunResult, seconds: float) -> None:
+        from trainscale.runtime.artifact import save_model_dir
+
+        state = self.full_state_dict()
+        if self.rank == 0:
+            save_model_dir(self.out / "final", state, self.cfg.model, self.corpus.tokenizer_path)
+            result.eval_loss, result.unigram_loss = self.evaluate(state)
+            if result.eval_loss is not None:
+                self.log(f"held-out loss {result.eval_loss:.4f} nats/token (unigram baseline "
+                         f"{result.unigram_loss:.4f}) on {self.cfg.run.eval_sequences} sequences")
+            rows = result.metrics[1:] or result.metrics  # the first step warms up
+            tps = sum(r["tokens_per_s"] for r in rows) / max(1, len(rows))
+            self._write_run_json({
+                "status": "done", "steps": self.step, "seconds": seconds, "final_loss": result.losses[-1],
+                "eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss, "tokens_per_s": tps,
+                "mfu": measure.mfu(tps, self.flops_per_token, self.peak)})
+            self.log(f"wrote {self.out / 'final'}")
+        self._barrier()
+
+    def _write_run_json(self, extra: dict[str, Any]) -> None:
+        info = {"layout": str(self.layout), "world_size": self.world, "backend": dist.get_backend(),
+                "device": self.device.type, "model": self.cfg.model.model_dump(by_alias=True, exclude_none=True),
+                "params": param_count(self.cfg.model), "local_params_rank0": self.local_params(),
+                "flops_per_token": self.flops_per_token,
+                "peak_flops": self.peak, "peak_source": self.peak_source, "micro_batch": self.micro,
+                "microbatches": self.n_micro, "config": self.cfg.model_dump(mode="json", exclude={"model"}), **extra}
+        (self.out / "run.json").write_text(json.dumps(info, indent=2))
+
+
+def train(cfg: TrainConfig, layout: Layout | str | None = None, steps: int | None = None,
+          out: str | Path | None = None, log: Callable[[str], None] = print) -> RunResult:
+    """Train under ``layout`` in the current process group (joined or created); -> per-step losses.
+    ``out=None`` writes nothing (tests); otherwise ``out`` (default: the config's run.out) is the run folder."""
+    if layout is None or isinstance(layout, str):
+        layout = Layout.parse(layout or cfg.run.layout or "")
+    run_dir = Path(out) if out is not None else None
+    return Trainer(cfg, layout, run_dir, log).run(steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainscale.runtime.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--layout", default=None, help="e.g. dp2,tp2,pp2 (default: the config's run.layout)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--out", default=None, help="run folder (default: the config's run.out)")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, {"train": {"steps": args.steps}} if args.steps else None)
+        out = args.out or cfg.run.out
+        train(cfg, args.layout, out=out, log=lambda m: print(m, flush=True))
+    except TrainscaleError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"trainscale: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
