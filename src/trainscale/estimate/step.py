@@ -157,6 +157,13 @@ def _per_mode(fn, codes: np.ndarray, names: tuple[str, ...]) -> np.ndarray:
     return out
 
 
+def _score_bytes(m: ModelSpec, s: Any, b: Any, t: Any, sp: bool) -> Any:
+    """Bytes of one layer's materialised attention scores: Korthikanti's "none" minus "selective" activations."""
+    h, a = m.d_model, m.n_heads
+    return (memory.activation_bytes_per_layer(s, b, h, a, t, sp, "none")
+            - memory.activation_bytes_per_layer(s, b, h, a, t, sp, "selective"))
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -189,7 +196,11 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     # the attention core's forward is what selective recomputation redoes (flops.recompute_flops_per_token)
     attn_fwd = flops.recompute_flops_per_token(m, 0.0, S, "selective", causal=True) / L * tokens / tp
     t_attn, t_attn_f = attn_train / f_attn, attn_fwd / f_attn
-    t_layer_compute = (1 + bwd_ratio) * t_dense_f + t_attn
+    # without recomputation the attention core is unfused: its s x s score tensors (Korthikanti's 5as/h term,
+    # the gap between the "none" and "selective" activations) are written, re-read and read back in the backward
+    scores = np.where(sp, _score_bytes(m, S // cp, mb, tp, True), _score_bytes(m, S // cp, mb, tp, False))
+    t_unfused = np.where(rc == 0, 3 * scores / hbm, 0.0)
+    t_layer_compute = (1 + bwd_ratio) * t_dense_f + t_attn + t_unfused
     t_head = (1 + bwd_ratio) * gemm_time(tokens, h, m.vocab_size / tp, f_mm, hbm)
 
     # tensor (+ sequence) parallel: 2 all-gathers + 2 reduce-scatters (or 2 all-reduces) per layer each way
@@ -248,15 +259,18 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     ar = comms.all_reduce_time(gb, cp * dp, bw_d, lat_d)
     ov = eff.dp_overlap
 
-    def hidden(t: Any, window: Any) -> Any:
-        return np.maximum(0.0, t - ov * window)
+    def hidden(t: Any, window: Any, once: bool = False) -> Any:
+        # a collective overlaps the compute it follows; one that runs once per step also leaves one layer's
+        # bucket exposed (the first gather before any compute, the last reduce after all of it)
+        floor = t / np.maximum(n_crit, 1) if once else 0.0
+        return np.maximum(floor, t - ov * window)
 
     dp_x = np.select(
         [zero == 0, zero == 1, zero == 2],
-        [hidden(ar, win_b),
-         hidden(rs + ar_rep, win_b) + hidden(ag, win_f),
-         micro * hidden(rs, win_b) + hidden(ar_rep, win_b) + hidden(ag, win_f)],
-        micro * (hidden(ag, win_f) + hidden(ag + rs, win_b)) + hidden(ar_rep, win_b))
+        [hidden(ar, win_b, True),
+         hidden(rs + ar_rep, win_b, True) + hidden(ag, win_f, True),
+         micro * hidden(rs, win_b) + hidden(ar_rep, win_b, True) + hidden(ag, win_f, True)],
+        micro * (hidden(ag, win_f) + hidden(ag + rs, win_b)) + hidden(ar_rep, win_b, True))
     dp_traffic = np.select([zero == 0, zero == 1, zero == 2], [ar, rs + ag + ar_rep, micro * rs + ag + ar_rep],
                            micro * (2 * ag + rs) + ar_rep)
 

@@ -1,0 +1,167 @@
+"""`trainscale plan`: the best 4D layout (TP x CP x PP x DP) for a model on N GPUs, or one layout evaluated."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from trainscale.commands._common import console, emit_json
+from trainscale.errors import TrainscaleError
+
+_SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(plan)
+
+
+def parse_count(text: str | None, what: str, base: int) -> float | None:
+    """'16M' -> 16 x base^2, '15.6T' -> 15.6 x base^4, plain numbers as they are."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgbt]?)\s*", text.lower())
+    if not m:
+        raise TrainscaleError(f"{what} '{text}' is not a number (suffixes K, M, G/B, T are allowed)")
+    return float(m.group(1)) * base ** _SUFFIX.get(m.group(2), 0)
+
+
+def _settings(pairs: list[str] | None) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for pair in pairs or []:
+        key, sep, val = pair.partition("=")
+        if not sep:
+            raise TrainscaleError(f"--set takes key=value, not '{pair}'")
+        try:
+            out[key.strip()] = float(val)
+        except ValueError:
+            raise TrainscaleError(f"--set {key.strip()} needs a number, not '{val}'") from None
+    return out
+
+
+def plan(
+    model: str = typer.Option("llama3.1-405b", help="catalog name, TOML file or HF config.json"),
+    gpu: str = typer.Option(None, help="GPU (default: the cluster's, else h100-sxm)"),
+    gpus: int = typer.Option(16384, help="number of GPUs"),
+    seq: int = typer.Option(8192, help="sequence length, tokens"),
+    global_batch_tokens: str = typer.Option(
+        "16M", help="tokens per optimizer step; K/M/G are powers of 1024 (Llama 3's '16M' is 2^24)"),
+    tokens: str = typer.Option(None, help="training tokens for days and GPU-hours; K/M/B/T are powers of 1000"),
+    cluster: str = typer.Option(None, help="cluster topology (default: a catalog cluster of this GPU)"),
+    layout: str = typer.Option(None, help="evaluate this layout instead of searching, e.g. "
+                               "tp8,cp1,pp16,dp128,mb1,v8,zero2,rc=selective"),
+    top: int = typer.Option(5, help="layouts to show"),
+    profile: str = typer.Option(None, help="TOML/JSON of measured efficiencies replacing the catalog defaults"),
+    set_: list[str] = typer.Option(None, "--set", help="override one planner setting, key=value (repeatable)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days."""
+    from trainscale.estimate import plan as planner
+    from trainscale.specs import Layout
+
+    gbt = parse_count(global_batch_tokens, "--global-batch-tokens", 1024)
+    train = parse_count(tokens, "--tokens", 1000)
+    if gbt is None or gbt != int(gbt):
+        raise TrainscaleError(f"--global-batch-tokens must be a whole number of tokens, not {global_batch_tokens}")
+    if top <= 0:
+        raise TrainscaleError(f"--top must be positive, not {top}")
+    p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_))
+    head = _header(p)
+    if layout is not None:
+        lay = Layout.parse(layout)
+        row = p.evaluate_layout(lay)
+        sugg = [] if row["fits"] else p.suggestions(lay)
+        if as_json:
+            emit_json({**row, **head, "suggestions": sugg})
+            return
+        _print_header(p)
+        _print_rows([row], "Layout")
+        if not row["fits"]:
+            console.print(f"[bold red]{row['layout']} does not fit[/bold red]: it needs "
+                          f"{_gb(row['memory_per_gpu_bytes']['total'])} per GPU of "
+                          f"{_gb(row['memory_capacity_bytes'])}.")
+            if sugg:
+                _print_rows(sugg, "Nearby layouts that fit", breakdown=False)
+            else:
+                console.print("No nearby layout fits; try more GPUs or rc=full.")
+        return
+    res = p.search()
+    b = res.best()
+    if b is None:
+        raise TrainscaleError(res.nothing_fits())
+    rows = [p.row(res.cfg, res.res, i) for i in res.top(top)]
+    runners = res.runners_up()
+    why = res.why_best()
+    search = {"candidates": res.generated, "valid": res.n_valid, "fit": res.n_fit, "seconds": res.seconds}
+    if as_json:
+        emit_json({**rows[0], **head, "search": search, "why": why, "top": rows, "runners_up": runners})
+        return
+    _print_header(p)
+    _print_rows(rows, f"Best {len(rows)} of {res.n_fit:,} layouts that fit")
+    console.print("[bold]Why this layout[/bold]")
+    for line in why:
+        console.print(f"  - {line}")
+    if runners:
+        t = Table(title="Why the runners-up lose", title_justify="left", show_edge=False, pad_edge=False)
+        t.add_column("layout")
+        t.add_column("differs in")
+        t.add_column("reason")
+        for r in runners:
+            t.add_row(r["layout"], r["differs_in"], r["reason"])
+        console.print(t)
+    console.print(f"Searched {res.generated:,} candidates in {res.seconds:.2f} s.")
+
+
+def _header(p: Any) -> dict[str, Any]:
+    return {"inputs": p.inputs(), "topology": p.topo.as_dict(), "efficiencies": p.eff.as_dict(),
+            "efficiency_sources": p.eff.sources}
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.1f} GB"
+
+
+def _print_header(p: Any) -> None:
+    t = p.topo
+    pods = f", pods of {t.pod_gpus:,} at 1:{t.oversubscription:g} above" if t.pod_gpus else ""
+    console.print(f"[bold]{p.model.name}[/bold] on {p.n_gpus:,} x {p.gpu.name} ({t.name}: {t.scale_up_domain}-GPU "
+                  f"NVLink domains at {t.scale_up_bandwidth / 1e9:,.0f} GB/s, {t.network_bandwidth / 1e9:,.0f} GB/s "
+                  f"per GPU between them{pods}); seq {p.seq:,}, {p.global_batch_tokens:,} tokens "
+                  f"({p.global_seqs:,} sequences) per step")
+
+
+def _print_rows(rows: list[dict[str, Any]], title: str, breakdown: bool = True) -> None:
+    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("#", "layout", "memory/GPU", "fits", "step", "MFU", "HFU", "TFLOP/s/GPU", "tokens/s", "days",
+                "GPU-hours"):
+        t.add_column(col, justify="left" if col == "layout" else "right")
+    for k, r in enumerate(rows, 1):
+        t.add_row(str(k), r["layout"], _gb(r["memory_per_gpu_bytes"]["total"]), "yes" if r["fits"] else "no",
+                  f"{r['step_time_s']:.2f} s", f"{r['mfu']:.1%}", f"{r['hfu']:.1%}", f"{r['tflops_per_gpu']:.0f}",
+                  f"{r['tokens_per_s']:,.0f}", "-" if r["days"] is None else f"{r['days']:,.1f}",
+                  "-" if r["gpu_hours"] is None else f"{r['gpu_hours'] / 1e6:,.2f}M")
+    console.print(t)
+    if not breakdown:
+        return
+    parts = list(rows[0]["step_time_parts_s"])
+    st = Table(title="Step time (s per step)", title_justify="left", show_edge=False, pad_edge=False)
+    st.add_column("#")
+    for name in parts:
+        st.add_column(name.replace("_", " "), justify="right")
+    st.add_column("bubble", justify="right")
+    for k, r in enumerate(rows, 1):
+        st.add_row(str(k), *(f"{r['step_time_parts_s'][n]:.2f}" for n in parts), f"{r['bubble_fraction']:.1%}")
+    console.print(st)
+    mem = [k for k in rows[0]["memory_per_gpu_bytes"] if k != "total"]
+    mt = Table(title="Memory per GPU (GB, decimal), first pipeline stage", title_justify="left", show_edge=False,
+               pad_edge=False)
+    mt.add_column("#")
+    for name in mem:
+        mt.add_column(name, justify="right")
+    mt.add_column("headroom", justify="right")
+    for k, r in enumerate(rows, 1):
+        mt.add_row(str(k), *(f"{r['memory_per_gpu_bytes'][n] / 1e9:,.2f}" for n in mem),
+                   f"{r['headroom_bytes'] / 1e9:,.2f}")
+    console.print(mt)

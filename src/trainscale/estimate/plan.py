@@ -1,0 +1,448 @@
+"""The planner: every valid 4D layout for a model on N GPUs, scored at once, best first.
+
+A layout is valid when tp x cp x pp x dp = N, TP divides the attention heads (and divides or is a
+multiple of the KV heads) and the MLP width, the layers split over pp x v chunks
+(``pipeline.layer_placement``), the sequence splits into 2 x cp chunks (Llama 3 Sec. 3.3.2 load
+balancing) and the global batch into dp x micro-batch. It fits when the first stage's memory
+(``step.evaluate``) is within the GPU's. Layouts are ranked by tokens/s, then by memory headroom.
+The whole space is built and scored with numpy: no Python loop per layout.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from trainscale.errors import TrainscaleError
+from trainscale.estimate import flops
+from trainscale.estimate.comms import Topology
+from trainscale.estimate.pipeline import layer_placement
+from trainscale.estimate.step import (
+    RECOMPUTE,
+    SCHEDULE,
+    Efficiencies,
+    cluster_topology,
+    evaluate,
+    load_efficiencies,
+    planner_catalog,
+)
+from trainscale.specs import (
+    ClusterSpec,
+    GPUSpec,
+    Layout,
+    ModelSpec,
+    catalog_names,
+    load_cluster,
+    load_gpu,
+    load_model,
+)
+
+KEYS = ("tp", "cp", "pp", "dp", "mb", "v", "schedule", "recompute", "zero", "hsdp", "sp")
+MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro-batch sizes (sequences) the search tries
+ZERO_STAGES = (0, 1, 2, 3)
+STEP_PARTS = {"t_compute": "compute", "t_recompute": "recompute", "t_tp_comm": "tp_comm", "t_cp_comm": "cp_comm",
+              "t_bubble": "pipeline_bubble", "t_pp_p2p": "pipeline_p2p", "t_dp_comm": "dp_comm",
+              "t_optimizer": "optimizer"}
+MEM_PARTS = {"mem_weights": "weights", "mem_gradients": "gradients", "mem_optimizer": "optimizer",
+             "mem_activations": "activations", "mem_buffers": "buffers"}
+
+
+def divisors(n: int) -> np.ndarray:
+    d = np.arange(1, n + 1)
+    return d[n % d == 0]
+
+
+def pick_cluster(gpu: str | None, n_gpus: int, cluster: str | None = None) -> tuple[ClusterSpec, GPUSpec]:
+    """The cluster named, else a catalog cluster built from this GPU (the smallest that holds n_gpus, else the
+    largest), else the generic 8-GPU-server topology in catalog/planner.toml."""
+    if cluster:
+        cl = load_cluster(cluster)
+        return cl, load_gpu(gpu or cl.gpu)
+    g = load_gpu(gpu or "h100-sxm")
+    same = [load_cluster(c) for c in catalog_names("clusters")]
+    same = [c for c in same if c.gpu == g.name]
+    if same:
+        big = [c for c in same if c.gpus >= n_gpus]
+        cl = min(big, key=lambda c: c.gpus) if big else max(same, key=lambda c: c.gpus)
+        return cl, g
+    gen = dict(planner_catalog()["topology"]["generic"])
+    return ClusterSpec(name="generic", gpu=g.name, gpus=n_gpus, **gen), g
+
+
+@dataclass
+class Problem:
+    """One planning question: which layout trains ``model`` fastest on ``n_gpus`` of ``gpu``."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    cluster: ClusterSpec
+    topo: Topology
+    eff: Efficiencies
+    n_gpus: int
+    seq: int
+    global_batch_tokens: int
+    train_tokens: float | None = None
+    global_seqs: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.n_gpus <= 0:
+            raise TrainscaleError(f"--gpus must be positive, not {self.n_gpus}")
+        if self.seq <= 0:
+            raise TrainscaleError(f"--seq must be positive, not {self.seq}")
+        if self.global_batch_tokens <= 0 or self.global_batch_tokens % self.seq:
+            lo = max(self.seq, self.global_batch_tokens // self.seq * self.seq)
+            raise TrainscaleError(
+                f"a global batch of {self.global_batch_tokens:,} tokens is not a whole number of {self.seq:,}-token "
+                f"sequences; use a multiple of {self.seq:,}, e.g. {lo:,} or {lo + self.seq:,}")
+        if self.train_tokens is not None and self.train_tokens <= 0:
+            raise TrainscaleError(f"--tokens must be positive, not {self.train_tokens}")
+        self.global_seqs = self.global_batch_tokens // self.seq
+
+    # ------------------------------------------------------------------ validity
+
+    def constraints(self, c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Each divisibility rule as a boolean array (True = satisfied)."""
+        m = self.model
+        tp, cp, pp, dp, mb, v, sched = (np.asarray(c[k]) for k in ("tp", "cp", "pp", "dp", "mb", "v", "schedule"))
+        ve = np.where(sched == 2, v, 1)
+        return {
+            "world": tp * cp * pp * dp == self.n_gpus,
+            "heads": m.n_heads % tp == 0,
+            "kv_heads": (m.n_kv_heads % tp == 0) | (tp % m.n_kv_heads == 0),
+            "ffn": m.d_ff % tp == 0,
+            "layers": (pp <= m.n_layers) & layer_placement(m.n_layers, pp, ve)["valid"],
+            "seq": (cp == 1) | (self.seq % (2 * cp) == 0),
+            "batch": self.global_seqs % (dp * mb) == 0,
+            # interleaving only shortens the bubble once every stage has a micro-batch (Narayanan 2021 Sec. 2.2.2)
+            "interleave": (sched != 2) | (self.global_seqs // (dp * mb) >= pp),
+        }
+
+    def why_invalid(self, lay: Layout) -> str | None:
+        """One sentence for the first rule ``lay`` breaks, with what would divide; None when valid."""
+        m, S, G, n = self.model, self.seq, self.global_seqs, self.n_gpus
+        ok = self.constraints(_cfg([lay]))
+        ve = lay.v if lay.schedule == "interleaved" else 1
+        if not ok["world"][0]:
+            mp = lay.tp * lay.cp * lay.pp
+            fix = (f"dp{n // mp} would fill them" if n % mp == 0 else
+                   f"tp x cp x pp = {mp} must divide {n:,}")
+            return f"layout {lay} uses {lay.world_size:,} GPUs (tp x cp x pp x dp), not the {n:,} asked for; {fix}"
+        if not ok["heads"][0] or not ok["kv_heads"][0] or not ok["ffn"][0]:
+            good = [int(t) for t in divisors(n) if self.constraints(_cfg([lay], tp=int(t)))["heads"][0]
+                    and self.constraints(_cfg([lay], tp=int(t)))["kv_heads"][0] and m.d_ff % t == 0][:8]
+            return (f"tp{lay.tp} does not split {m.name}'s {m.n_heads} attention heads, {m.n_kv_heads} KV heads and "
+                    f"{m.d_ff:,}-wide MLP evenly; use tp in {good}")
+        if not ok["layers"][0]:
+            chunks = [int(c) for c in divisors(m.n_layers)] + [int(c) for c in divisors(m.n_layers + 2) if c > 1]
+            return (f"{m.n_layers} layers do not split over pp{lay.pp} x v{ve} = {lay.pp * ve} pipeline chunks "
+                    f"(evenly, or as {m.n_layers + 2} slots with the embedding and head on the end stages); "
+                    f"use pp x v in {sorted(set(chunks))}")
+        if not ok["seq"][0]:
+            return (f"seq {S:,} does not split into 2 x cp{lay.cp} = {2 * lay.cp} chunks; "
+                    f"use a cp that divides {S // 2:,}")
+        if not ok["batch"][0]:
+            return (f"the global batch of {G:,} sequences does not split into dp{lay.dp} x mb{lay.mb}; "
+                    f"use dp x mb dividing {G:,}")
+        if not ok["interleave"][0]:
+            return (f"the interleaved schedule needs at least pp{lay.pp} micro-batches, and dp{lay.dp} x mb{lay.mb} "
+                    f"leaves {G // (lay.dp * lay.mb)}; use 1f1b, a smaller mb or fewer pipeline stages")
+        return None
+
+    # ------------------------------------------------------------------ the space
+
+    def enumerate(self) -> tuple[dict[str, np.ndarray], int]:
+        """Every valid layout as arrays, and how many candidates were generated before filtering."""
+        m, n = self.model, self.n_gpus
+        d = divisors(n)
+        tps = d[(m.n_heads % d == 0) & ((m.n_kv_heads % d == 0) | (d % m.n_kv_heads == 0)) & (m.d_ff % d == 0)]
+        cps = d[(d == 1) | (self.seq % (2 * d) == 0)]
+        pps = d[d <= m.n_layers]
+        vs = np.union1d(divisors(m.n_layers), divisors(m.n_layers + 2))
+        tp, cp, pp, v, sched = (a.ravel() for a in np.meshgrid(tps, cps, pps, vs, np.arange(3), indexing="ij"))
+        keep = (n % (tp * cp * pp) == 0)
+        keep &= np.where(pp == 1, (v == 1) & (sched == 1), np.where(v == 1, sched < 2, sched == 2))
+        tp, cp, pp, v, sched = (a[keep] for a in (tp, cp, pp, v, sched))
+        dp = n // (tp * cp * pp)
+        keep = layer_placement(m.n_layers, pp, v)["valid"] & (self.global_seqs % dp == 0)
+        base = {"tp": tp[keep], "cp": cp[keep], "pp": pp[keep], "dp": dp[keep], "v": v[keep], "schedule": sched[keep]}
+        # expand: micro-batch x recompute x ZeRO stage
+        nb = base["tp"].size
+        i, mb, rc, z = (a.ravel() for a in np.meshgrid(np.arange(nb), np.array(MICRO_BATCHES), np.arange(3),
+                                                          np.array(ZERO_STAGES), indexing="ij"))
+        cfg = {k: a[i] for k, a in base.items()}
+        cfg.update(mb=mb, recompute=rc, zero=z, hsdp=np.ones_like(mb), sp=np.ones(mb.shape, dtype=bool))
+        generated = cfg["tp"].size
+        ok = np.logical_and.reduce(list(self.constraints(cfg).values()))
+        # ZeRO over a single replica is ZeRO 0; keep one of each
+        ok &= (cfg["zero"] == 0) | (cfg["cp"] * cfg["dp"] > 1)
+        return {k: a[ok] for k, a in cfg.items()}, int(generated)
+
+    def score(self, cfg: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return evaluate(self.model, self.gpu, self.topo, self.eff, self.seq, self.global_seqs, cfg)
+
+    def search(self) -> SearchResult:
+        t0 = time.perf_counter()
+        cfg, generated = self.enumerate()
+        res = self.score(cfg)
+        order = np.lexsort((-res["headroom"], -res["tokens_per_s"], ~res["fits"])) if cfg["tp"].size else \
+            np.zeros(0, dtype=int)
+        return SearchResult(self, cfg, res, order, generated, time.perf_counter() - t0)
+
+    def evaluate_layout(self, lay: Layout) -> dict[str, Any]:
+        why = self.why_invalid(lay)
+        if why:
+            raise TrainscaleError(why)
+        cfg = _cfg([lay])
+        return self.row(cfg, self.score(cfg), 0)
+
+    # ------------------------------------------------------------------ output
+
+    def row(self, cfg: dict[str, np.ndarray], res: dict[str, np.ndarray], i: int) -> dict[str, Any]:
+        """One layout's figures as plain Python (the --json shape)."""
+        lay = layout_at(cfg, i)
+        tps = float(res["tokens_per_s"][i])
+        out: dict[str, Any] = {
+            "layout": str(lay),
+            "step_time_s": float(res["step_time_s"][i]),
+            "step_time_parts_s": {name: float(res[k][i]) for k, name in STEP_PARTS.items()},
+            "mfu": float(res["mfu"][i]), "hfu": float(res["hfu"][i]),
+            "tflops_per_gpu": float(res["tflops_per_gpu"][i]),
+            "tokens_per_s": tps,
+            "memory_per_gpu_bytes": {"total": float(res["mem_total"][i]),
+                                     **{name: float(res[k][i]) for k, name in MEM_PARTS.items()}},
+            "memory_capacity_bytes": float(self.gpu.memory_bytes - self.eff.memory_reserve_bytes),
+            "headroom_bytes": float(res["headroom"][i]),
+            "fits": bool(res["fits"][i]),
+            "micro_batches": int(res["micro_batches"][i]),
+            "bubble_fraction": float(res["bubble_fraction"][i]),
+            "layers_first_stage": int(res["layers_first_stage"][i]),
+            "layers_max_stage": int(res["layers_max_stage"][i]),
+            "tp_in_scale_up": bool(res["tp_in_scale_up"][i]),
+            "days": None, "gpu_hours": None,
+        }
+        if self.train_tokens:
+            secs = self.train_tokens / tps
+            out["days"] = secs / flops.SECONDS_PER_DAY
+            out["gpu_hours"] = secs / flops.SECONDS_PER_HOUR * self.n_gpus
+        return out
+
+    def inputs(self) -> dict[str, Any]:
+        return {"model": self.model.name, "gpu": self.gpu.name, "gpus": self.n_gpus, "seq": self.seq,
+                "global_batch_tokens": self.global_batch_tokens, "global_batch_sequences": self.global_seqs,
+                "train_tokens": self.train_tokens, "cluster": self.cluster.name,
+                "peak_flops": self.gpu.peak_bf16_flops, "memory_bytes": self.gpu.memory_bytes}
+
+    def suggestions(self, lay: Layout, limit: int = 3) -> list[dict[str, Any]]:
+        """Nearby layouts that fit when ``lay`` does not, fastest first: other recompute modes and ZeRO stages,
+        and a doubled pp, cp or tp (fewer layers, or less sequence, per GPU) in place of half the data parallelism."""
+        f = lay.model_dump()
+        shifts: list[dict[str, int]] = [{}]
+        if lay.dp % 2 == 0:
+            shifts += [{k: f[k] * 2, "dp": lay.dp // 2} for k in ("pp", "cp", "tp")]
+        cands: list[Layout] = []
+        vs = np.union1d(divisors(self.model.n_layers), divisors(self.model.n_layers + 2))
+        for shift in shifts:
+            pp = shift.get("pp", lay.pp)
+            # the schedule as given, and interleaving with the most virtual stages the layers allow
+            sched = [{}]
+            ok_v = vs[(vs > 1) & layer_placement(self.model.n_layers, pp, vs)["valid"]]
+            if pp > 1 and ok_v.size:
+                sched.append({"schedule": "interleaved", "v": int(ok_v.max())})
+            for sc in sched:
+                for rc in RECOMPUTE:
+                    for z in ZERO_STAGES:
+                        try:
+                            c = Layout(**{**f, **shift, **sc, "recompute": rc, "zero": z})
+                        except ValueError:
+                            continue
+                        if c != lay and self.why_invalid(c) is None:
+                            cands.append(c)
+        if not cands:
+            return []
+        cfg = _cfg(cands)
+        res = self.score(cfg)
+        idx = [int(i) for i in np.lexsort((-res["headroom"], -res["tokens_per_s"])) if res["fits"][i]]
+        return [self.row(cfg, res, i) for i in idx[:limit]]
+
+
+@dataclass
+class SearchResult:
+    problem: Problem
+    cfg: dict[str, np.ndarray]
+    res: dict[str, np.ndarray]
+    order: np.ndarray
+    generated: int
+    seconds: float
+
+    @property
+    def n_valid(self) -> int:
+        return int(self.cfg["tp"].size)
+
+    @property
+    def n_fit(self) -> int:
+        return int(self.res["fits"].sum()) if self.n_valid else 0
+
+    def best(self) -> int | None:
+        if not self.n_fit:
+            return None
+        return int(self.order[0])
+
+    def top(self, k: int) -> list[int]:
+        return [int(i) for i in self.order[: min(k, self.n_fit)]]
+
+    def runners_up(self, keys: tuple[str, ...] = ("tp", "pp", "cp", "v", "recompute", "zero", "mb")
+                   ) -> list[dict[str, Any]]:
+        """The best fitting layout that differs from the winner in each dimension, and what it loses on."""
+        b = self.best()
+        if b is None:
+            return []
+        fits = self.res["fits"]
+        rank = np.empty(self.order.size, dtype=np.int64)
+        rank[self.order] = np.arange(self.order.size)
+        # how many choices (other than dp, which follows from the rest) a layout changes from the winner
+        changed = sum((self.cfg[k] != self.cfg[k][b]).astype(np.int64) for k in KEYS if k != "dp")
+        out, seen = [], {b}
+        for k in keys:
+            # the nearest fitting layout that changes k: fewest other changes, then the fastest
+            ok = fits & (self.cfg[k] != self.cfg[k][b])
+            ok[list(seen)] = False
+            if not ok.any():
+                continue
+            cand = np.flatnonzero(ok)
+            i = int(cand[np.lexsort((rank[cand], changed[cand]))[0]])
+            seen.add(i)
+            out.append(self.compare(i, b, k))
+        # the fastest layout overall, if memory ruled it out
+        fastest = int(np.argmax(self.res["tokens_per_s"]))
+        if not fits[fastest]:
+            out.append(self.compare(fastest, b, "memory"))
+        return out
+
+    def compare(self, i: int, b: int, differs: str) -> dict[str, Any]:
+        r, p = self.res, self.problem
+        lay = layout_at(self.cfg, i)
+        slower = float(r["step_time_s"][i] / r["step_time_s"][b] - 1)
+        if not r["fits"][i]:
+            cap = p.gpu.memory_bytes - p.eff.memory_reserve_bytes
+            reason = (f"{-slower:.1%} faster, but needs {r['mem_total'][i] / 1e9:,.1f} GB per GPU against "
+                      f"{cap / 1e9:,.0f} GB")
+        else:
+            deltas = {name: float(r[k][i] - r[k][b]) for k, name in STEP_PARTS.items()}
+            worst = max(deltas, key=deltas.get)
+            reason = f"{slower:.1%} slower: {_because(worst, deltas[worst], self, i)}"
+        return {"layout": str(lay), "differs_in": differs, "step_time_s": float(r["step_time_s"][i]),
+                "slower_by": slower, "fits": bool(r["fits"][i]), "reason": reason}
+
+    def why_best(self) -> list[str]:
+        """Sentences that say why the winner wins, from its own numbers."""
+        b = self.best()
+        if b is None:
+            return []
+        r, c, p = self.res, self.cfg, self.problem
+        tp, cp, pp, v = (int(c[k][b]) for k in ("tp", "cp", "pp", "v"))
+        out = []
+        dom = p.topo.scale_up_domain
+        if tp > 1:
+            where = f"inside one {dom}-GPU NVLink domain" if r["tp_in_scale_up"][b] else "across the network"
+            out.append(f"TP{tp} keeps the per-layer tensor-parallel traffic {where} "
+                       f"({r['t_tp_comm'][b]:.2f} s of the {r['step_time_s'][b]:.2f} s step).")
+        if pp > 1:
+            sch = f"interleaved with v{v}" if int(c["schedule"][b]) == 2 else SCHEDULE[int(c["schedule"][b])]
+            out.append(f"PP{pp} ({sch}, {int(r['micro_batches'][b])} micro-batches) costs a "
+                       f"{r['bubble_fraction'][b]:.1%} bubble; its first stage holds {int(r['layers_first_stage'][b])} "
+                       f"layers" + (" (the end stages give a layer's slot to the embedding and head, as Llama 3 does)"
+                                    if r["balanced_ends"][b] else "") + ".")
+        if cp > 1:
+            out.append(f"CP{cp} splits each sequence {cp} ways, dividing activations by {cp} for "
+                       f"{r['t_cp_comm'][b]:.2f} s of exposed K/V all-gather per step.")
+        rc = RECOMPUTE[int(c["recompute"][b])]
+        out.append(f"Recompute {rc}: {r['mem_activations'][b] / 1e9:,.1f} GB of activations for "
+                   f"{r['t_recompute'][b]:.2f} s of recomputation per step; ZeRO-{int(c['zero'][b])} over "
+                   f"{int(c['cp'][b] * c['dp'][b])} replicas leaves {r['t_dp_comm'][b]:.2f} s of DP traffic exposed.")
+        out.append(f"It uses {r['mem_total'][b] / 1e9:,.1f} GB of {p.gpu.memory_bytes / 1e9:,.0f} GB per GPU "
+                   f"({r['headroom'][b] / 1e9:,.1f} GB headroom) at {r['mfu'][b]:.1%} MFU.")
+        n_faster = int((r["tokens_per_s"] > r["tokens_per_s"][b]).sum())
+        out.append(f"Searched {self.generated:,} candidates: {self.n_valid:,} divide, {self.n_fit:,} fit; "
+                   f"{n_faster:,} faster layouts do not fit in memory.")
+        return out
+
+    def nothing_fits(self) -> str:
+        """One sentence: why nothing fits and what would."""
+        p = self.problem
+        cap = p.gpu.memory_bytes - p.eff.memory_reserve_bytes
+        head = (f"no layout of {p.model.name} fits {cap / 1e9:,.0f} GB per GPU on {p.n_gpus:,} {p.gpu.name} "
+                f"at seq {p.seq:,}")
+        if not self.n_valid:
+            return (f"no layout of {p.model.name} divides on {p.n_gpus:,} GPUs with a {p.global_seqs:,}-sequence "
+                    f"batch (tp | {p.model.n_heads} heads, pp x v | {p.model.n_layers} layers, dp x mb | batch); "
+                    "try a GPU count and batch with more factors of 2")
+        lean = int(np.argmin(self.res["mem_total"]))
+        msg = (f"{head}: the leanest, {layout_at(self.cfg, lean)}, needs "
+               f"{self.res['mem_total'][lean] / 1e9:,.1f} GB")
+        more = self.more_gpus()
+        if more:
+            msg += f"; {more[0]:,} GPUs would fit, with {more[1]}"
+        else:
+            msg += "; try a shorter sequence or a GPU with more memory"
+        return msg
+
+    def more_gpus(self, max_factor: int = 64) -> tuple[int, str] | None:
+        """The smallest multiple (x2, x4, ...) of the GPU count on which some layout fits."""
+        p = self.problem
+        f = 2
+        while f <= max_factor:
+            q = Problem(p.model, p.gpu, p.cluster, p.topo, p.eff, p.n_gpus * f, p.seq, p.global_batch_tokens)
+            s = q.search()
+            b = s.best()
+            if b is not None:
+                return q.n_gpus, str(layout_at(s.cfg, b))
+            f *= 2
+        return None
+
+
+def _because(part: str, delta: float, s: SearchResult, i: int) -> str:
+    r, c = s.res, s.cfg
+    what = {
+        "compute": "more compute time (smaller GEMMs or an unbalanced stage)",
+        "recompute": f"recomputation (rc={RECOMPUTE[int(c['recompute'][i])]})",
+        "tp_comm": "tensor-parallel traffic" + ("" if r["tp_in_scale_up"][i] else " leaving the NVLink domain"),
+        "cp_comm": "the context-parallel K/V all-gather",
+        "pipeline_bubble": f"the pipeline bubble ({r['bubble_fraction'][i]:.1%})",
+        "pipeline_p2p": "pipeline point-to-point transfers",
+        "dp_comm": f"exposed ZeRO-{int(c['zero'][i])} data-parallel traffic",
+        "optimizer": "the optimizer step",
+    }[part]
+    return f"{what}, +{delta:.2f} s per step"
+
+
+def _cfg(lays: list[Layout], **override: int) -> dict[str, np.ndarray]:
+    rows = [{**lay.model_dump(), **override} for lay in lays]
+    return {
+        "tp": np.array([r["tp"] for r in rows]), "cp": np.array([r["cp"] for r in rows]),
+        "pp": np.array([r["pp"] for r in rows]), "dp": np.array([r["dp"] for r in rows]),
+        "mb": np.array([r["mb"] for r in rows]), "v": np.array([r["v"] for r in rows]),
+        "schedule": np.array([SCHEDULE.index(r["schedule"]) for r in rows]),
+        "recompute": np.array([RECOMPUTE.index(r["recompute"]) for r in rows]),
+        "zero": np.array([r["zero"] for r in rows]), "hsdp": np.array([r["hsdp"] for r in rows]),
+        "sp": np.array([r["sp"] for r in rows], dtype=bool),
+    }
+
+
+def layout_at(cfg: dict[str, np.ndarray], i: int) -> Layout:
+    pp, sched, v = int(cfg["pp"][i]), SCHEDULE[int(cfg["schedule"][i])], int(cfg["v"][i])
+    return Layout(tp=int(cfg["tp"][i]), cp=int(cfg["cp"][i]), pp=pp, dp=int(cfg["dp"][i]), mb=int(cfg["mb"][i]),
+                  v=v, schedule=sched if pp > 1 else "1f1b", recompute=RECOMPUTE[int(cfg["recompute"][i])],
+                  zero=int(cfg["zero"][i]), hsdp=int(cfg["hsdp"][i]), sp=bool(cfg["sp"][i]))
+
+
+def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: int = 16384, seq: int = 8192,
+            global_batch_tokens: int = 2**24, tokens: float | None = None, cluster: str | None = None,
+            profile: str | None = None, overrides: dict[str, float] | None = None) -> Problem:
+    """Build a planning problem from catalog names (or files), with the catalog's default efficiencies."""
+    m = load_model(model)
+    cl, g = pick_cluster(gpu, gpus, cluster)
+    eff = load_efficiencies(g.name, profile, overrides, g.peak_bf16_flops)
+    return Problem(m, g, cl, cluster_topology(cl, g, eff), eff, gpus, seq, global_batch_tokens, tokens)
