@@ -44,7 +44,7 @@ def _settings(pairs: list[str] | None) -> dict[str, float]:
 def plan(
     model: str = typer.Option("llama3.1-405b", help="catalog name, TOML file or HF config.json"),
     gpu: str = typer.Option(None, help="GPU (default: the cluster's, else h100-sxm)"),
-    gpus: int = typer.Option(16384, help="number of GPUs"),
+    gpus: int = typer.Option(None, help="number of GPUs (default: the layout's world size, else 16,384)"),
     seq: int = typer.Option(8192, help="sequence length, tokens"),
     global_batch_tokens: str = typer.Option(
         "16M", help="tokens per optimizer step; K/M/G are powers of 1024 (Llama 3's '16M' is 2^24)"),
@@ -67,10 +67,12 @@ def plan(
         raise TrainscaleError(f"--global-batch-tokens must be a whole number of tokens, not {global_batch_tokens}")
     if top <= 0:
         raise TrainscaleError(f"--top must be positive, not {top}")
+    lay = Layout.parse(layout) if layout is not None else None
+    if gpus is None:
+        gpus = lay.world_size if lay is not None else 16384
     p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_))
     head = _header(p)
-    if layout is not None:
-        lay = Layout.parse(layout)
+    if lay is not None:
         row = p.evaluate_layout(lay)
         sugg = [] if row["fits"] else p.suggestions(lay)
         if as_json:
