@@ -50,3 +50,20 @@ def test_seed_report_in_chromium(tmp_path):
     assert res["images"] == len(data["figures"]) and not res["broken_images"]
     assert res["console_errors"] == []
     assert shot.stat().st_size > 10_000
+
+
+def test_report_from_plan_json(tmp_path):
+    import subprocess
+    import sys
+
+    plan = subprocess.run([sys.executable, "-m", "trainscale", "plan", "--model", "llama3.1-70b", "--gpu", "h100-sxm",
+                           "--gpus", "1024", "--seq", "8192", "--global-batch-tokens", str(2**22), "--json"],
+                          capture_output=True, text=True, check=True)
+    (tmp_path / "plan.json").write_text(plan.stdout)
+    build_report(tmp_path / "r", plan_file=tmp_path / "plan.json")
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert data["summary"]["planned layout"] == json.loads(plan.stdout)["layout"]
+    assert {"plan_step_time", "plan_memory", "layout_mesh"} <= {f["key"] for f in data["figures"]}
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(Exception, match="not the output of 'trainscale plan --json'"):
+        build_report(tmp_path / "r2", plan_file=tmp_path / "bad.json")

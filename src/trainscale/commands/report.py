@@ -23,6 +23,7 @@ def report(
     tokens: float = typer.Option(None, help="training tokens (default: Llama 3.1's 15.6T)"),
     mfu: float = typer.Option(0.40, help="MFU for time and energy"),
     run: Path = typer.Option(None, "--run", help="a trainscale run folder to report on"),
+    plan: Path = typer.Option(None, "--plan", help="the JSON of 'trainscale plan --json' (sets model, GPUs, layout)"),
     check: bool = typer.Option(False, help="open the page in headless Chromium and check every image loads"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -35,7 +36,7 @@ def report(
     if not 0 < mfu <= 1:
         raise TrainscaleError(f"--mfu must be in (0, 1], not {mfu}")
     page = build_report(out, model=model, gpu=gpu, gpus=gpus, cluster=cluster, layout=layout or None,
-                        tokens=tokens, mfu=mfu, run_dir=run)
+                        tokens=tokens, mfu=mfu, run_dir=run, plan_file=plan)
     result = {"page": str(page), "files": sorted(p.name for p in Path(out).iterdir())}
     if check:
         from trainscale.report.browser import check_page

@@ -16,7 +16,8 @@ from trainscale.specs import Layout, facts, load_cluster, load_facility, load_gp
 
 
 def seed_sections(out: Path, model: str, gpu: str, gpus: int, cluster: str, layout: Layout | None,
-                  tokens: float, mfu: float, home_gpu: str = "rtx4090") -> tuple[list, list[tuple[str, str]]]:
+                  tokens: float, mfu: float, home_gpu: str = "rtx4090", micro_batches: int | None = None
+                  ) -> tuple[list, list[tuple[str, str]]]:
     m, g, home, cl, fac = load_model(model), load_gpu(gpu), load_gpu(home_gpu), load_cluster(cluster), load_facility()
     c = flops.training_flops(param_count(m), tokens)
     sections: list[tuple[str, list[plots.Plot]]] = []
@@ -29,7 +30,7 @@ def seed_sections(out: Path, model: str, gpu: str, gpus: int, cluster: str, layo
             raise TrainscaleError(f"layout {layout} uses {layout.world_size:,} GPUs, not the {gpus:,} asked for")
         mesh = [plots.layout_mesh(layout, cl, out)]
         if layout.pp > 1:
-            m_mb = max(layout.pp * 2, 8) if layout.schedule != "interleaved" else layout.pp * 2
+            m_mb = micro_batches or (max(layout.pp * 2, 8) if layout.schedule != "interleaved" else layout.pp * 2)
             tl = timeline(rank_orders(layout.schedule, layout.pp, m_mb, layout.v), layout.pp * layout.v)
             bf = bubble_fraction(tl)
             title = (f"{layout.schedule} schedule, {layout.pp} stages, {m_mb} micro-batches, v={layout.v}: "
@@ -56,6 +57,24 @@ def seed_sections(out: Path, model: str, gpu: str, gpus: int, cluster: str, layo
                             f"at {fac.price_per_kwh} $/kWh"),
     ]
     return sections, summary
+
+
+def plan_sections(out: Path, plan: dict[str, Any]) -> tuple[list, list[tuple[str, str]]]:
+    """The planner's choice (``trainscale plan --json``): step-time and memory breakdown, and why."""
+    parts = plan["step_time_parts_s"]
+    mem = {k: v for k, v in plan["memory_per_gpu_bytes"].items() if k != "total"}
+    step = plots.bars("plan_step_time", f"Predicted step time of {plan['layout']}", "seconds per step",
+                      {k.replace("_", " "): {"predicted": v} for k, v in parts.items()}, out,
+                      f"{plan['step_time_s']:.2f} s per step, MFU {plan['mfu']:.1%}.")
+    memory = plots.bars("plan_memory", "Predicted memory per GPU (first pipeline stage)", "GB (decimal)",
+                        {k: {"predicted": v / 1e9} for k, v in mem.items()}, out,
+                        f"{plan['memory_per_gpu_bytes']['total'] / 1e9:.1f} GB of "
+                        f"{plan['memory_capacity_bytes'] / 1e9:.0f} GB.")
+    why = plan.get("why") or []
+    step.table += [("why", str(w)) for w in (why if isinstance(why, list) else [why])]
+    summary = [("planned layout", plan["layout"]), ("predicted MFU", f"{plan['mfu']:.1%}"),
+               ("predicted tokens/s", f"{plan['tokens_per_s']:,.0f}")]
+    return [("The plan", [step, memory])], summary
 
 
 def reliability_sections(out: Path, model: str, gpu: str, gpus: int, window_h: float = 6.0
@@ -144,12 +163,28 @@ def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]
 
 def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100-sxm", gpus: int = 16384,
                  cluster: str = "meta-h100", layout: str | None = "tp8,cp1,pp16,dp128,mb1",
-                 tokens: float | None = None, mfu: float = 0.40, run_dir: str | Path | None = None) -> Path:
+                 tokens: float | None = None, mfu: float = 0.40, run_dir: str | Path | None = None,
+                 plan_file: str | Path | None = None) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokens = tokens if tokens is not None else facts()["llama3_405b_training"]["tokens"]
+    plan = None
+    if plan_file is not None:
+        try:
+            plan = json.loads(Path(plan_file).read_text())
+            inp = plan["inputs"]
+            model, gpu, gpus, layout = inp["model"], inp["gpu"], int(inp["gpus"]), plan["layout"]
+            cluster = inp.get("cluster") or cluster
+            mfu = float(plan["mfu"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise TrainscaleError(f"{plan_file} is not the output of 'trainscale plan --json' ({e})") from None
     lay = Layout.parse(layout) if layout else None
-    sections, summary = seed_sections(out, model, gpu, gpus, cluster, lay, tokens, mfu)
+    sections, summary = seed_sections(out, model, gpu, gpus, cluster, lay, tokens, mfu,
+                                      micro_batches=plan.get("micro_batches") if plan else None)
+    if plan is not None:
+        ps, psum = plan_sections(out, plan)
+        sections += ps
+        summary += psum
     rel_sections, rel_summary = reliability_sections(out, model, gpu, gpus)
     sections += rel_sections
     summary += rel_summary
