@@ -1,0 +1,63 @@
+"""`trainscale export`: a Hugging Face Llama folder or a llama.cpp GGUF file, sizes vs the estimator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from trainscale.commands._common import console, emit_json
+from trainscale.errors import TrainscaleError
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(export)
+
+
+def export(
+    checkpoint: str = typer.Argument(..., help="model folder, run folder, quantized or LoRA folder"),
+    out: Path = typer.Argument(..., help="HF: output folder; GGUF: output .gguf file"),
+    to: str = typer.Option(..., "--to", help="hf or gguf"),
+    ftype: str = typer.Option("f16", "--type", "-t", help="GGUF tensor type: f16, q8_0 or q4_0"),
+    dtype: str = typer.Option("float32", help="HF weights dtype: float32, bfloat16 or float16"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Export to Hugging Face (config.json, model.safetensors, tokenizer files) or to GGUF for llama.cpp."""
+    from trainscale.commands._infer import check_table, kv_table, print_tables
+    from trainscale.infer.load import find_folder, read_spec
+
+    to = to.lower()
+    if to not in ("hf", "gguf"):
+        raise TrainscaleError(f"--to must be hf or gguf, not {to!r}")
+    spec = read_spec(find_folder(checkpoint))
+    if to == "hf":
+        from trainscale.estimate.inference import weights_bytes
+        from trainscale.estimate.params import param_count
+        from trainscale.infer.export import HF_DTYPES, export_hf
+
+        rep = export_hf(checkpoint, out, dtype)
+        bits = 8 * HF_DTYPES[dtype].itemsize
+        predicted = weights_bytes(param_count(spec), bits)
+        check = ("tensor bytes (params x bytes)", rep["tensor_bytes"], predicted)
+        title = f"Hugging Face Llama folder ({dtype})"
+    else:
+        from trainscale.estimate.inference import gguf_tensor_bytes
+        from trainscale.infer.export import GGUF_TYPES, export_gguf
+
+        if ftype not in GGUF_TYPES:
+            raise TrainscaleError(f"--type must be one of {', '.join(GGUF_TYPES)}, not {ftype!r}")
+        if out.suffix.lower() != ".gguf":
+            raise TrainscaleError(f"the GGUF output must be a .gguf file, not {out}")
+        rep = export_gguf(checkpoint, out, ftype)
+        predicted = gguf_tensor_bytes(spec, ftype, llama_cpp_mix=False)
+        check = ("tensor bytes (gguf_tensor_bytes)", rep["tensor_bytes"], predicted)
+        title = f"GGUF {ftype} (llama.cpp, architecture llama)"
+    rep = {**rep, "to": to, "predicted_tensor_bytes": predicted, "equal": rep["tensor_bytes"] == predicted}
+    if as_json:
+        emit_json(rep)
+        return
+    console.print(f"[bold]{title}[/bold]: {rep['source']} -> {rep['out']}")
+    rows = {"file on disk": f"{rep['file_bytes']:,} B", "header + metadata": f"{rep['header_bytes']:,} B"}
+    if rep.get("padding_bytes"):
+        rows["alignment padding"] = f"{rep['padding_bytes']:,} B"
+    print_tables(kv_table(rows), check_table("size vs the estimator", [check]))

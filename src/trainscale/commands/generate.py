@@ -1,0 +1,73 @@
+"""`trainscale generate`: sample a continuation with a KV cache, and check the cache's bytes."""
+
+from __future__ import annotations
+
+import time
+
+import typer
+
+from trainscale.commands._common import console, emit_json
+from trainscale.errors import TrainscaleError
+
+KV_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(generate)
+
+
+def generate(
+    checkpoint: str = typer.Argument(..., help="model folder, run folder, quantized or LoRA folder"),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="text to continue"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="tokens to generate"),
+    temperature: float = typer.Option(0.8, help="softmax temperature; 0 = greedy"),
+    top_k: int = typer.Option(0, "--top-k", help="keep the k most likely tokens (0: off)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="keep the smallest set with this probability (1: off)"),
+    seed: int = typer.Option(0, help="sampling seed"),
+    kv_dtype: str = typer.Option("float32", help="KV cache precision: float32, bfloat16 or float16"),
+    stop: bool = typer.Option(True, "--stop/--no-stop", help="stop at the end-of-text token"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Continue a prompt: temperature / top-k / top-p sampling with a KV cache sized by the estimator's formula."""
+    import torch
+
+    from trainscale.commands._infer import check_table, kv_table, print_tables
+    from trainscale.estimate.memory import kv_cache_bytes
+    from trainscale.infer.generate import Sampling, generate_ids
+    from trainscale.infer.load import load_for_inference, load_tokenizer_for
+
+    if kv_dtype not in KV_DTYPES:
+        raise TrainscaleError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
+    sampling = Sampling(temperature, top_k, top_p, seed).check()
+    model, spec, folder = load_for_inference(checkpoint)
+    tok = load_tokenizer_for(folder)
+    ids = tok.encode(prompt).ids
+    dt = getattr(torch, kv_dtype)
+    t0 = time.perf_counter()
+    g = generate_ids(model, ids, max_new_tokens, sampling, kv_dtype=dt,
+                     stop_id=tok.token_to_id("<|endoftext|>") if stop else None)
+    secs = time.perf_counter() - t0
+    predicted = kv_cache_bytes(spec, g.kv_capacity, 1, torch.empty((), dtype=dt).element_size())
+    text = tok.decode(g.new_ids)
+    out = {
+        "checkpoint": str(folder), "prompt": prompt, "completion": text, "prompt_tokens": len(ids),
+        "new_tokens": len(g.new_ids), "token_ids": g.new_ids, "seconds": secs,
+        "tokens_per_s": len(g.new_ids) / secs if secs > 0 else None,
+        "sampling": {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed},
+        "kv_cache": {"dtype": kv_dtype, "positions": g.kv_capacity, "measured_bytes": g.kv_cache_bytes,
+                     "predicted_bytes": predicted, "equal": g.kv_cache_bytes == predicted,
+                     "formula": "2 x n_layers x n_kv_heads x head_dim x bytes x positions"},
+    }
+    if as_json:
+        emit_json(out)
+        return
+    from rich.text import Text
+
+    console.print(Text(prompt, style="bold") + Text(text))
+    console.print()
+    print_tables(
+        kv_table({"model": f"{spec.name} ({folder})", "tokens": f"{len(ids)} prompt + {len(g.new_ids)} new",
+                  "speed": f"{out['tokens_per_s'] or 0:.1f} tokens/s"}),
+        check_table(f"KV cache ({kv_dtype}, {g.kv_capacity} positions)",
+                    [("KV cache bytes", g.kv_cache_bytes, predicted)]),
+    )

@@ -1,0 +1,110 @@
+"""`trainscale lora`: train low-rank adapters on a frozen model; trainable params and Adam bytes vs the estimator."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from trainscale.commands._common import console, emit_json
+from trainscale.errors import TrainscaleError
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(lora)
+
+
+def lora(
+    checkpoint: str = typer.Argument(..., help="model folder or run folder (the frozen base)"),
+    rank: int = typer.Option(8, "--rank", "-r", help="adapter rank r"),
+    data: str = typer.Option(..., "--data", help="UTF-8 text file to fine-tune on (or corpus:train / corpus:val)"),
+    alpha: float = typer.Option(None, help="LoRA alpha; the update is scaled by alpha / r (default: 2 r)"),
+    targets: str = typer.Option("all", help="adapted projections: all, attn, mlp, or names wq,wk,wv,wo,w1,w2,w3"),
+    steps: int = typer.Option(100, help="optimizer steps"),
+    batch: int = typer.Option(8, help="sequences per step"),
+    seq_len: int = typer.Option(128, help="tokens per sequence"),
+    lr: float = typer.Option(2e-3, help="Adam learning rate"),
+    seed: int = typer.Option(0, help="seed for the adapter init and the batches"),
+    out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-lora-rR beside it)"),
+    merge: bool = typer.Option(False, "--merge", help="also fold the adapters into the weights: a plain model folder"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Fine-tune LoRA adapters (Hu et al. 2021) on attention and MLP projections, base weights frozen."""
+    from rich.progress import Progress
+
+    from trainscale.commands._infer import check_table, kv_table, print_tables
+    from trainscale.estimate.lora import lora_optimizer_bytes, lora_targets, lora_trainable_params
+    from trainscale.estimate.params import param_count
+    from trainscale.infer.evaluate import perplexity
+    from trainscale.infer.load import find_folder, load_for_inference, load_tokenizer_for
+    from trainscale.infer.lora import apply_lora, merge_lora, read_data, save_adapter_folder, train_lora
+
+    for name, v in (("--rank", rank), ("--steps", steps), ("--batch", batch), ("--seq-len", seq_len)):
+        if v <= 0:
+            raise TrainscaleError(f"{name} must be positive, not {v}")
+    if not lr > 0:
+        raise TrainscaleError(f"--lr must be positive, not {lr}")
+    alpha = 2.0 * rank if alpha is None else alpha
+    model, spec, src = load_for_inference(checkpoint)
+    try:
+        names = lora_targets(spec, targets)
+    except ValueError as e:
+        raise TrainscaleError(str(e)) from None
+    tok = load_tokenizer_for(src)
+    ids = read_data(data, tok)
+    split = int(len(ids) * 0.9)
+    train_ids, held_ids = ids[:split], ids[split:]
+    before = perplexity(model, held_ids, seq_len) if len(held_ids) > 1 else None
+    apply_lora(model, rank, alpha, names, seed)
+    t0 = time.perf_counter()
+    if as_json:
+        res = train_lora(model, train_ids, steps, batch, seq_len, lr, seed)
+    else:
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("LoRA steps", total=steps)
+            res = train_lora(model, train_ids, steps, batch, seq_len, lr, seed,
+                             progress=lambda s, loss: bar.update(task, completed=s, description=f"loss {loss:.3f}"))
+    secs = time.perf_counter() - t0
+    after = perplexity(model, held_ids, seq_len) if len(held_ids) > 1 else None
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    pred_params = lora_trainable_params(spec, rank, names)
+    pred_opt = lora_optimizer_bytes(spec, rank, names)
+    folder = find_folder(src)
+    out = out or folder.with_name(f"{folder.name}-lora-r{rank}")
+    if out.resolve() == folder.resolve():
+        raise TrainscaleError(f"the adapter folder cannot be the base folder {folder}; pick another --out")
+    cfg = {"rank": rank, "alpha": alpha, "targets": list(names), "steps": steps, "lr": lr, "data": data,
+           "losses": res["losses"]}
+    save_adapter_folder(out, model, spec, folder, cfg)
+    if merge:
+        from trainscale.runtime.artifact import save_model_dir
+
+        merged = merge_lora(model)
+        save_model_dir(out, merged.state_dict(), spec, None)
+    report = {
+        "base": str(folder), "out": str(out), "merged": merge, "rank": rank, "alpha": alpha, "targets": list(names),
+        "steps": steps, "seconds": secs, "first_loss": res["losses"][0], "last_loss": res["losses"][-1],
+        "held_out_perplexity": {"before": before, "after": after, "tokens": len(held_ids)},
+        "trainable_params": {"measured": res["trainable_params"], "predicted": pred_params,
+                             "equal": res["trainable_params"] == pred_params,
+                             "formula": "n_layers x sum over targets of r x (d_in + d_out) (Hu et al. 2021)"},
+        "frozen_params": frozen, "base_params": param_count(spec),
+        "optimizer_bytes": {"measured": res["optimizer_bytes"]["moments"], "predicted": pred_opt,
+                            "equal": res["optimizer_bytes"]["moments"] == pred_opt,
+                            "step_counter_bytes": res["optimizer_bytes"]["step_counters"],
+                            "counts": "Adam's fp32 m and v (8 bytes per trainable parameter); adapters train in fp32, "
+                                      "so no separate master copy"},
+    }
+    if as_json:
+        emit_json(report)
+        return
+    console.print(f"[bold]LoRA r={rank}, alpha={alpha:g} on {', '.join(names)}[/bold]: {folder} -> {out}"
+                  + (" (merged)" if merge else ""))
+    rows = {"loss": f"{report['first_loss']:.3f} -> {report['last_loss']:.3f} in {steps} steps ({secs:.1f} s)",
+            "frozen parameters": f"{frozen:,} (base model {param_count(spec):,})"}
+    if before is not None:
+        rows[f"held-out perplexity (last 10% of data, {len(held_ids):,} tokens)"] = f"{before:.3f} -> {after:.3f}"
+    print_tables(kv_table(rows), check_table("adapters vs the estimator (estimate/lora.py)", [
+        ("trainable parameters", res["trainable_params"], pred_params),
+        ("Adam m + v bytes", res["optimizer_bytes"]["moments"], pred_opt)]))

@@ -1,0 +1,111 @@
+"""`trainscale quantize`: group-wise int8 / int4 weights, file size vs the estimator, perplexity before/after."""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import typer
+
+from trainscale.commands._common import console, emit_json
+from trainscale.errors import TrainscaleError
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(quantize)
+
+
+def quantize(
+    checkpoint: str = typer.Argument(..., help="model folder or run folder"),
+    fmt: str = typer.Option("int4", "--format", "-f", help="int8 or int4"),
+    group_size: int = typer.Option(32, "--group-size", "-g", help="weights per scale: 32, 64 or 128"),
+    asymmetric: bool = typer.Option(False, "--asymmetric/--symmetric", help="per-group offset (min) as well"),
+    out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-FORMAT-gGROUP beside it)"),
+    eval_tokens: int = typer.Option(16384, help="held-out tokens for the perplexity check (0: skip it)"),
+    eval_text: Path = typer.Option(None, help="held-out text file (default: the corpus's held-out plays)"),
+    prompt: str = typer.Option("To be, or not to be", "--prompt", "-p", help="prompt for the sample generation"),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="tokens of the sample (0: none)"),
+    seed: int = typer.Option(0, help="sampling seed of the sample"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Quantize every weight matrix group-wise (fp16 scale per group, packed 4-bit codes) and check the result."""
+    import torch
+
+    from trainscale.commands._infer import check_table, kv_table, print_tables
+    from trainscale.estimate.inference import quantized_model_bytes
+    from trainscale.infer.evaluate import eval_ids, perplexity
+    from trainscale.infer.generate import Sampling, generate_ids
+    from trainscale.infer.load import find_folder, load_for_inference, load_tokenizer_for
+    from trainscale.infer.quantize import (
+        QuantConfig,
+        model_from_state_dict,
+        safetensors_layout,
+        save_quantized,
+        weight_error,
+    )
+
+    cfg = QuantConfig(fmt, group_size, asymmetric).check()
+    if fmt == "bf16":
+        raise TrainscaleError("--format must be int8 or int4")
+    if eval_tokens < 0:
+        raise TrainscaleError(f"--eval-tokens must be >= 0, not {eval_tokens}")
+    src = find_folder(checkpoint)
+    out = out or src.with_name(f"{src.name}-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
+    t0 = time.perf_counter()
+    res = save_quantized(src, out, cfg)
+    secs = time.perf_counter() - t0
+    spec = res.spec
+    layout = safetensors_layout(res.path)
+    predicted = quantized_model_bytes(spec, fmt, group_size, asymmetric)
+    err = weight_error(res.original, res.restored)
+    report: dict = {
+        "source": str(res.source), "out": str(out), "format": fmt, "group_size": group_size, "scheme": cfg.scheme,
+        "seconds": secs,
+        "file": {**layout, "predicted_tensor_bytes": predicted, "equal": layout["tensor_bytes"] == predicted,
+                 "bf16_tensor_bytes": quantized_model_bytes(spec, "bf16")},
+        "weight_error": err,
+    }
+    if (res.source / "model.safetensors").exists():
+        report["file"]["source_file_bytes"] = safetensors_layout(res.source / "model.safetensors")["file_bytes"]
+    tok = load_tokenizer_for(out)
+    if eval_tokens:
+        text = None
+        if eval_text is not None:
+            try:
+                text = eval_text.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TrainscaleError(f"--eval-text {eval_text} cannot be read as UTF-8 text: {e}") from None
+        ids = eval_ids(tok, text, eval_tokens)
+        bf16 = {k: v.to(torch.bfloat16) for k, v in res.original.items()}
+        with console.status("held-out perplexity ...") if not as_json else nullcontext():
+            ppl = {"source": perplexity(model_from_state_dict(spec, res.original), ids),
+                   "bf16": perplexity(model_from_state_dict(spec, bf16), ids),
+                   fmt: perplexity(model_from_state_dict(spec, res.restored), ids)}
+        report["perplexity"] = {**ppl, "tokens": len(ids), "text": str(eval_text or "corpus:val"),
+                                "change_vs_bf16": ppl[fmt] / ppl["bf16"] - 1}
+    if max_new_tokens:
+        qmodel, _, _ = load_for_inference(out)  # from the file just written
+        g = generate_ids(qmodel, tok.encode(prompt).ids, max_new_tokens, Sampling(0.8, 0, 0.95, seed))
+        report["sample"] = {"prompt": prompt, "completion": tok.decode(g.new_ids)}
+    if as_json:
+        emit_json(report)
+        return
+    f = report["file"]
+    console.print(f"[bold]{fmt} {cfg.scheme}, groups of {group_size}[/bold]: {res.source} -> {res.path}")
+    rows = {"file on disk": f"{f['file_bytes']:,} B (header {f['header_bytes']:,} B + tensors {f['tensor_bytes']:,} B)",
+            "weight error (relative Frobenius)": f"{err['relative_frobenius']:.3%}",
+            "weight error (largest |dW|)": f"{err['max_abs']:.3g}"}
+    if "source_file_bytes" in f:
+        rows["source file"] = f"{f['source_file_bytes']:,} B"
+    if "perplexity" in report:
+        p = report["perplexity"]
+        rows[f"held-out perplexity ({p['tokens']:,} tokens)"] = (
+            f"source {p['source']:.3f}, bf16 {p['bf16']:.3f}, {fmt} {p[fmt]:.3f} ({p['change_vs_bf16']:+.2%} vs bf16)")
+    print_tables(kv_table(rows), check_table("file size vs the estimator (quantized_model_bytes)",
+                                             [("tensor bytes", f["tensor_bytes"], predicted)]))
+    if "sample" in report:
+        from rich.text import Text
+
+        console.print(Text("\nsample from the quantized model: ") + Text(prompt, style="bold")
+                      + Text(report["sample"]["completion"]))

@@ -1,0 +1,258 @@
+"""Export a trainscale model to a Hugging Face Llama folder and to a llama.cpp GGUF file.
+
+RoPE layouts. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head, as Meta's original
+Llama code does; llama.cpp's "llama" architecture (rope type NORM) rotates the same pairs, so GGUF
+gets wq / wk unchanged. Hugging Face's LlamaForCausalLM rotates (x[i], x[i + d/2]) (rotate_half),
+so the HF export permutes each head's rows of wq / wk (and their biases): new row i <- old row 2i,
+new row d/2 + i <- old row 2i + 1, the permutation of transformers' convert_llama_weights_to_hf.py.
+Tests check both by logits / greedy continuations, not by reasoning.
+
+The GGUF file is written directly with ``gguf.GGUFWriter`` (llama.cpp's converter only accepts
+tokenizers it knows by hash): tokenizer.ggml.model = "gpt2" (byte-level BPE) with the tokens,
+token types and merges of the run's tokenizer.json, tokenizer.ggml.pre = "gpt-2" (GPT-2's
+pre-tokenizer regex, what tokenizers' ByteLevel(use_regex=True) applies). Tensor types come from
+``estimate.inference.gguf_tensor_types(..., llama_cpp_mix=False)``: every matrix in the chosen type
+(ggml's F16 fallback for rows that are not a whole number of blocks), norms in F32. Q8_0 / Q4_0
+blocks are made by ``gguf.quants`` (a numpy port of ggml's reference quantizers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainscale.errors import TrainscaleError
+from trainscale.specs import ModelSpec
+
+GGUF_TYPES = ("f16", "q8_0", "q4_0")
+HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_llama(spec: ModelSpec, target: str, allow_bias: bool = False) -> None:
+    bad = []
+    if spec.mlp != "swiglu":
+        bad.append(f"mlp={spec.mlp}")
+    if spec.norm != "rmsnorm":
+        bad.append(f"norm={spec.norm}")
+    if spec.positions != "rope":
+        bad.append(f"positions={spec.positions}")
+    if spec.bias and not allow_bias:
+        bad.append("bias=true")
+    if bad:
+        raise TrainscaleError(f"{target} export needs a Llama-style model (SwiGLU, RMSNorm, RoPE"
+                              f"{'' if allow_bias else ', no biases'}); this one has {', '.join(bad)}")
+
+
+def rope_interleaved_to_half(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Rows of a Q or K projection (or bias), per head: pairs (2i, 2i+1) -> (i, i + d/2)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(n_heads * head_dim, *rest)
+
+
+# ------------------------------------------------------------------------------------ Hugging Face
+
+_HF_LAYER = {
+    "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+}
+
+
+def hf_name(name: str) -> str:
+    """trainscale tensor name -> Hugging Face LlamaForCausalLM name."""
+    fixed = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    if name in fixed:
+        return fixed[name]
+    _, i, rest = name.split(".", 2)
+    if rest in _HF_LAYER:
+        return f"model.layers.{i}.{_HF_LAYER[rest]}"
+    stem, leaf = rest.rsplit(".", 1)
+    return f"model.layers.{i}.{_HF_LAYER[stem]}.{leaf}"
+
+
+def hf_state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in sd.items():
+        t = t.detach().float()
+        if ".attention.wq." in name:
+            t = rope_interleaved_to_half(t, spec.n_heads, spec.head_dim)
+        elif ".attention.wk." in name:
+            t = rope_interleaved_to_half(t, spec.n_kv_heads, spec.head_dim)
+        out[hf_name(name)] = t.to(dtype).contiguous()
+    return out
+
+
+def special_token_ids(tokenizer) -> dict[str, Any]:
+    """bos / eos: the tokenizer's <|endoftext|> (GPT-2's one special token), when it has one."""
+    tid = tokenizer.token_to_id("<|endoftext|>")
+    return {"token": "<|endoftext|>" if tid is not None else None, "id": tid}
+
+
+def hf_config(spec: ModelSpec, dtype: str, special: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.d_model,
+        "intermediate_size": spec.d_ff,
+        "num_hidden_layers": spec.n_layers,
+        "num_attention_heads": spec.n_heads,
+        "num_key_value_heads": spec.n_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_seq_len,
+        "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "hidden_act": "silu",
+        "tie_word_embeddings": spec.tied_embeddings,
+        "attention_bias": spec.bias,
+        "mlp_bias": spec.bias,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "bos_token_id": special["id"],
+        "eos_token_id": special["id"],
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "use_cache": True,
+    }
+
+
+def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32") -> dict[str, Any]:
+    """Write OUT/{config.json, generation_config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json, special_tokens_map.json} for transformers' LlamaForCausalLM."""
+    from safetensors.torch import save_file
+
+    from trainscale.infer.load import load_for_inference, load_tokenizer_for
+    from trainscale.infer.quantize import safetensors_layout
+
+    if dtype not in HF_DTYPES:
+        raise TrainscaleError(f"HF export dtype must be one of {', '.join(HF_DTYPES)}, not {dtype!r}")
+    model, spec, src = load_for_inference(model_dir)
+    check_llama(spec, "Hugging Face", allow_bias=True)
+    tok = load_tokenizer_for(src)
+    special = special_token_ids(tok)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = hf_state_dict(model.state_dict(), spec, HF_DTYPES[dtype])
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt", "producer": "trainscale"})
+    (out / "config.json").write_text(json.dumps(hf_config(spec, dtype, special), indent=2))
+    gen = {"bos_token_id": special["id"], "eos_token_id": special["id"], "do_sample": True, "temperature": 0.8}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    (out / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    st = {k: special["token"] for k in ("bos_token", "eos_token", "unk_token")} if special["token"] else {}
+    (out / "special_tokens_map.json").write_text(json.dumps(st, indent=2))
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.max_seq_len,
+            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False, **st}
+    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
+    return {"out": str(out), "source": str(src), "dtype": dtype, "tensors": len(sd),
+            **safetensors_layout(out / "model.safetensors")}
+
+
+# ------------------------------------------------------------------------------------ GGUF
+
+
+def tokenizer_vocab(tokenizer_json: Path) -> dict[str, Any]:
+    """Tokens by id, token types (control for added special tokens) and merges as "a b" strings."""
+    try:
+        data = json.loads(tokenizer_json.read_text())
+        model = data["model"]
+    except (OSError, json.JSONDecodeError, KeyError) as e:
+        raise TrainscaleError(f"{tokenizer_json} is not a tokenizers file: {e}") from None
+    if model.get("type") != "BPE":
+        raise TrainscaleError(f"GGUF export needs a byte-level BPE tokenizer, not {model.get('type')}")
+    vocab: dict[str, int] = dict(model["vocab"])
+    special = {t["content"]: t["id"] for t in data.get("added_tokens", []) if t.get("special")}
+    vocab.update(special)
+    n = max(vocab.values()) + 1
+    tokens = [""] * n
+    for t, i in vocab.items():
+        tokens[i] = t
+    if "" in tokens:
+        raise TrainscaleError(f"{tokenizer_json} has gaps in its token ids")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    types = [3 if t in special else 1 for t in tokens]  # gguf.TokenType: 1 NORMAL, 3 CONTROL
+    return {"tokens": tokens, "types": types, "merges": merges, "special": special}
+
+
+def export_gguf(model_dir: str | Path, out: str | Path, ftype: str = "f16") -> dict[str, Any]:
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    from trainscale.estimate.inference import gguf_name, gguf_tensor_types
+    from trainscale.infer.load import load_for_inference
+
+    if ftype not in GGUF_TYPES:
+        raise TrainscaleError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, not {ftype!r}")
+    model, spec, src = load_for_inference(model_dir)
+    check_llama(spec, "GGUF")
+    tok_path = src / "tokenizer.json"
+    if not tok_path.exists():
+        raise TrainscaleError(f"{src} has no tokenizer.json; GGUF files carry their tokenizer")
+    voc = tokenizer_vocab(tok_path)
+    if len(voc["tokens"]) != spec.vocab_size:
+        raise TrainscaleError(f"the tokenizer has {len(voc['tokens'])} tokens but the model's vocab_size is "
+                              f"{spec.vocab_size}")
+    types = gguf_tensor_types(spec, ftype, llama_cpp_mix=False)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                 "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[ftype]
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name(spec.name)
+    w.add_context_length(spec.max_seq_len)
+    w.add_embedding_length(spec.d_model)
+    w.add_block_count(spec.n_layers)
+    w.add_feed_forward_length(spec.d_ff)
+    w.add_head_count(spec.n_heads)
+    w.add_head_count_kv(spec.n_kv_heads)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_rope_dimension_count(spec.head_dim)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(spec.norm_eps)
+    w.add_vocab_size(spec.vocab_size)
+    w.add_file_type(file_type)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(voc["tokens"])
+    w.add_token_types(voc["types"])
+    w.add_token_merges(voc["merges"])
+    eot = voc["special"].get("<|endoftext|>")
+    if eot is not None:
+        w.add_bos_token_id(eot)
+        w.add_eos_token_id(eot)
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    for name, t in model.state_dict().items():
+        g = gguf_name(name)
+        kind = types[g]
+        arr = t.detach().float().cpu().numpy()
+        if kind == "F32":
+            w.add_tensor(g, arr.astype(np.float32))
+        elif kind == "F16":
+            w.add_tensor(g, arr.astype(np.float16))
+        else:
+            qt = {"Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0}[kind]
+            w.add_tensor(g, gguf.quants.quantize(arr.astype(np.float32), qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return {"out": str(out), "source": str(src), "type": ftype, **gguf_layout(out)}
+
+
+def gguf_layout(path: str | Path) -> dict[str, int]:
+    """Bytes of a GGUF file read back: header + metadata + tensor infos, tensor data, alignment padding."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    tensor_bytes = sum(int(t.n_bytes) for t in r.tensors)
+    size = Path(path).stat().st_size
+    return {"file_bytes": size, "header_bytes": int(r.data_offset), "tensor_bytes": tensor_bytes,
+            "padding_bytes": size - int(r.data_offset) - tensor_bytes, "tensors": len(r.tensors)}

@@ -1,0 +1,95 @@
+"""One loader for every folder infer/ reads: a model folder (or a run folder's final/), a quantized
+folder (quantized.safetensors, dequantized to fp32 on load) and a LoRA adapter folder (adapter.json
+naming its base; the adapters are folded into the base weights on load)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trainscale.errors import TrainscaleError
+from trainscale.specs import ModelSpec, load_model
+
+
+def find_folder(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise TrainscaleError(f"checkpoint {path} does not exist")
+    if (p / "final" / "model.json").exists():
+        p = p / "final"
+    if not p.is_dir() or not (p / "model.json").exists():
+        raise TrainscaleError(f"{path} is not a trainscale model folder (needs model.json with model.safetensors, "
+                              "quantized.safetensors or adapter.json; or a run folder with final/)")
+    return p
+
+
+def read_spec(folder: Path) -> ModelSpec:
+    try:
+        data = json.loads((folder / "model.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TrainscaleError(f"{folder / 'model.json'} is corrupt or unreadable: {e}") from None
+    if not isinstance(data, dict):
+        raise TrainscaleError(f"{folder / 'model.json'} is not a model description (a JSON object)")
+    return load_model(data)
+
+
+def folder_kind(folder: Path) -> str:
+    from trainscale.infer.quantize import QUANT_FILE
+
+    if (folder / QUANT_FILE).exists():
+        return "quantized"
+    if (folder / "model.safetensors").exists():
+        return "model"
+    if (folder / "adapter.json").exists():
+        return "adapter"
+    raise TrainscaleError(f"{folder} has model.json but no model.safetensors, quantized.safetensors or adapter.json")
+
+
+def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
+    """-> (Transformer in eval mode, ModelSpec, folder) for any folder kind infer/ writes."""
+    from trainscale.runtime.artifact import load_model_dir
+
+    folder = find_folder(path)
+    spec = read_spec(folder)
+    kind = folder_kind(folder)
+    if kind == "model":
+        model, spec, folder = load_model_dir(folder, dtype=dtype)
+        return model, spec, folder
+    if kind == "quantized":
+        return _load_quantized(folder, spec, dtype), spec, folder
+    from trainscale.infer.lora import load_adapter_folder
+
+    return load_adapter_folder(folder, dtype), spec, folder
+
+
+def _load_quantized(folder: Path, spec: ModelSpec, dtype: torch.dtype):
+    from safetensors.torch import load_file
+
+    from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, read_quant_config
+    from trainscale.runtime.model import build_model
+
+    path = folder / QUANT_FILE
+    cfg = read_quant_config(path)
+    try:
+        qsd = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types
+        raise TrainscaleError(f"{path} is corrupt or unreadable: {e}") from None
+    model = build_model(spec, "meta")
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    try:
+        sd = dequantize_state_dict(qsd, cfg, shapes)
+    except (KeyError, RuntimeError) as e:
+        raise TrainscaleError(f"{path} does not match model.json: {e}") from None
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True)
+    return model.eval()
+
+
+def load_tokenizer_for(folder: Path):
+    from trainscale.runtime.data import load_tokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise TrainscaleError(f"{folder} has no tokenizer.json")
+    return load_tokenizer(path)

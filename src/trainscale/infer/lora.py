@@ -1,0 +1,202 @@
+"""LoRA fine-tuning (Hu et al. 2021, arXiv 2106.09685): frozen base weights, trainable low-rank updates.
+
+Each adapted projection y = W0 x becomes y = W0 x + (alpha / r) · B A x with A [r, d_in] and
+B [d_out, r]; A starts Kaiming-uniform and B at zero, so training starts from the base model exactly
+(Sec. 4.1, and the authors' loralib). Only A and B get gradients and Adam state; ``merge`` folds
+W = W0 + (alpha / r) · B A back into plain Linear layers, so a merged model is an ordinary model folder.
+
+An adapter folder holds adapter.safetensors (A and B per adapted projection), adapter.json (base
+folder, rank, alpha, targets, losses), model.json and tokenizer.json; with ``--merge`` also the
+merged model.safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainscale.errors import TrainscaleError
+
+ADAPTER_FILE = "adapter.safetensors"
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.base = base
+        self.rank = rank
+        self.scaling = alpha / rank
+        w = base.weight
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=w.dtype, device=w.device))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=w.dtype, device=w.device))
+        # Kaiming-uniform with a = sqrt(5), as nn.Linear and loralib initialise A
+        bound = 1.0 / math.sqrt(base.in_features)
+        with torch.no_grad():
+            self.lora_a.copy_(torch.rand(self.lora_a.shape, generator=generator) * 2 * bound - bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scaling
+
+    def merged(self) -> nn.Linear:
+        with torch.no_grad():
+            self.base.weight += (self.lora_b @ self.lora_a) * self.scaling
+        return self.base
+
+
+def _projections(model, targets: tuple[str, ...]):
+    """(path, parent module, attribute) of each targeted projection, layer by layer."""
+    for i, layer in model.layers.items():
+        for t in targets:
+            parent = layer.attention if t in ("wq", "wk", "wv", "wo") else layer.feed_forward
+            if hasattr(parent, t):
+                sub = "attention" if parent is layer.attention else "feed_forward"
+                yield f"layers.{i}.{sub}.{t}", parent, t
+
+
+def apply_lora(model, rank: int, alpha: float, targets: tuple[str, ...], seed: int = 0) -> list[str]:
+    """Freeze every parameter, wrap the targeted projections with adapters; -> adapted paths."""
+    if rank <= 0:
+        raise TrainscaleError(f"LoRA rank must be positive, not {rank}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(seed)
+    paths = []
+    for path, parent, attr in _projections(model, targets):
+        base = getattr(parent, attr)
+        if rank > min(base.in_features, base.out_features):
+            raise TrainscaleError(f"LoRA rank {rank} exceeds the smaller side of {path} "
+                                  f"({base.out_features} x {base.in_features})")
+        setattr(parent, attr, LoRALinear(base, rank, alpha, gen))
+        paths.append(path)
+    return paths
+
+
+def adapter_state_dict(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items() if ".lora_" in k}
+
+
+def load_adapter_weights(model, sd: dict[str, torch.Tensor]) -> None:
+    own = adapter_state_dict(model)
+    if set(own) != set(sd):
+        diff = sorted(set(own) ^ set(sd))[:3]
+        raise TrainscaleError(f"the adapter file does not match its adapter.json: tensors {diff}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in sd:
+                p.copy_(sd[name])
+
+
+def merge_lora(model):
+    """Replace every LoRALinear by its base Linear with W0 + (alpha/r)·B·A; names return to the base's."""
+    for layer in model.layers.values():
+        for parent in (layer.attention, layer.feed_forward):
+            for attr, mod in list(parent.named_children()):
+                if isinstance(mod, LoRALinear):
+                    setattr(parent, attr, mod.merged())
+    return model
+
+
+def trainable_params(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def optimizer_state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the real Adam state: the m and v tensors, and torch's per-tensor step counters apart."""
+    moments = steps = 0
+    for st in opt.state.values():
+        for key, t in st.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            if key in ("exp_avg", "exp_avg_sq"):
+                moments += t.numel() * t.element_size()
+            else:
+                steps += t.numel() * t.element_size()
+    return {"moments": moments, "step_counters": steps}
+
+
+def read_data(data: str, tokenizer) -> list[int]:
+    """Token ids of ``data``: a text file, or corpus:train / corpus:val (the Shakespeare corpus)."""
+    if data in ("corpus:train", "corpus:val"):
+        from trainscale.runtime.data import corpus_text
+
+        text = corpus_text(data.split(":")[1])
+    else:
+        p = Path(data)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrainscaleError(f"data file {data} cannot be read as UTF-8 text: {e}") from None
+    ids = tokenizer.encode(text).ids
+    if len(ids) < 64:
+        raise TrainscaleError(f"data {data} has {len(ids)} tokens; LoRA training needs at least 64")
+    return ids
+
+
+def train_lora(model, ids: list[int], steps: int, batch: int, seq_len: int, lr: float, seed: int = 0,
+               progress=None) -> dict[str, Any]:
+    """Adam on the adapters only, random windows of ``ids``; -> losses and measured state bytes."""
+    from trainscale.runtime.model import lm_loss
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise TrainscaleError("the model has no trainable parameters; apply LoRA adapters first")
+    seq_len = min(seq_len, len(ids) - 1, model.spec.max_seq_len)
+    data = torch.tensor(ids)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for step in range(steps):
+        starts = torch.randint(0, len(ids) - seq_len, (batch,), generator=gen)
+        chunk = torch.stack([data[s: s + seq_len + 1] for s in starts.tolist()])
+        loss = lm_loss(model(chunk[:, :-1]), chunk[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if progress is not None:
+            progress(step + 1, losses[-1])
+    model.eval()
+    return {"losses": losses, "optimizer_bytes": optimizer_state_bytes(opt),
+            "trainable_params": trainable_params(model)}
+
+
+def save_adapter_folder(out: Path, model, spec, base_folder: Path, config: dict[str, Any]) -> Path:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(adapter_state_dict(model), str(out / ADAPTER_FILE), metadata={"producer": "trainscale", "kind": "lora"})
+    (out / "adapter.json").write_text(json.dumps({"base": str(base_folder.resolve()), **config}, indent=2))
+    (out / "model.json").write_text(json.dumps(spec.model_dump(by_alias=True, exclude_none=True), indent=2))
+    tok = base_folder / "tokenizer.json"
+    if tok.exists() and tok.resolve() != (out / "tokenizer.json").resolve():
+        (out / "tokenizer.json").write_bytes(tok.read_bytes())
+    return out
+
+
+def load_adapter_folder(folder: Path, dtype: torch.dtype = torch.float32):
+    """Base model (from adapter.json's ``base``) with the folder's adapters folded in."""
+    from safetensors.torch import load_file
+
+    from trainscale.infer.load import load_for_inference
+
+    try:
+        cfg = json.loads((folder / "adapter.json").read_text())
+        base, rank, alpha, targets = cfg["base"], int(cfg["rank"]), float(cfg["alpha"]), tuple(cfg["targets"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise TrainscaleError(f"{folder / 'adapter.json'} is corrupt or incomplete: {e}") from None
+    if Path(base).resolve() == folder.resolve():
+        raise TrainscaleError(f"{folder / 'adapter.json'} names its own folder as the base model")
+    model, _, _ = load_for_inference(base, torch.float32)
+    apply_lora(model, rank, alpha, targets)
+    try:
+        sd = load_file(str(folder / ADAPTER_FILE))
+    except Exception as e:  # safetensors raises its own error types
+        raise TrainscaleError(f"{folder / ADAPTER_FILE} is corrupt or unreadable: {e}") from None
+    load_adapter_weights(model, sd)
+    return merge_lora(model).to(dtype).eval()

@@ -1,0 +1,60 @@
+"""A small trained model folder for the infer/ tests (and benchmarks/bench_quant.py).
+
+Built in-process: runtime.model.build_model, a byte-level BPE from runtime.data.train_tokenizer on
+a slice of the training plays, a short AdamW run on runtime.data.corpus_text, saved with
+runtime.artifact.save_model_dir. Import the fixture explicitly: ``from infer_fixtures import small_model_dir``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SMALL = {"name": "infer-small", "n_layers": 4, "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "d_ff": 384,
+         "vocab_size": 512, "max_seq_len": 256}
+
+
+def train_small_model(out: Path, steps: int = 250, spec_fields: dict | None = None, batch: int = 16,
+                      seq_len: int = 128, lr: float = 3e-3, text_chars: int = 400_000, seed: int = 0,
+                      log=None) -> Path:
+    """Train a tiny Llama-style model for ``steps`` AdamW steps and save it as a model folder."""
+    from trainscale.runtime.artifact import save_model_dir
+    from trainscale.runtime.data import corpus_text, train_tokenizer
+    from trainscale.runtime.model import build_model, lm_loss
+    from trainscale.specs import load_model
+
+    torch.manual_seed(seed)
+    spec = load_model({**SMALL, **(spec_fields or {})})
+    text = corpus_text("train", max_chars=text_chars)
+    tok = train_tokenizer(spec.vocab_size, text)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    data = torch.tensor(tok.encode(text).ids)
+    model = build_model(spec, seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.time()
+    for step in range(steps):
+        for g in opt.param_groups:  # linear warm-up, cosine decay
+            g["lr"] = lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=gen)
+        chunk = torch.stack([data[s: s + seq_len + 1] for s in starts.tolist()])
+        loss = lm_loss(model(chunk[:, :-1]), chunk[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if log is not None and (step % 50 == 0 or step == steps - 1):
+            log(f"step {step} loss {loss.item():.3f} ({time.time() - t0:.0f} s)")
+    save_model_dir(out, model.state_dict(), spec, out / "tokenizer.json")
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory) -> Path:
+    torch.set_num_threads(2)
+    return train_small_model(tmp_path_factory.mktemp("infer") / "small")
