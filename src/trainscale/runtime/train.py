@@ -277,6 +277,9 @@ class Trainer:
             save_model_dir(self.out / "final", state, self.cfg.model, self.corpus.tokenizer_path)
             result.eval_loss, result.unigram_loss = self.evaluate(state)
             if result.eval_loss is not None:
+                with open(self.out / "metrics.jsonl", "a") as f:  # the held-out figure, as report/ reads it
+                    f.write(json.dumps({"step": self.step, "val_loss": result.eval_loss,
+                                        "unigram_loss": result.unigram_loss}) + "\n")
                 self.log(f"held-out loss {result.eval_loss:.4f} nats/token (unigram baseline "
                          f"{result.unigram_loss:.4f}) on {self.cfg.run.eval_sequences} sequences")
             rows = result.metrics[1:] or result.metrics  # the first step warms up

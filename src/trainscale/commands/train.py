@@ -1,0 +1,204 @@
+"""`trainscale train`: run a training config under a layout on this machine (torchrun, one process per
+rank), with a live progress bar; `trainscale launch --slurm`: the same job as a Slurm batch script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from trainscale.commands._common import console, emit_json
+from trainscale.errors import TrainscaleError
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(train)
+    app.command()(launch)
+
+
+def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool):
+    from trainscale.runtime.config import check_layout, load_config
+    from trainscale.specs import Layout
+
+    if steps is not None and steps <= 0:
+        raise TrainscaleError(f"--steps must be positive, not {steps}")
+    cfg = load_config(config, {"train": {"steps": steps}} if steps else None)
+    why = None
+    if plan:
+        if layout:
+            raise TrainscaleError("give either --layout or --plan, not both")
+        from trainscale.runtime.launch import plan_layout
+
+        layout, why = plan_layout(cfg)
+    layout = layout if layout is not None else cfg.run.layout
+    lay = Layout.parse(layout)
+    check_layout(cfg, lay)
+    return cfg, layout, lay, why
+
+
+def train(
+    config: Path = typer.Option(..., "--config", help="training config TOML (see configs/)"),
+    layout: str = typer.Option(None, help="parallel layout, e.g. dp2,tp2,pp2 (default: the config's run.layout)"),
+    steps: int = typer.Option(None, help="optimizer steps (default: the config's train.steps)"),
+    out: Path = typer.Option(None, help="run folder (default: the config's run.out)"),
+    plan: bool = typer.Option(False, "--plan", help="ask the planner for the best layout for this machine"),
+    nnodes: int = typer.Option(1, help="machines in the job (run the same command on each)"),
+    rdzv_endpoint: str = typer.Option(None, help="HOST:PORT of the first machine, for a multi-node rendezvous"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the layout and the torchrun command, run nothing"),
+    as_json: bool = typer.Option(False, "--json", help="no progress bar; print run.json at the end"),
+) -> None:
+    """Train a model with real 4D parallelism (torch.distributed: TP+SP, CP, PP, FSDP) on this machine."""
+    from trainscale.runtime.launch import torchrun_command
+
+    if nnodes <= 0:
+        raise TrainscaleError(f"--nnodes must be positive, not {nnodes}")
+    cfg, layout_text, lay, why = _resolve(config, layout, steps, plan)
+    run_dir = out or Path(cfg.run.out)
+    cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint)
+    if dry_run:
+        info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd}
+        if as_json:
+            emit_json(info)
+        else:
+            if why:
+                console.print(f"layout {lay} ({why})")
+            console.print(" ".join(cmd), soft_wrap=True, markup=False, highlight=False)
+        return
+    if why and not as_json:
+        console.print(f"[bold]plan:[/bold] {lay} ({why})")
+    env = _prepare(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "train.log"
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        metrics.unlink()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            rows = _follow(proc, metrics, cfg.train.steps if steps is None else steps, cfg.run.log_every, str(lay),
+                           quiet=as_json)
+        except KeyboardInterrupt:
+            proc.terminate()
+            proc.wait(timeout=30)
+            raise
+    if proc.returncode != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        err = next((ln for ln in reversed(tail) if "trainscale: error:" in ln), None)
+        if err:
+            raise TrainscaleError(err.split("trainscale: error:", 1)[1].strip())
+        sys.stderr.write("\n".join(tail) + "\n")
+        raise TrainscaleError(f"training failed (exit {proc.returncode}); the whole log is {log_path}")
+    info = json.loads((run_dir / "run.json").read_text())
+    if as_json:
+        emit_json(info)
+        return
+    _summary(info, rows, run_dir)
+
+
+def _prepare(cfg) -> dict[str, str]:
+    """Tokenise the corpus and measure the CPU peak here, once, before the ranks start."""
+    from trainscale.runtime import measure
+    from trainscale.runtime.data import prepare_corpus
+
+    with console.status("preparing the corpus and tokenizer (cached after the first run)"):
+        prepare_corpus(cfg.model.vocab_size, cfg.data.max_chars, Path(cfg.data.cache) if cfg.data.cache else None)
+    env = dict(os.environ)
+    import torch
+
+    if not torch.cuda.is_available():
+        with console.status("measuring this CPU's matmul peak (once)"):
+            env["TRAINSCALE_CPU_PEAK"] = repr(measure.cpu_peak_flops())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, layout: str,
+            quiet: bool) -> list[dict[str, Any]]:
+    """Tail rank 0's metrics.jsonl into a progress bar until the job ends."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    rows: list[dict[str, Any]] = []
+    pos = 0
+    columns = [TextColumn("[bold]train[/bold] {task.fields[layout]}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+               TextColumn("{task.fields[flops]} GFLOP/s"), TextColumn("MFU {task.fields[mfu]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
+        task = progress.add_task("train", total=total, layout=layout, loss="-", tps="-", flops="-", mfu="-")
+        while True:
+            done = proc.poll() is not None
+            if metrics.exists():
+                with open(metrics) as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                complete = chunk[: chunk.rfind("\n") + 1]
+                pos += len(complete.encode())
+                for line in complete.splitlines():
+                    row = json.loads(line)
+                    if "loss" not in row:
+                        continue
+                    rows.append(row)
+                    progress.update(task, completed=row["step"], loss=f"{row['loss']:.4f}",
+                                    tps=f"{row['tokens_per_s']:,.0f}", flops=f"{row['flops_per_s'] / 1e9:.2f}",
+                                    mfu=f"{row['mfu']:.1%}")
+                    if row["step"] % log_every == 0 and not quiet:
+                        progress.console.print(
+                            f"step {row['step']:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
+                            f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%}", highlight=False)
+            if done:
+                break
+            time.sleep(0.2)
+    return rows
+
+
+def _summary(info: dict[str, Any], rows: list[dict[str, Any]], run_dir: Path) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"run {run_dir}", title_justify="left", show_header=False, show_edge=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    t.add_row("layout", f"{info['layout']} on {info['world_size']} process(es), {info['backend']}")
+    t.add_row("model", f"{info['model'].get('name')} ({info['params'] / 1e6:.2f}M parameters)")
+    t.add_row("steps", f"{info['steps']} in {info['seconds']:.1f} s")
+    t.add_row("final train loss", f"{info['final_loss']:.4f}")
+    if info.get("eval_loss") is not None:
+        t.add_row("held-out loss", f"{info['eval_loss']:.4f} (unigram baseline {info['unigram_loss']:.4f})")
+    t.add_row("tokens/s", f"{info['tokens_per_s']:,.0f}")
+    t.add_row("MFU", f"{info['mfu']:.1%} of {info['peak_flops'] / 1e9:,.1f} GFLOP/s ({info['peak_source']})")
+    t.add_row("model folder", str(run_dir / "final"))
+    console.print(t)
+
+
+def launch(
+    config: Path = typer.Option(..., "--config", help="training config TOML"),
+    layout: str = typer.Option(..., help="parallel layout; its world size must equal nodes x GPUs per node"),
+    slurm: bool = typer.Option(False, "--slurm", help="write a Slurm sbatch script"),
+    nodes: int = typer.Option(..., help="machines"),
+    gpus_per_node: int = typer.Option(8, help="GPUs (processes) per machine"),
+    partition: str = typer.Option(None, help="Slurm partition"),
+    time_limit: str = typer.Option("24:00:00", "--time", help="Slurm time limit"),
+    steps: int = typer.Option(None, help="optimizer steps (default: the config's)"),
+    out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out)"),
+    script: Path = typer.Option(None, help="where to write the script (default: stdout)"),
+) -> None:
+    """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous)."""
+    from trainscale.runtime.launch import sbatch_script
+
+    if not slurm:
+        raise TrainscaleError("say which scheduler: --slurm (the only one supported)")
+    if nodes <= 0 or gpus_per_node <= 0:
+        raise TrainscaleError("--nodes and --gpus-per-node must be positive")
+    cfg, layout_text, lay, _ = _resolve(config, layout, steps, plan=False)
+    text = sbatch_script(config, layout_text, out or cfg.run.out, nodes, gpus_per_node, job_name=cfg.name,
+                         partition=partition, time_limit=time_limit, steps=steps)
+    if script is None:
+        sys.stdout.write(text)
+        return
+    script.write_text(text)
+    script.chmod(0o755)
+    console.print(f"wrote {script}: sbatch {script}  ({lay.world_size} processes, layout {lay})")
