@@ -13,7 +13,7 @@ import torch
 
 from trainscale.runtime.artifact import load_model_dir
 from trainscale.runtime.config import load_config
-from trainscale.runtime.data import eval_windows, prepare_corpus
+from trainscale.runtime.data import corpus_for, eval_windows
 from trainscale.runtime.model import lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def test_train_writes_the_run_folder_and_a_loadable_model(tmp_path):
     # the consolidated model gives the held-out loss the run reported
     model, spec, _ = load_model_dir(out)
     cfg = load_config(out / "config.toml")
-    corpus = prepare_corpus(cfg.model.vocab_size, cfg.data.max_chars)
+    corpus = corpus_for(cfg)
     x, y = eval_windows(corpus.tokens("val"), cfg.train.seq_len, cfg.run.eval_sequences)
     with torch.no_grad():
         loss = sum(float(lm_loss(model(x[i:i + 16]), y[i:i + 16])) * y[i:i + 16].numel()

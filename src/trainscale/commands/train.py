@@ -104,10 +104,10 @@ def train(
 def _prepare(cfg) -> dict[str, str]:
     """Tokenise the corpus and measure the CPU peak here, once, before the ranks start."""
     from trainscale.runtime import measure
-    from trainscale.runtime.data import prepare_corpus
+    from trainscale.runtime.data import corpus_for
 
     with console.status("preparing the corpus and tokenizer (cached after the first run)"):
-        prepare_corpus(cfg.model.vocab_size, cfg.data.max_chars, Path(cfg.data.cache) if cfg.data.cache else None)
+        corpus_for(cfg)
     env = dict(os.environ)
     import torch
 
@@ -170,7 +170,8 @@ def _summary(info: dict[str, Any], rows: list[dict[str, Any]], run_dir: Path) ->
         t.add_row("held-out loss", f"{info['eval_loss']:.4f} (unigram baseline {info['unigram_loss']:.4f})")
     t.add_row("tokens/s", f"{info['tokens_per_s']:,.0f}")
     t.add_row("MFU", f"{info['mfu']:.1%} of {info['peak_flops'] / 1e9:,.1f} GFLOP/s ({info['peak_source']})")
-    t.add_row("model folder", str(run_dir / "final"))
+    if (run_dir / "final").exists():
+        t.add_row("model folder", str(run_dir / "final"))
     console.print(t)
 
 

@@ -4,8 +4,9 @@
               ModelSpec fields inline (n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, ...)
     [train]   steps, lr, min_lr_ratio, warmup, seq_len, global_batch (sequences), seed,
               weight_decay, grad_clip, betas
-    [data]    max_chars (limit the text the tokenizer and loader see), cache (folder)
-    [run]     out (run folder), log_every, eval_sequences, layout (default layout string)
+    [data]    max_chars (limit the text the tokenizer and loader see), cache (folder), tokenizer_vocab
+              (default: the model's vocab_size; smaller for a big-vocabulary model on this small corpus)
+    [run]     out (run folder), log_every, eval_sequences, layout (default layout string), save_final
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class TrainSection(_Section):
 class DataSection(_Section):
     max_chars: int | None = Field(default=None, gt=0)
     cache: str | None = None
+    tokenizer_vocab: int | None = Field(default=None, gt=256, description="default: the model's vocab_size")
 
 
 class RunSection(_Section):
@@ -47,6 +49,7 @@ class RunSection(_Section):
     log_every: int = Field(default=1, gt=0)
     eval_sequences: int = Field(default=64, ge=0)
     layout: str = ""
+    save_final: bool = Field(default=True, description="gather the weights to rank 0 and write RUN_DIR/final")
 
 
 class TrainConfig(_Section):
@@ -55,6 +58,10 @@ class TrainConfig(_Section):
     train: TrainSection = TrainSection()
     data: DataSection = DataSection()
     run: RunSection = RunSection()
+
+    @property
+    def tokenizer_vocab(self) -> int:
+        return self.data.tokenizer_vocab or self.model.vocab_size
 
     def to_toml(self) -> str:
         """The resolved config (model fields spelled out), as TOML."""
@@ -98,6 +105,9 @@ def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
         cfg = TrainConfig(**data)
     except ValidationError as e:
         raise TrainscaleError(f"{what} is invalid: {_first_error(e)}") from None
+    if cfg.data.tokenizer_vocab is not None and cfg.data.tokenizer_vocab > cfg.model.vocab_size:
+        raise TrainscaleError(f"{what}: data.tokenizer_vocab {cfg.data.tokenizer_vocab} exceeds the model's vocab_size "
+                              f"{cfg.model.vocab_size}")
     if cfg.train.seq_len > cfg.model.max_seq_len:
         raise TrainscaleError(f"{what}: train.seq_len {cfg.train.seq_len} exceeds the model's max_seq_len "
                               f"{cfg.model.max_seq_len}")

@@ -76,8 +76,9 @@ class ContextParallelAttention:
         if k.shape[1] != q.shape[1]:  # GQA: gather the few K/V heads, repeat after
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        mask = self.mask.to(q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if self.mask.device != q.device:
+            self.mask = self.mask.to(q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
 
 
 def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, positions: torch.Tensor, cp: int,

@@ -97,6 +97,11 @@ class Corpus:
         return np.load(self.folder / f"{split}.npy", mmap_mode="r")
 
 
+def corpus_for(cfg) -> Corpus:
+    """The tokenised corpus a TrainConfig asks for."""
+    return prepare_corpus(cfg.tokenizer_vocab, cfg.data.max_chars, Path(cfg.data.cache) if cfg.data.cache else None)
+
+
 def prepare_corpus(vocab_size: int, max_chars: int | None = None, cache: Path | None = None) -> Corpus:
     """Train the tokenizer on the train split (its first ``max_chars`` characters) and tokenise both
     splits, once: the result is cached under a folder named by its inputs, written aside and renamed

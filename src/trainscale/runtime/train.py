@@ -44,7 +44,7 @@ from trainscale.estimate.params import param_count
 from trainscale.runtime import measure
 from trainscale.runtime.config import TrainConfig, check_layout, load_config, micro_batch
 from trainscale.runtime.context import local_positions, shard_sequence
-from trainscale.runtime.data import TokenLoader, eval_windows, prepare_corpus, unigram_loss
+from trainscale.runtime.data import TokenLoader, corpus_for, eval_windows, unigram_loss
 from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed
 from trainscale.runtime.model import Transformer, build_model, lm_loss
 from trainscale.runtime.parallelize import allreduce_gradients, clip_grad_norm, gradient_group, parallelize, uses_fsdp
@@ -76,8 +76,8 @@ class RunResult:
 class Trainer:
     """Everything one rank holds: mesh, model stages, optimizer, data position.
 
-    Issue 5 (checkpoints, faults) hooks in at ``run()``'s marked places: ``state()`` is what a
-    checkpoint must hold, and the loop starts at ``self.step`` (restored by a resume)."""
+    Issue 5 (checkpoints, faults) hooks in at ``run()``'s marked places: ``state_dict()`` (DCP) and
+    ``extras()`` (per rank) are what a checkpoint must hold, and the loop starts at ``self.step``."""
 
     def __init__(self, cfg: TrainConfig, layout: Layout, out: Path | None = None, log: Callable[[str], None] = print):
         self.cfg, self.layout, self.out = cfg, layout, out
@@ -90,11 +90,10 @@ class Trainer:
         torch.manual_seed(t.seed)
 
         # data: rank 0 tokenises (or finds the cache), then everyone reads it
-        cache = Path(cfg.data.cache) if cfg.data.cache else None
         if self.rank == 0:
-            prepare_corpus(cfg.model.vocab_size, cfg.data.max_chars, cache)
+            corpus_for(cfg)
         self._barrier()
-        self.corpus = prepare_corpus(cfg.model.vocab_size, cfg.data.max_chars, cache)
+        self.corpus = corpus_for(cfg)
         self.loader = TokenLoader(self.corpus.tokens("train"), t.seq_len, t.global_batch, self.mesh.dp_rank,
                                   layout.dp, t.seed)
         self.positions = local_positions(t.seq_len, layout.cp, self.mesh.cp_rank)
@@ -102,11 +101,11 @@ class Trainer:
         # model: whole and identical on every rank, then split and parallelized
         self.parts = self._build_parts()
         self.params = [p for _, part in self.parts for p in part.parameters()]
-        decay = [p for p in self.params if p.ndim >= 2]
-        no_decay = [p for p in self.params if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr_at(0, cfg), betas=t.betas, eps=1e-8)
+        # one AdamW per stage (elementwise, so the same math as one): each stage's state dict stands alone
+        self.optimizers = [torch.optim.AdamW(
+            [{"params": [p for p in part.parameters() if p.ndim >= 2], "weight_decay": t.weight_decay},
+             {"params": [p for p in part.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+            lr=lr_at(0, cfg), betas=t.betas, eps=1e-8) for _, part in self.parts]
         self.micro = micro_batch(cfg, layout)
         self.n_micro = t.global_batch // layout.dp // self.micro
         self.pipeline = Pipeline(self.parts, layout, self.mesh, self.device, self.n_micro) if layout.pp > 1 else None
@@ -134,6 +133,7 @@ class Trainer:
         parts = split_model(model, lo, self.mesh.pp_rank) if lo.pp > 1 else [(0, model)]
         for _, part in parts:
             parallelize(part, self.mesh, lo, self.cfg.train.seq_len)
+            part.positions = part.positions.to(self.device)
             if on_meta:  # too big to hold whole on one GPU: allocate the shards, initialise them
                 part.to_empty(device=self.device)
                 part.init_weights(seed)
@@ -162,8 +162,9 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         lr = lr_at(self.step, self.cfg)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                g["lr"] = lr
         inputs, targets = self.loader.next_batch()
         if self.layout.cp > 1:
             inputs, targets = shard_sequence(inputs, self.positions), shard_sequence(targets, self.positions)
@@ -171,8 +172,9 @@ class Trainer:
         if self.grad_group is not None:
             allreduce_gradients(self.params, self.grad_group)
         grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip, self.mesh)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         # the global batch's mean loss: every dp and cp rank of the last stage holds the mean of its share
         loss = loss.detach().float().reshape(1)
         if self.world > 1:
@@ -189,10 +191,44 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint must hold to continue exactly (issue 5 saves it with DCP)."""
-        return {"model_parts": [part for _, part in self.parts], "optimizer": self.optimizer, "step": self.step,
-                "loader": self.loader.state_dict()}
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state by parameter name (sharded tensors stay sharded: DTensors), for
+        torch.distributed.checkpoint; the names do not depend on the layout, so a checkpoint saved under
+        one layout loads under another. Plain values (step, data position) are in ``extras()``."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for (_, part), opt in zip(self.parts, self.optimizers, strict=True):
+            model.update(get_model_state_dict(part, options=opts))
+            optim.update(get_optimizer_state_dict(part, opt, options=opts))
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state_dict()``'s structure (as DCP filled it in place) back into the stages."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        for (_, part), opt in zip(self.parts, self.optimizers, strict=True):
+            set_model_state_dict(part, state["model"], options=opts)
+            set_optimizer_state_dict(part, opt, state["optim"], options=opts)
+
+    def extras(self) -> dict[str, Any]:
+        """This rank's plain state: the step and the data position (the LR follows from the step)."""
+        return {"step": self.step, "loader": self.loader.state_dict()}
+
+    def load_extras(self, extras: dict[str, Any]) -> None:
+        self.step = int(extras["step"])
+        self.loader.load_state_dict(extras["loader"])
 
     def run(self, steps: int | None = None) -> RunResult:
         steps = steps or self.cfg.train.steps
@@ -208,7 +244,7 @@ class Trainer:
                  f"{self.cfg.train.global_batch} x {self.cfg.train.seq_len} tokens per step")
         start = time.perf_counter()
         losses, rows = [], []
-        # [issue 5] resume: restore state() from the newest good checkpoint here, setting self.step
+        # [issue 5] resume here: load_state_dict() + load_extras() from the newest good checkpoint
         while self.step < steps:
             # [issue 5] faults.at_step(...) here
             row = self.train_step()
@@ -259,23 +295,24 @@ class Trainer:
         spec, seq = self.cfg.model, self.cfg.train.seq_len
         model = build_model(spec, "meta")
         model.load_state_dict(state, assign=True)
-        model.eval()
+        model.to(self.device).eval()
         inputs, targets = eval_windows(self.corpus.tokens("val"), seq, n)
         total, count = 0.0, 0
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast:
             for i in range(0, len(inputs), 16):
-                x, y = inputs[i:i + 16], targets[i:i + 16]
+                x, y = inputs[i:i + 16].to(self.device), targets[i:i + 16].to(self.device)
                 total += float(lm_loss(model(x), y)) * y.numel()
                 count += y.numel()
-        return total / count, unigram_loss(self.corpus.tokens("train"), targets, spec.vocab_size)
+        return total / count, unigram_loss(self.corpus.tokens("train"), targets, self.cfg.tokenizer_vocab)
 
     def _finish(self, result: RunResult, seconds: float) -> None:
         from trainscale.runtime.artifact import save_model_dir
 
-        state = self.full_state_dict()
+        state = self.full_state_dict() if self.cfg.run.save_final else None
         if self.rank == 0:
-            save_model_dir(self.out / "final", state, self.cfg.model, self.corpus.tokenizer_path)
-            result.eval_loss, result.unigram_loss = self.evaluate(state)
+            if state is not None:
+                save_model_dir(self.out / "final", state, self.cfg.model, self.corpus.tokenizer_path)
+                result.eval_loss, result.unigram_loss = self.evaluate(state)
             if result.eval_loss is not None:
                 with open(self.out / "metrics.jsonl", "a") as f:  # the held-out figure, as report/ reads it
                     f.write(json.dumps({"step": self.step, "val_loss": result.eval_loss,
@@ -288,7 +325,8 @@ class Trainer:
                 "status": "done", "steps": self.step, "seconds": seconds, "final_loss": result.losses[-1],
                 "eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss, "tokens_per_s": tps,
                 "mfu": measure.mfu(tps, self.flops_per_token, self.peak)})
-            self.log(f"wrote {self.out / 'final'}")
+            if state is not None:
+                self.log(f"wrote {self.out / 'final'}")
         self._barrier()
 
     def _write_run_json(self, extra: dict[str, Any]) -> None:

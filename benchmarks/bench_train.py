@@ -1,0 +1,109 @@
+"""Framework overhead of the training runtime, and the MFU it reaches on this CPU.
+
+For each config (tiny, small): single-process tokens/s of ``trainscale``'s Trainer (mesh, loader,
+layout machinery, global-norm clipping, loss averaging, metrics) against a plain hand-written PyTorch
+loop over the same model, the same batches and the same optimizer (AdamW + clip_grad_norm_). The two
+run alternately, step by step, in one process, so machine noise hits both alike; the ratio is of the
+median step times after warm-up. MFU = tokens/s x (6N + 12LHQT) / the CPU's measured matmul peak.
+
+    .venv/bin/python benchmarks/bench_train.py [--steps 30] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from trainscale.runtime import measure
+from trainscale.runtime.config import load_config
+from trainscale.runtime.model import build_model, lm_loss
+from trainscale.runtime.train import Trainer, lr_at
+from trainscale.specs import Layout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plain_loop(cfg, loader):
+    """The same model and recipe, written the way one would by hand."""
+    model = build_model(cfg.model, "cpu", seed=cfg.train.seed)
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                            lr=t.lr, betas=t.betas, eps=1e-8)
+    step = 0
+
+    def run() -> float:
+        nonlocal step
+        t0 = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        x, y = loader.next_batch()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        step += 1
+        return time.perf_counter() - t0
+
+    return run
+
+
+def bench(name: str, steps: int, warmup: int = 3) -> dict:
+    cfg = load_config(ROOT / "configs" / f"{name}.toml", {"train": {"steps": steps + warmup}})
+    trainer = Trainer(cfg, Layout(), out=None, log=lambda _m: None)
+    from trainscale.runtime.data import TokenLoader
+
+    loader = TokenLoader(trainer.corpus.tokens("train"), cfg.train.seq_len, cfg.train.global_batch, seed=cfg.train.seed)
+    plain = plain_loop(cfg, loader)
+    ours, hand = [], []
+    for i in range(steps + warmup):
+        a = trainer.train_step()["step_time_s"]
+        b = plain()
+        if i >= warmup:
+            ours.append(a)
+            hand.append(b)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    t_ours, t_hand = statistics.median(ours), statistics.median(hand)
+    fpt = measure.flops_per_token(cfg.model, cfg.train.seq_len)
+    return {"config": name, "params": sum(p.numel() for p in trainer.params), "tokens_per_step": tokens,
+            "trainscale_tokens_per_s": tokens / t_ours, "plain_tokens_per_s": tokens / t_hand,
+            "overhead_ratio": t_ours / t_hand, "flops_per_token": fpt,
+            "trainscale_mfu": measure.mfu(tokens / t_ours, fpt, trainer.peak),
+            "plain_mfu": measure.mfu(tokens / t_hand, fpt, trainer.peak), "steps": steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--configs", default="tiny,small")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    peak = measure.measure_matmul_peak()
+    os.environ["TRAINSCALE_CPU_PEAK"] = repr(peak)  # this run's peak, measured now, for both loops
+    rows = [bench(n, args.steps) for n in args.configs.split(",")]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, load average {load:.1f}; CPU fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+    print("| config | params | tokens/step | trainscale tok/s | plain loop tok/s | step time trainscale / plain "
+          "| trainscale MFU | plain MFU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['params'] / 1e6:.2f}M | {r['tokens_per_step']:,} | "
+              f"{r['trainscale_tokens_per_s']:,.0f} | {r['plain_tokens_per_s']:,.0f} | {r['overhead_ratio']:.3f} | "
+              f"{r['trainscale_mfu']:.1%} | {r['plain_mfu']:.1%} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"peak_flops": peak, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
