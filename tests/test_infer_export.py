@@ -1,0 +1,156 @@
+"""Export: transformers reproduces trainscale's logits; llama.cpp reproduces its greedy continuation."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from infer_fixtures import small_model_dir  # noqa: F401  (session fixture)
+
+from trainscale.errors import TrainscaleError
+from trainscale.estimate.inference import gguf_name, gguf_tensor_bytes
+from trainscale.infer.export import export_gguf, export_hf, rope_interleaved_to_half
+from trainscale.infer.generate import Sampling, generate_ids
+from trainscale.infer.load import load_for_inference, load_tokenizer_for
+
+PROMPT = "ROMEO:\nWhat light through yonder window breaks? It is the east"
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="llama-cpp-python is not installed (pip install '.[infer]')")
+
+
+def test_rope_permutation_maps_meta_pairs_to_rotate_half():
+    # one head of dim 8: Meta rows (0,1) (2,3) (4,5) (6,7) are pairs; HF pairs rows (i, i+4)
+    w = torch.arange(8.0)[:, None]
+    assert rope_interleaved_to_half(w, 1, 8).flatten().tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    two = rope_interleaved_to_half(torch.arange(8.0), 2, 4)  # biases too, head by head
+    assert two.tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+@pytest.fixture(scope="module")
+def gguf_files(small_model_dir, tmp_path_factory):  # noqa: F811
+    d = tmp_path_factory.mktemp("gguf")
+    return {t: export_gguf(small_model_dir, d / f"small-{t}.gguf", t) for t in ("f16", "q8_0", "q4_0")}
+
+
+def test_hf_logits_equal_trainscale(small_model_dir, tmp_path):  # noqa: F811
+    transformers = pytest.importorskip("transformers")
+    rep = export_hf(small_model_dir, tmp_path / "hf")
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (tmp_path / "hf" / f).exists()
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    model, spec, folder = load_for_inference(small_model_dir)
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in model.parameters())
+    assert rep["tensor_bytes"] == 4 * sum(p.numel() for p in model.parameters())
+    x = torch.randint(0, spec.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf(x).logits.float() - model(x)).abs().max().item()
+    assert diff < 1e-4
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert hf_tok(PROMPT)["input_ids"] == load_tokenizer_for(folder).encode(PROMPT).ids
+
+
+def test_hf_export_tied_embeddings_and_bias(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from trainscale.runtime.artifact import save_model_dir
+    from trainscale.runtime.data import corpus_text, train_tokenizer
+    from trainscale.runtime.model import build_model
+    from trainscale.specs import load_model
+
+    spec = load_model({"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 4, "d_ff": 96, "vocab_size": 300,
+                       "max_seq_len": 64, "tied_embeddings": True, "bias": True, "rope_theta": 500.0})
+    model = build_model(spec, seed=3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn(p.shape) * 0.1)  # non-trivial biases and norm gains
+    tok = train_tokenizer(300, corpus_text("train", max_chars=20000))
+    tok.save(str(tmp_path / "tok.json"))
+    save_model_dir(tmp_path / "m", model.state_dict(), spec, tmp_path / "tok.json")
+    export_hf(tmp_path / "m", tmp_path / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    x = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (hf(x).logits - model.eval()(x)).abs().max().item() < 1e-4
+    with pytest.raises(TrainscaleError, match="no biases"):
+        export_gguf(tmp_path / "m", tmp_path / "x.gguf", "f16")
+
+
+def test_gguf_tensor_bytes_and_metadata_equal_estimator(gguf_files, small_model_dir):  # noqa: F811
+    import gguf
+
+    _, spec, folder = load_for_inference(small_model_dir)
+    for t, rep in gguf_files.items():
+        assert rep["tensor_bytes"] == gguf_tensor_bytes(spec, t, llama_cpp_mix=False)
+        assert rep["file_bytes"] == rep["header_bytes"] + rep["tensor_bytes"] + rep["padding_bytes"]
+    r = gguf.GGUFReader(gguf_files["q4_0"]["out"])
+
+    def field(key):
+        f = r.fields[key]
+        return f.contents() if hasattr(f, "contents") else f.parts[f.data[0]]
+
+    assert field("general.architecture") == "llama"
+    assert field("tokenizer.ggml.model") == "gpt2" and field("tokenizer.ggml.pre") == "gpt-2"
+    assert len(field("tokenizer.ggml.tokens")) == spec.vocab_size
+    assert field("llama.attention.head_count_kv") == spec.n_kv_heads
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    assert types["blk.0.attn_q.weight"] == "Q4_0" and types["token_embd.weight"] == "Q4_0"
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    assert set(types) == {gguf_name(n) for n in load_for_inference(small_model_dir)[0].state_dict()}
+
+
+@needs_llama_cpp
+def test_llama_cpp_f16_greedy_equals_trainscale(gguf_files, small_model_dir):  # noqa: F811
+    from llama_cpp import Llama
+
+    model, spec, folder = load_for_inference(small_model_dir)
+    tok = load_tokenizer_for(folder)
+    ids = tok.encode(PROMPT).ids
+    llm = Llama(model_path=gguf_files["f16"]["out"], n_ctx=spec.max_seq_len, n_threads=2, verbose=False,
+                logits_all=True, seed=0)
+    assert llm.tokenize(PROMPT.encode(), add_bos=False, special=False) == ids  # same tokenizer in the file
+    from trainscale.runtime.data import corpus_text
+
+    held = corpus_text("val", max_chars=5000)
+    assert llm.tokenize(held.encode(), add_bos=False, special=False) == tok.encode(held).ids
+    m16 = model.half().float()  # the f16 file's weights, computed in fp32
+    ours = generate_ids(m16, ids, 32, Sampling(temperature=0)).new_ids
+    llm.reset()
+    llm.eval(ids)
+    with torch.no_grad():
+        ref = m16(torch.tensor([ids]))[0].numpy()
+    assert np.abs(np.array(llm.scores[:len(ids)]) - ref).max() < 2e-2
+    theirs = []
+    for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        theirs.append(t)
+        if len(theirs) == 32:
+            break
+    assert theirs == ours
+    assert llm.detokenize(theirs).decode() == tok.decode(ours)
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("ftype", ["q8_0", "q4_0"])
+def test_llama_cpp_loads_and_runs_quantized_gguf(gguf_files, small_model_dir, ftype):  # noqa: F811
+    import gguf
+    from llama_cpp import Llama
+
+    from trainscale.infer.quantize import model_from_state_dict
+
+    model, spec, folder = load_for_inference(small_model_dir)
+    ids = load_tokenizer_for(folder).encode(PROMPT).ids
+    llm = Llama(model_path=gguf_files[ftype]["out"], n_ctx=spec.max_seq_len, n_threads=2, verbose=False,
+                logits_all=True)
+    out = llm.create_completion(PROMPT, max_tokens=16, temperature=0.8, seed=1)
+    assert out["usage"]["completion_tokens"] > 0 and out["choices"][0]["text"]
+    # the blocks llama.cpp read are the blocks written: its logits equal trainscale's on the file's
+    # dequantized weights, up to llama.cpp quantizing the activations to Q8 for the dot products
+    by = {t.name: t for t in gguf.GGUFReader(gguf_files[ftype]["out"]).tensors}
+    sd = {k: torch.from_numpy(np.array(gguf.quants.dequantize(by[gguf_name(k)].data, by[gguf_name(k)].tensor_type),
+                                         dtype=np.float32).reshape(v.shape)) for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model_from_state_dict(spec, sd)(torch.tensor([ids]))[0].numpy()
+    llm.reset()
+    llm.eval(ids)
+    assert np.abs(np.array(llm.scores[:len(ids)]) - ref).max() < 0.15
