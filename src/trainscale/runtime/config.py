@@ -52,12 +52,22 @@ class RunSection(_Section):
     save_final: bool = Field(default=True, description="gather the weights to rank 0 and write RUN_DIR/final")
 
 
+class CheckpointSection(_Section):
+    every_steps: int = Field(default=0, ge=0, description="save every N steps (0: never)")
+    every_seconds: float = Field(default=0.0, ge=0, description="also save when this long has passed (0: off)")
+    keep: int = Field(default=3, gt=0, description="committed checkpoints to retain")
+    async_save: bool = Field(default=False, description="write in the background while training goes on")
+    dir: str | None = Field(default=None, description="default: RUN_DIR/checkpoints")
+    collective_timeout_s: float = Field(default=600.0, gt=0, description="a rank silent this long counts as hung")
+
+
 class TrainConfig(_Section):
     name: str = "run"
     model: ModelSpec
     train: TrainSection = TrainSection()
     data: DataSection = DataSection()
     run: RunSection = RunSection()
+    checkpoint: CheckpointSection = CheckpointSection()
 
     @property
     def tokenizer_vocab(self) -> int:
@@ -75,7 +85,8 @@ class TrainConfig(_Section):
             return repr(v)
 
         lines = [f"name = {val(self.name)}", ""]
-        for section, obj in (("model", self.model), ("train", self.train), ("data", self.data), ("run", self.run)):
+        for section, obj in (("model", self.model), ("train", self.train), ("data", self.data), ("run", self.run),
+                             ("checkpoint", self.checkpoint)):
             lines.append(f"[{section}]")
             for k, v in obj.model_dump(by_alias=True, exclude_none=True).items():
                 lines.append(f"{k} = {val(v)}")
@@ -96,10 +107,10 @@ def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
     data = dict(data)
     if "model" not in data or not isinstance(data["model"], dict):
         raise TrainscaleError(f"{what} needs a [model] section (name = a catalog model, or the ModelSpec fields)")
-    unknown = set(data) - {"name", "model", "train", "data", "run"}
+    unknown = set(data) - {"name", "model", "train", "data", "run", "checkpoint"}
     if unknown:
         raise TrainscaleError(f"{what}: unknown section or key '{sorted(unknown)[0]}'; "
-                              "use [model], [train], [data], [run]")
+                              "use [model], [train], [data], [run], [checkpoint]")
     data["model"] = _model_from(data["model"])
     try:
         cfg = TrainConfig(**data)

@@ -17,7 +17,8 @@ from trainscale.specs import Layout
 
 def torchrun_command(config: str | Path, layout: str, out: str | Path, world: int, steps: int | None = None,
                      nnodes: int = 1, rdzv_endpoint: str | None = None, rdzv_id: str = "trainscale",
-                     python: str = sys.executable) -> list[str]:
+                     python: str = sys.executable, max_restarts: int = 0, inject: str | None = None,
+                     resume: bool = False) -> list[str]:
     """``python -m torch.distributed.run ... -m trainscale.runtime.train ...``: standalone on one machine,
     c10d rendezvous at ``rdzv_endpoint`` across ``nnodes`` machines (run the same command on each)."""
     if world % nnodes:
@@ -30,10 +31,14 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
             raise TrainscaleError("a multi-node run needs --rdzv-endpoint HOST:PORT (the first node's address)")
         cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
                 "--rdzv-id", rdzv_id]
-    cmd += ["--nproc-per-node", str(world // nnodes), "-m", "trainscale.runtime.train", "--config", str(config),
-            "--layout", layout, "--out", str(out)]
+    cmd += ["--nproc-per-node", str(world // nnodes), "--max-restarts", str(max_restarts),
+            "-m", "trainscale.runtime.train", "--config", str(config), "--layout", layout, "--out", str(out)]
     if steps is not None:
         cmd += ["--steps", str(steps)]
+    if inject:
+        cmd += ["--inject", inject]
+    if resume:
+        cmd += ["--resume"]
     return cmd
 
 

@@ -17,6 +17,7 @@ Backend: NCCL on GPUs, gloo on CPU, chosen automatically.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> torch.device:
+def init_distributed(timeout_s: float | None = None) -> torch.device:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...), or make a
     one-process group when run directly, so one code path serves both. -> this rank's device."""
     if device_type() == "cuda":
@@ -57,7 +58,10 @@ def init_distributed() -> torch.device:
         dev = torch.device("cpu")
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend())
+            # a collective that waits longer than the timeout fails, so a hung rank fails the job
+            # (and torchrun restarts it) instead of stalling it forever
+            kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+            dist.init_process_group(backend(), **kw)
         else:
             dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     return dev

@@ -41,10 +41,12 @@ from torch.distributed.tensor import DTensor
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count
-from trainscale.runtime import measure
+from trainscale.runtime import faults, measure
+from trainscale.runtime.checkpoint import CheckpointManager, step_dir_name
 from trainscale.runtime.config import TrainConfig, check_layout, load_config, micro_batch
 from trainscale.runtime.context import local_positions, shard_sequence
 from trainscale.runtime.data import TokenLoader, corpus_for, eval_windows, unigram_loss
+from trainscale.runtime.faults import Fault, restart_count
 from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed
 from trainscale.runtime.model import Transformer, build_model, lm_loss
 from trainscale.runtime.parallelize import allreduce_gradients, clip_grad_norm, gradient_group, parallelize, uses_fsdp
@@ -73,16 +75,24 @@ class RunResult:
     local_params: int = 0  # parameter elements this rank holds (its shards)
 
 
+def _say(msg: str) -> None:
+    """Print from any rank (fault messages come from the rank that fails)."""
+    print(msg, flush=True)
+
+
 class Trainer:
     """Everything one rank holds: mesh, model stages, optimizer, data position.
 
     Issue 5 (checkpoints, faults) hooks in at ``run()``'s marked places: ``state_dict()`` (DCP) and
     ``extras()`` (per rank) are what a checkpoint must hold, and the loop starts at ``self.step``."""
 
-    def __init__(self, cfg: TrainConfig, layout: Layout, out: Path | None = None, log: Callable[[str], None] = print):
+    def __init__(self, cfg: TrainConfig, layout: Layout, out: Path | None = None, log: Callable[[str], None] = print,
+                 resume: bool = False, faults: list[Fault] | None = None):
         self.cfg, self.layout, self.out = cfg, layout, out
+        self.resume = resume or restart_count() > 0  # torchrun restarted us after a failure: continue
+        self.faults = faults or []
         check_layout(cfg, layout)
-        self.device = init_distributed()
+        self.device = init_distributed(cfg.checkpoint.collective_timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.log = log if self.rank == 0 else (lambda _m: None)
         self.mesh: ParallelMesh = build_mesh(layout)
@@ -223,12 +233,35 @@ class Trainer:
             set_optimizer_state_dict(part, opt, state["optim"], options=opts)
 
     def extras(self) -> dict[str, Any]:
-        """This rank's plain state: the step and the data position (the LR follows from the step)."""
-        return {"step": self.step, "loader": self.loader.state_dict()}
+        """This rank's plain state: the step, the data position and the RNG (the LR follows from the step)."""
+        return {"step": self.step, "loader": self.loader.state_dict(), "rng": torch.get_rng_state()}
 
     def load_extras(self, extras: dict[str, Any]) -> None:
         self.step = int(extras["step"])
         self.loader.load_state_dict(extras["loader"])
+        if "rng" in extras:
+            torch.set_rng_state(extras["rng"])
+
+    def _checkpoints(self) -> CheckpointManager | None:
+        c = self.cfg.checkpoint
+        if self.out is None and c.dir is None:
+            return None
+        if not (c.every_steps or c.every_seconds or self.resume):
+            return None
+        root = Path(c.dir) if c.dir else self.out / "checkpoints"
+        return CheckpointManager(root, keep=c.keep, async_save=c.async_save,
+                                 before_commit=faults.before_commit(self.faults, self.rank, _say))
+
+    def _resume(self, mgr: CheckpointManager) -> None:
+        state = self.state_dict()
+        found = mgr.load(state, log=self.log)
+        if found is None:
+            self.log("no complete checkpoint to resume from: starting at step 0")
+            return
+        step, extras = found
+        self.load_state_dict(state)
+        self.load_extras(extras)
+        self.log(f"resumed from {mgr.root / step_dir_name(step)} at step {step} (attempt {restart_count()})")
 
     def run(self, steps: int | None = None) -> RunResult:
         steps = steps or self.cfg.train.steps
@@ -238,17 +271,24 @@ class Trainer:
             (self.out / "config.toml").write_text(self.cfg.to_toml())
             (self.out / "tokenizer.json").write_bytes(self.corpus.tokenizer_path.read_bytes())
             self._write_run_json({"status": "running"})
-            metrics_file = open(self.out / "metrics.jsonl", "w")  # noqa: SIM115  (closed below)
+            job = self.out / "job.json"  # the first attempt's start: wall time for goodput spans restarts
+            if not self.resume or not job.exists():
+                job.write_text(json.dumps({"start": time.time()}))
+            metrics_file = open(self.out / "metrics.jsonl", "a" if self.resume else "w")  # noqa: SIM115
         self.log(f"training {self.cfg.model.name} ({param_count(self.cfg.model) / 1e6:.2f}M params) on "
                  f"{self.world} process(es), layout {self.layout}, {steps} steps, "
                  f"{self.cfg.train.global_batch} x {self.cfg.train.seq_len} tokens per step")
+        mgr = self._checkpoints()
+        if mgr is not None and self.resume:
+            self._resume(mgr)
         start = time.perf_counter()
+        last_save = start
         losses, rows = [], []
-        # [issue 5] resume here: load_state_dict() + load_extras() from the newest good checkpoint
         while self.step < steps:
-            # [issue 5] faults.at_step(...) here
+            faults.at_step(self.faults, self.step + 1, self.rank, _say)
             row = self.train_step()
             row["time"] = time.perf_counter() - start
+            row["attempt"] = restart_count()
             losses.append(row["loss"])
             rows.append(row)
             if metrics_file is not None:
@@ -257,13 +297,55 @@ class Trainer:
             if self.step % self.cfg.run.log_every == 0 or self.step == steps:
                 self.log(f"step {self.step:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                          f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%}  lr {row['lr']:.2e}")
-            # [issue 5] checkpoint save every N steps here
+            if mgr is not None:
+                mgr.poll()
+                c = self.cfg.checkpoint
+                due = (c.every_steps and self.step % c.every_steps == 0) or (
+                    c.every_seconds and time.perf_counter() - last_save >= c.every_seconds)
+                if due:
+                    t0 = time.perf_counter()
+                    mgr.save(self.step, self.state_dict(), self.extras())
+                    last_save = time.perf_counter()
+                    if metrics_file is not None:
+                        metrics_file.write(json.dumps({"event": "checkpoint", "step": self.step,
+                                                       "save_s": last_save - t0, "attempt": restart_count()}) + "\n")
+                        metrics_file.flush()
+        if mgr is not None:
+            mgr.finish()
         if metrics_file is not None:
             metrics_file.close()
+            metrics_file = None
         result = RunResult(losses, self.out, rows, local_params=self.local_params())
         if self.out is not None:
             self._finish(result, time.perf_counter() - start)
+            if self.rank == 0:
+                self._goodput()
         return result
+
+    def _goodput(self) -> dict[str, Any]:
+        """Useful step time / wall time over the whole job, restarts included, from metrics.jsonl:
+        a step that was run again after a restart counts once; the earlier runs are lost work."""
+        rows = [json.loads(x) for x in (self.out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        steps = [r for r in rows if "loss" in r and "step_time_s" in r]
+        last: dict[int, float] = {}
+        for r in steps:
+            last[int(r["step"])] = float(r["step_time_s"])
+        useful = sum(last.values())
+        ran = sum(float(r["step_time_s"]) for r in steps)
+        save = sum(float(r["save_s"]) for r in rows if r.get("event") == "checkpoint")
+        wall = time.time() - json.loads((self.out / "job.json").read_text())["start"]
+        g = {"goodput": useful / wall, "useful_step_s": useful, "wall_s": wall, "lost_steps": len(steps) - len(last),
+             "lost_step_s": ran - useful, "checkpoint_s": save, "checkpoints": sum(r.get("event") == "checkpoint"
+                                                                                   for r in rows),
+             "restarts": restart_count(), "restart_and_startup_s": max(0.0, wall - ran - save)}
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(g) + "\n")
+        info = json.loads((self.out / "run.json").read_text())
+        (self.out / "run.json").write_text(json.dumps({**info, **g}, indent=2))
+        self.log(f"goodput {g['goodput']:.1%}: {useful:.1f} s of useful steps in {wall:.1f} s wall; "
+                 f"{g['restarts']} restart(s), {g['lost_steps']} step(s) recomputed, {g['checkpoints']} checkpoint(s) "
+                 f"taking {save:.1f} s, {g['restart_and_startup_s']:.1f} s starting and restarting")
+        return g
 
     # ------------------------------------------------------------------ the end
 
@@ -340,13 +422,14 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, layout: Layout | str | None = None, steps: int | None = None,
-          out: str | Path | None = None, log: Callable[[str], None] = print) -> RunResult:
+          out: str | Path | None = None, log: Callable[[str], None] = print, resume: bool = False,
+          inject: str | None = None) -> RunResult:
     """Train under ``layout`` in the current process group (joined or created); -> per-step losses.
     ``out=None`` writes nothing (tests); otherwise ``out`` (default: the config's run.out) is the run folder."""
     if layout is None or isinstance(layout, str):
         layout = Layout.parse(layout or cfg.run.layout or "")
     run_dir = Path(out) if out is not None else None
-    return Trainer(cfg, layout, run_dir, log).run(steps)
+    return Trainer(cfg, layout, run_dir, log, resume=resume, faults=faults.parse_faults(inject)).run(steps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,11 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", default=None, help="e.g. dp2,tp2,pp2 (default: the config's run.layout)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", default=None, help="run folder (default: the config's run.out)")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
+    ap.add_argument("--inject", default=None, help="faults, e.g. crash@step=7,rank=1 (runtime/faults.py)")
     args = ap.parse_args(argv)
     try:
         cfg = load_config(args.config, {"train": {"steps": args.steps}} if args.steps else None)
         out = args.out or cfg.run.out
-        train(cfg, args.layout, out=out, log=lambda m: print(m, flush=True))
+        train(cfg, args.layout, out=out, log=lambda m: print(m, flush=True), resume=args.resume, inject=args.inject)
     except TrainscaleError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"trainscale: error: {e}", file=sys.stderr, flush=True)
