@@ -14,7 +14,7 @@ from trainscale.estimate.params import param_count, tensor_inventory
 from trainscale.runtime.config import check_layout, config_from_dict, load_config, micro_batch
 from trainscale.runtime.context import local_positions
 from trainscale.runtime.data import TokenLoader, unigram_loss
-from trainscale.runtime.measure import flops_per_token
+from trainscale.runtime.measure import flops_per_token, gpu_catalog_name
 from trainscale.runtime.model import build_model
 from trainscale.runtime.pipeline import split_model, stage_layers
 from trainscale.runtime.train import lr_at
@@ -137,6 +137,15 @@ def test_lr_warms_up_then_decays_to_the_floor():
                                                                         "min_lr_ratio": 0.1, "seq_len": 16}})
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(10, cfg) == pytest.approx(1.0) and lr_at(100, cfg) == pytest.approx(0.1)
+
+
+def test_gpu_names_map_to_the_catalog():
+    assert gpu_catalog_name("NVIDIA H100 80GB HBM3") == "h100-sxm"
+    assert gpu_catalog_name("NVIDIA H100 PCIe") == "h100-pcie"
+    assert gpu_catalog_name("NVIDIA A100-SXM4-80GB") == "a100-sxm-80gb"
+    assert gpu_catalog_name("NVIDIA GB200") == "gb200" and gpu_catalog_name("NVIDIA B200") == "b200"
+    assert gpu_catalog_name("NVIDIA GeForce RTX 4090") == "rtx4090"
+    assert gpu_catalog_name("Tesla T4") is None
 
 
 def test_flops_per_token_is_6n_plus_attention():

@@ -113,7 +113,7 @@ def _prepare(cfg) -> dict[str, str]:
 
     if not torch.cuda.is_available():
         with console.status("measuring this CPU's matmul peak (once)"):
-            env["TRAINSCALE_CPU_PEAK"] = repr(measure.cpu_peak_flops())
+            env["TRAINSCALE_CPU_PEAK"] = repr(measure.cpu_peak_flops(remeasure=True))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 

@@ -4,8 +4,8 @@ MFU = model FLOPs per token x tokens/s / peak (Chowdhery et al. 2022, PaLM App. 
 per token from ``estimate.flops.model_flops_per_token`` (6N + 12·L·H·Q·T), N counting the weights
 that take part in matrix multiplies (every parameter but the embedding lookup tables; a tied output
 head is a matmul and counts). The peak is the GPU's datasheet bf16 figure from the catalog, times
-the GPUs in the job; on CPU it is this machine's peak, measured once with a large fp32 matmul using
-all cores, and cached (the processes of a CPU job share those cores, so the machine is the device).
+the GPUs in the job; on CPU it is this machine's peak, measured with a large fp32 matmul using all
+cores and cached (the processes of a CPU job share those cores, so the machine is the device).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from trainscale.estimate.flops import model_flops_per_token
+from trainscale.estimate import flops
 from trainscale.estimate.params import embedding_params, param_count
 from trainscale.specs import ModelSpec, catalog_names, load_gpu
 
@@ -28,7 +28,7 @@ def matmul_params(spec: ModelSpec) -> int:
 
 
 def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
-    return model_flops_per_token(spec, matmul_params(spec), seq_len)
+    return flops.model_flops_per_token(spec, matmul_params(spec), seq_len)
 
 
 def measure_matmul_peak(n: int = 2048, repeat: int = 5, threads: int | None = None) -> float:
@@ -48,39 +48,53 @@ def measure_matmul_peak(n: int = 2048, repeat: int = 5, threads: int | None = No
     return 2.0 * n**3 / best
 
 
-def cpu_peak_flops() -> float:
-    """This CPU's matmul peak (FLOP/s): $TRAINSCALE_CPU_PEAK, else measured once and cached."""
+def cpu_peak_flops(remeasure: bool = False) -> float:
+    """This CPU's matmul peak (FLOP/s): $TRAINSCALE_CPU_PEAK, else measured once and cached.
+
+    A machine shared with other work measures low while it is busy, so the cache keeps the highest
+    figure any measurement reached (``remeasure`` measures again and keeps the larger)."""
     if os.environ.get("TRAINSCALE_CPU_PEAK"):
         return float(os.environ["TRAINSCALE_CPU_PEAK"])
     from trainscale.runtime.data import cache_root
 
     key = f"{platform.node()}|{platform.processor() or platform.machine()}|{os.cpu_count()}|{torch.__version__}"
     path = cache_root() / "cpu_peak.json"
+    cached = 0.0
     try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return float(cached["flops"])
-    except (OSError, ValueError):
+        got = json.loads(path.read_text())
+        if got.get("key") == key:
+            cached = float(got["flops"])
+    except (OSError, ValueError, KeyError, TypeError):
         pass
-    flops = measure_matmul_peak()
+    if cached and not remeasure:
+        return cached
+    best = max(cached, measure_matmul_peak(repeat=10))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "flops": flops, "how": "best of 5 fp32 2048^3 matmuls, all cores"}))
+        tmp.write_text(json.dumps({"key": key, "flops": best,
+                                   "how": "highest best-of-10 fp32 2048^3 matmul seen, all cores"}))
         tmp.replace(path)
     except OSError:
         pass
-    return flops
+    return best
+
+
+def gpu_catalog_name(device_name: str) -> str | None:
+    """The catalog entry for a CUDA device name ("NVIDIA H100 80GB HBM3" -> "h100-sxm"): the longest
+    entry whose model number appears in the name."""
+    name = device_name.lower().replace(" ", "").replace("-", "")
+    best = None
+    for entry in catalog_names("gpus"):
+        key = entry.lower().replace("-sxm", "").replace("-80gb", "").replace("-", "")
+        if key in name and (best is None or len(key) > len(best[1])):
+            best = (entry, key)
+    return best[0] if best else None
 
 
 def gpu_peak_flops() -> tuple[float, str]:
     """(peak bf16 FLOP/s of this GPU from the catalog, its catalog name)."""
-    name = torch.cuda.get_device_name().lower().replace(" ", "")
-    best = None
-    for entry in catalog_names("gpus"):
-        key = entry.lower().replace("-sxm", "").replace("-80gb", "").replace("-", "")
-        if key and key in name.replace("-", "") and (best is None or len(entry) > len(best)):
-            best = entry
+    best = gpu_catalog_name(torch.cuda.get_device_name())
     if best is None:
         return 989e12, "unknown GPU (H100 SXM peak assumed)"
     return load_gpu(best).peak_bf16_flops, best
@@ -95,4 +109,5 @@ def job_peak_flops(world_size: int) -> tuple[float, str]:
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak: float) -> float:
-    return tokens_per_s * flops_per_tok / peak
+    """``estimate.flops.mfu`` for a job whose ``peak`` already counts all its devices."""
+    return flops.mfu(tokens_per_s, flops_per_tok, 1, peak)
