@@ -402,7 +402,8 @@ class Trainer:
                 self.log(f"held-out loss {result.eval_loss:.4f} nats/token (unigram baseline "
                          f"{result.unigram_loss:.4f}) on {self.cfg.run.eval_sequences} sequences")
             rows = result.metrics[1:] or result.metrics  # the first step warms up
-            tps = sum(r["tokens_per_s"] for r in rows) / max(1, len(rows))
+            tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
+            tps = tokens * len(rows) / max(1e-9, sum(r["step_time_s"] for r in rows))  # all tokens / all step time
             self._write_run_json({
                 "status": "done", "steps": self.step, "seconds": seconds, "final_loss": result.losses[-1],
                 "eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss, "tokens_per_s": tps,
