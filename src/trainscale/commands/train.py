@@ -50,6 +50,10 @@ def train(
     plan: bool = typer.Option(False, "--plan", help="ask the planner for the best layout for this machine"),
     nnodes: int = typer.Option(1, help="machines in the job (run the same command on each)"),
     rdzv_endpoint: str = typer.Option(None, help="HOST:PORT of the first machine, for a multi-node rendezvous"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the run folder's newest good checkpoint"),
+    inject: str = typer.Option(None, help="faults to inject, e.g. 'crash@step=7,rank=1' (crash, hang, slow, "
+                               "kill-during-save); checkpoints come from the config's [checkpoint] section"),
+    max_restarts: int = typer.Option(3, help="torchrun restarts after a failure (each resumes from a checkpoint)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the layout and the torchrun command, run nothing"),
     as_json: bool = typer.Option(False, "--json", help="no progress bar; print run.json at the end"),
 ) -> None:
@@ -60,7 +64,13 @@ def train(
         raise TrainscaleError(f"--nnodes must be positive, not {nnodes}")
     cfg, layout_text, lay, why = _resolve(config, layout, steps, plan)
     run_dir = out or Path(cfg.run.out)
-    cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint)
+    from trainscale.runtime.faults import parse_faults
+
+    parse_faults(inject)  # a bad fault spec is a one-line error here, not a crash in every worker
+    if max_restarts < 0:
+        raise TrainscaleError(f"--max-restarts must be >= 0, not {max_restarts}")
+    cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
+                           max_restarts=max_restarts, inject=inject, resume=resume)
     if dry_run:
         info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd}
         if as_json:
@@ -76,7 +86,7 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "train.log"
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
+    if metrics.exists() and not resume:
         metrics.unlink()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -98,6 +108,10 @@ def train(
     if as_json:
         emit_json(info)
         return
+    events = [ln for ln in log_path.read_text(errors="replace").splitlines()
+              if ln.startswith(("[fault]", "resumed from", "checkpoint ", "no complete checkpoint"))]
+    for ln in events:
+        console.print(ln, style="yellow", highlight=False, markup=False)
     _summary(info, rows, run_dir)
 
 
@@ -170,6 +184,12 @@ def _summary(info: dict[str, Any], rows: list[dict[str, Any]], run_dir: Path) ->
         t.add_row("held-out loss", f"{info['eval_loss']:.4f} (unigram baseline {info['unigram_loss']:.4f})")
     t.add_row("tokens/s", f"{info['tokens_per_s']:,.0f}")
     t.add_row("MFU", f"{info['mfu']:.1%} of {info['peak_flops'] / 1e9:,.1f} GFLOP/s ({info['peak_source']})")
+    if "goodput" in info:
+        t.add_row("goodput", f"{info['goodput']:.1%} ({info['useful_step_s']:.1f} s of useful steps in "
+                  f"{info['wall_s']:.1f} s wall)")
+        t.add_row("recovery", f"{info['restarts']} restart(s), {info['lost_steps']} step(s) recomputed, "
+                  f"{info['checkpoints']} checkpoint(s) in {info['checkpoint_s']:.1f} s, "
+                  f"{info['restart_and_startup_s']:.1f} s starting/restarting")
     if (run_dir / "final").exists():
         t.add_row("model folder", str(run_dir / "final"))
     console.print(t)

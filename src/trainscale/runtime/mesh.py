@@ -47,6 +47,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, with keys namespaced by the restart attempt: after a restart, the ranks
+    must not find the crashed attempt's addresses (a stale key makes gloo connect to a dead port)."""
+    use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=(not use_agent and rank == 0), timeout=timeout, wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"trainscale/attempt{attempt}", store)
+
+
 def init_distributed(timeout_s: float | None = None) -> torch.device:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR...), or make a
     one-process group when run directly, so one code path serves both. -> this rank's device."""
@@ -60,8 +71,9 @@ def init_distributed(timeout_s: float | None = None) -> torch.device:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             # a collective that waits longer than the timeout fails, so a hung rank fails the job
             # (and torchrun restarts it) instead of stalling it forever
-            kw = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
-            dist.init_process_group(backend(), **kw)
+            timeout = datetime.timedelta(seconds=timeout_s or 1800)
+            dist.init_process_group(backend(), store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         else:
             dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     return dev
