@@ -8,3 +8,25 @@ step() { printf '\n\033[1m== %s ==\033[0m\n' "$*"; }
 
 step "1. Why training takes a data center (the seed's running example, recomputed)"
 $TS explain
+
+mkdir -p runs
+step "2. Plan: the best 4D layout for Llama 3.1 405B on 16,384 H100s (seq 8192, 16M-token batches)"
+$TS plan --model llama3.1-405b --gpu h100-sxm --gpus 16384 --seq 8192 --global-batch-tokens 16777216 \
+  --tokens 15.6e12 --top 3
+$TS plan --model llama3.1-405b --gpu h100-sxm --gpus 16384 --seq 8192 --global-batch-tokens 16777216 \
+  --json > runs/plan-405b.json
+
+step "3. Failures and checkpoints: the Llama 3-like run"
+$TS reliability --trials 300
+
+step "4. Train the tiny model on 4 processes (dp2 x tp2), checkpoint every 5 steps, one injected crash"
+rm -rf runs/demo
+$TS train --config configs/demo.toml --layout dp2,tp2 --inject crash@step=12,rank=3 --max-restarts 6
+
+step "5. Quantize what it trained to int4 (groups of 32) and generate from it"
+$TS quantize runs/demo --format int4 --group-size 32 --out runs/demo-int4
+$TS generate runs/demo-int4 --prompt "ROMEO:" --max-new-tokens 40 --seed 1
+
+step "6. The report of the plan, the reliability model and this run"
+$TS report --out runs/demo-report --plan runs/plan-405b.json --run runs/demo
+echo "open runs/demo-report/index.html"

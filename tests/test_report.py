@@ -67,3 +67,28 @@ def test_report_from_plan_json(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(Exception, match="not the output of 'trainscale plan --json'"):
         build_report(tmp_path / "r2", plan_file=tmp_path / "bad.json")
+
+
+def test_report_of_a_real_tiny_run_in_chromium(tmp_path):
+    import subprocess
+
+    from trainscale.runtime.launch import torchrun_command
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text((root / "configs" / "tiny.toml").read_text().replace("steps = 40", "steps = 6")
+                   .replace("eval_sequences = 64", "eval_sequences = 8")
+                   + "\n[checkpoint]\nevery_steps = 3\n")
+    run_dir = tmp_path / "run"
+    p = subprocess.run(torchrun_command(cfg, "dp2", run_dir, 2), capture_output=True, text=True, cwd=root)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    page = build_report(tmp_path / "r", run_dir=run_dir)
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert {"run_loss", "run_throughput", "run_mfu"} <= {f["key"] for f in data["figures"]}
+    assert data["summary"]["steps"] == "6" and "goodput" in data["summary"]
+    if shutil.which("chromium") is None and os.environ.get("CI") != "true":
+        pytest.skip("chromium not installed (make installs it)")
+    from trainscale.report.browser import check_page
+
+    res = check_page(page, ARTIFACTS / "report-tiny-run.png")
+    assert res["images"] == len(data["figures"]) and not res["broken_images"] and res["console_errors"] == []
