@@ -21,8 +21,8 @@ def weights_bytes(n_params: float, bits_per_weight: float) -> float:
 def group_quant_bytes(numel: int, bits: int, group_size: int, scale_bytes: int = 2,
                       asymmetric: bool = False) -> float:
     """Group-wise quantization: ``bits`` per weight packed, plus one fp16 scale (and an fp16 zero
-    point when asymmetric) per group of ``group_size`` weights (e.g. Frantar et al. 2022, GPTQ;
-    Dettmers et al. 2023, QLoRA Sec. 2)."""
+    point when asymmetric; infer/quantize.py stores the group minimum, as ggml's Q4_1 does) per group
+    of ``group_size`` weights (e.g. Frantar et al. 2022, GPTQ; Dettmers et al. 2023, QLoRA Sec. 2)."""
     groups = ceil(numel / group_size)
     return numel * bits / 8 + groups * scale_bytes * (2 if asymmetric else 1)
 

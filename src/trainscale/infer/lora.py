@@ -192,8 +192,14 @@ def load_adapter_folder(folder: Path, dtype: torch.dtype = torch.float32):
         raise TrainscaleError(f"{folder / 'adapter.json'} is corrupt or incomplete: {e}") from None
     if Path(base).resolve() == folder.resolve():
         raise TrainscaleError(f"{folder / 'adapter.json'} names its own folder as the base model")
-    model, _, _ = load_for_inference(base, torch.float32)
-    apply_lora(model, rank, alpha, targets)
+    from trainscale.estimate.lora import lora_targets
+
+    model, spec, _ = load_for_inference(base, torch.float32)
+    try:
+        names = lora_targets(spec, targets)
+    except ValueError as e:
+        raise TrainscaleError(f"{folder / 'adapter.json'}: {e}") from None
+    apply_lora(model, rank, alpha, names)
     try:
         sd = load_file(str(folder / ADAPTER_FILE))
     except Exception as e:  # safetensors raises its own error types

@@ -1,0 +1,65 @@
+"""The four infer sub-commands end to end: JSON output, estimator checks, one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from infer_fixtures import small_model_dir  # noqa: F401  (session fixture)
+
+
+def ts(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainscale", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_quantize_then_generate(small_model_dir, tmp_path):  # noqa: F811
+    r = ts("quantize", str(small_model_dir), "--format", "int4", "--group-size", "32", "--out", str(tmp_path / "q4"),
+           "--eval-tokens", "4096", "--max-new-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["file"]["equal"] and rep["file"]["tensor_bytes"] == rep["file"]["predicted_tensor_bytes"]
+    assert rep["file"]["file_bytes"] == rep["file"]["header_bytes"] + rep["file"]["tensor_bytes"]
+    assert rep["perplexity"]["change_vs_bf16"] < 0.03 and 0 < rep["weight_error"]["relative_frobenius"] < 0.2
+    assert rep["sample"]["completion"]
+    r = ts("generate", str(tmp_path / "q4"), "--prompt", "ROMEO:", "-n", "12", "--temperature", "0.7", "--top-k", "40",
+           "--top-p", "0.9", "--seed", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    g = json.loads(r.stdout)
+    assert g["kv_cache"]["equal"] and g["kv_cache"]["measured_bytes"] == g["kv_cache"]["predicted_bytes"]
+    assert g["new_tokens"] <= 12 and g["kv_cache"]["positions"] == g["prompt_tokens"] + 12
+    human = ts("generate", str(small_model_dir), "-p", "ROMEO:", "-n", "4")
+    assert human.returncode == 0 and "KV cache bytes" in human.stdout
+
+
+def test_lora_merge_and_export(small_model_dir, tmp_path):  # noqa: F811
+    r = ts("lora", str(small_model_dir), "--rank", "4", "--data", "corpus:val", "--steps", "6", "--batch", "4",
+           "--seq-len", "64", "--merge", "--out", str(tmp_path / "lora"), "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["trainable_params"]["equal"] and rep["optimizer_bytes"]["equal"]
+    assert (tmp_path / "lora" / "model.safetensors").exists() and (tmp_path / "lora" / "adapter.safetensors").exists()
+    r = ts("export", str(tmp_path / "lora"), "--to", "gguf", str(tmp_path / "m.gguf"), "--type", "q8_0", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["equal"]
+    r = ts("export", str(tmp_path / "lora"), "--to", "hf", str(tmp_path / "hf"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["equal"] and (tmp_path / "hf" / "config.json").exists()
+
+
+def test_errors_are_one_line_exit_2(small_model_dir, tmp_path):  # noqa: F811
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.json").write_text((small_model_dir / "model.json").read_text())
+    (bad / "model.safetensors").write_bytes(b"\x00" * 100)
+    cases = [
+        (("generate", str(bad), "-p", "hi"), "corrupt"),
+        (("quantize", str(small_model_dir), "--format", "int3"), "int8 or int4"),
+        (("quantize", str(small_model_dir), "--group-size", "48"), "group size"),
+        (("export", str(small_model_dir), "--to", "onnx", str(tmp_path / "x")), "hf or gguf"),
+    ]
+    for args, words in cases:
+        r = ts(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("trainscale: error:") and words in lines[0], r.stderr

@@ -1,0 +1,85 @@
+"""LoRA: only the adapters train; trainable params and Adam bytes equal estimate/lora.py; merge is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from infer_fixtures import small_model_dir  # noqa: F401  (session fixture)
+
+from trainscale.errors import TrainscaleError
+from trainscale.estimate.lora import lora_optimizer_bytes, lora_targets, lora_trainable_params
+from trainscale.infer.lora import apply_lora, merge_lora, save_adapter_folder, train_lora, trainable_params
+from trainscale.runtime.model import build_model
+from trainscale.specs import load_model
+
+SPEC = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 160, "vocab_size": 101, "max_seq_len": 64}
+
+
+def test_estimator_counts_by_hand():
+    spec = load_model(SPEC)  # q 64, kv 32, d_ff 160
+    # per layer, r = 4: wq 4(64+64) + wk 4(64+32) + wv 4(64+32) + wo 4(64+64) = 1792; MLP 3 x 4(64+160) = 2688
+    assert lora_trainable_params(spec, 4, "attn") == 2 * 1792
+    assert lora_trainable_params(spec, 4, "mlp") == 2 * 2688
+    assert lora_trainable_params(spec, 4, "all") == 2 * (1792 + 2688)
+    assert lora_optimizer_bytes(spec, 4, "all") == 8 * 2 * (1792 + 2688)
+    assert lora_optimizer_bytes(spec, 4, "all", mixed_precision=True) == 12 * 2 * (1792 + 2688)
+    assert lora_targets(load_model({**SPEC, "mlp": "gelu"}), "mlp") == ("w1", "w2")
+    with pytest.raises(ValueError, match="not one of"):
+        lora_targets(spec, "wx")
+
+
+@pytest.mark.parametrize("targets,rank", [("all", 4), ("attn", 8), ("mlp", 2), ("wq,wv", 16)])
+def test_measured_params_and_adam_bytes_equal_estimator(targets, rank):
+    spec = load_model(SPEC)
+    model = build_model(spec, seed=0)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    names = lora_targets(spec, targets)
+    x = torch.randint(0, spec.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model.eval()(x)
+    apply_lora(model, rank, 2.0 * rank, names)
+    with torch.no_grad():
+        assert torch.equal(model(x), before)  # B starts at zero: the adapted model starts as the base
+    ids = torch.randint(0, spec.vocab_size, (2000,), generator=torch.Generator().manual_seed(1)).tolist()
+    res = train_lora(model, ids, steps=5, batch=4, seq_len=32, lr=1e-2)
+    assert res["trainable_params"] == trainable_params(model) == lora_trainable_params(spec, rank, names)
+    assert res["optimizer_bytes"]["moments"] == lora_optimizer_bytes(spec, rank, names)
+    for name, p in model.named_parameters():  # the base weights did not move and have no gradient
+        if ".lora_" not in name:
+            assert not p.requires_grad and p.grad is None
+            assert torch.equal(p, base[name.replace(".base.", ".")])
+    with torch.no_grad():
+        adapted = model(x)
+        merged = merge_lora(model)(x)
+    assert not torch.equal(adapted, before)
+    assert set(model.state_dict()) == set(base)  # merged names are the base model's again
+    assert torch.allclose(merged, adapted, atol=1e-5, rtol=0)
+
+
+def test_lora_on_the_small_model_learns_and_round_trips(small_model_dir, tmp_path):  # noqa: F811
+    from trainscale.infer.evaluate import perplexity
+    from trainscale.infer.load import load_for_inference, load_tokenizer_for
+    from trainscale.infer.lora import read_data
+
+    model, spec, folder = load_for_inference(small_model_dir)
+    tok = load_tokenizer_for(folder)
+    text = "\n".join(["FIRST CITIZEN.\nBefore we proceed any further, hear me speak."] * 40)
+    (tmp_path / "data.txt").write_text(text)
+    ids = read_data(str(tmp_path / "data.txt"), tok)
+    ppl0 = perplexity(model, ids, 64)
+    apply_lora(model, 4, 8.0, lora_targets(spec, "all"))
+    res = train_lora(model, ids, steps=30, batch=4, seq_len=64, lr=3e-3)
+    assert res["losses"][-1] < res["losses"][0] - 0.5
+    assert perplexity(model, ids, 64) < ppl0 / 2
+    save_adapter_folder(tmp_path / "ad", model, spec, folder, {"rank": 4, "alpha": 8.0, "targets": ["all"]})
+    x = torch.tensor([ids[:50]])
+    with torch.no_grad():
+        adapted = model(x)
+    from trainscale.infer.load import read_spec
+
+    assert read_spec(tmp_path / "ad") == spec
+    loaded, _, _ = load_for_inference(tmp_path / "ad")  # base + adapters, folded in on load
+    with torch.no_grad():
+        assert torch.allclose(loaded(x), adapted, atol=1e-4, rtol=0)
+    with pytest.raises(TrainscaleError, match="rank"):
+        apply_lora(build_model(spec), 0, 1.0, ("wq",))
