@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainscale.estimate import flops, inference, memory, power
+from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count
 from trainscale.specs import facts, load_facility, load_gpu, load_model
 
@@ -41,8 +42,6 @@ def walkthrough(model: str = "llama3.1-405b", tokens: float | None = None, gpu: 
                 home_model: str = "llama3.1-8b", gpu_hours: float | None = None) -> dict[str, Any]:
     """All figures of the walkthrough as ``{"sections": [...], "figures": {key: value}, ...}``."""
     if not 0 < mfu <= 1:
-        from trainscale.errors import TrainscaleError
-
         raise TrainscaleError(f"--mfu must be in (0, 1], not {mfu}")
     f = facts()
     run = f["llama3_405b_training"]
