@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainscale.estimate import flops, inference, memory, power
 from trainscale.errors import TrainscaleError
+from trainscale.estimate import flops, inference, memory, power
 from trainscale.estimate.params import param_count
 from trainscale.specs import facts, load_facility, load_gpu, load_model
 
