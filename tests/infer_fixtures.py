@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-SMALL = {"name": "infer-small", "n_layers": 4, "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "d_ff": 384,
+SMALL = {"name": "infer-small", "n_layers": 4, "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "d_ff": 352,
          "vocab_size": 512, "max_seq_len": 256}
 
 
 def train_small_model(out: Path, steps: int = 250, spec_fields: dict | None = None, batch: int = 16,
-                      seq_len: int = 128, lr: float = 3e-3, text_chars: int = 400_000, seed: int = 0,
+                      seq_len: int = 128, lr: float = 3e-3, text_chars: int | None = 400_000, seed: int = 0,
                       log=None) -> Path:
     """Train a tiny Llama-style model for ``steps`` AdamW steps and save it as a model folder."""
     from trainscale.runtime.artifact import save_model_dir

@@ -154,3 +154,37 @@ def test_llama_cpp_loads_and_runs_quantized_gguf(gguf_files, small_model_dir, ft
     llm.reset()
     llm.eval(ids)
     assert np.abs(np.array(llm.scores[:len(ids)]) - ref).max() < 0.15
+
+
+@needs_llama_cpp
+def test_llama_cpp_reads_f16_fallback_for_rows_that_are_not_whole_blocks(tmp_path):
+    """d_ff = 80 is not a whole number of 32-weight blocks: ffn_down is written F16 inside a Q4_0 file,
+    as gguf_tensor_types predicts, and llama.cpp computes the same logits as trainscale on those weights."""
+    import gguf
+    from llama_cpp import Llama
+
+    from trainscale.infer.quantize import model_from_state_dict
+    from trainscale.runtime.artifact import save_model_dir
+    from trainscale.runtime.data import corpus_text, train_tokenizer
+    from trainscale.runtime.model import build_model
+    from trainscale.specs import load_model
+
+    spec = load_model({"n_layers": 2, "d_model": 64, "n_heads": 2, "n_kv_heads": 1, "d_ff": 80, "vocab_size": 300,
+                       "max_seq_len": 64})
+    model = build_model(spec, seed=5)
+    tok = train_tokenizer(300, corpus_text("train", max_chars=20000))
+    tok.save(str(tmp_path / "tok.json"))
+    save_model_dir(tmp_path / "m", model.state_dict(), spec, tmp_path / "tok.json")
+    rep = export_gguf(tmp_path / "m", tmp_path / "m.gguf", "q4_0")
+    assert rep["tensor_bytes"] == gguf_tensor_bytes(spec, "q4_0", llama_cpp_mix=False)
+    by = {t.name: t for t in gguf.GGUFReader(rep["out"]).tensors}
+    assert by["blk.0.ffn_down.weight"].tensor_type.name == "F16"
+    assert by["blk.0.ffn_up.weight"].tensor_type.name == "Q4_0"
+    sd = {k: torch.from_numpy(np.array(gguf.quants.dequantize(by[gguf_name(k)].data, by[gguf_name(k)].tensor_type),
+                                       dtype=np.float32).reshape(v.shape)) for k, v in model.state_dict().items()}
+    ids = tok.encode("To be, or not to be, that is the question").ids
+    with torch.no_grad():
+        ref = model_from_state_dict(spec, sd)(torch.tensor([ids]))[0].numpy()
+    llm = Llama(model_path=rep["out"], n_ctx=64, n_threads=2, verbose=False, logits_all=True)
+    llm.eval(ids)
+    assert np.abs(np.array(llm.scores[:len(ids)]) - ref).max() < 0.15

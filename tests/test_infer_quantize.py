@@ -12,9 +12,11 @@ from trainscale.infer.quantize import (
     QuantConfig,
     dequantize_matrix,
     quantize_matrix,
+    quantize_state_dict,
     safetensors_layout,
     save_quantized,
 )
+from trainscale.specs import load_model
 
 
 def test_int4_symmetric_codes_follow_q4_0():
@@ -56,8 +58,29 @@ def test_bad_group_size_and_format():
         QuantConfig("int4", 48).check()
     with pytest.raises(TrainscaleError, match="int8 or int4"):
         QuantConfig("int3", 32).check()
-    with pytest.raises(TrainscaleError, match="whole number of groups"):
-        quantize_matrix(torch.randn(4, 96), QuantConfig("int4", 64))
+    with pytest.raises(TrainscaleError, match="odd"):
+        quantize_matrix(torch.randn(4, 95), QuantConfig("int4", 32))
+
+
+@pytest.mark.parametrize("fmt,asym", [("int8", False), ("int4", False), ("int4", True)])
+def test_short_last_group(fmt, asym):
+    # rows of 688 (configs/small.toml's d_ff) in groups of 32: 21 full groups and one of 16
+    w = torch.randn(3, 688, generator=torch.Generator().manual_seed(2))
+    w[:, -16:] += 3.0
+    cfg = QuantConfig(fmt, 32, asym)
+    parts = quantize_matrix(w, cfg)
+    assert parts["scales"].shape == (3, 22)
+    assert parts["qweight"].numel() == 3 * 688 * cfg.bits // 8
+    back = dequantize_matrix(parts, cfg, (3, 688))
+    last = parts["scales"][:, -1].float().abs()
+    bound = 1.0 if (fmt, asym) == ("int4", False) else 0.5
+    assert bool(((back - w)[:, -16:].abs() <= last[:, None] * bound * 1.01 + 1e-4).all())
+    spec = load_model({"n_layers": 1, "d_model": 64, "n_heads": 2, "n_kv_heads": 2, "d_ff": 688, "vocab_size": 50,
+                       "max_seq_len": 16})
+    from trainscale.runtime.model import build_model
+
+    qsd = quantize_state_dict(build_model(spec).state_dict(), cfg)
+    assert sum(t.numel() * t.element_size() for t in qsd.values()) == quantized_model_bytes(spec, fmt, 32, asym)
 
 
 @pytest.mark.parametrize("fmt,g,asym", [("int8", 32, False), ("int8", 128, True), ("int4", 32, False),

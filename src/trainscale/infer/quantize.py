@@ -11,6 +11,7 @@ plain round-to-nearest). 1-D tensors (norms, biases) stay bf16.
 - asymmetric (both widths): s = (max - min) / (2^bits - 1), offset = min (fp16, one per group, as in
   ggml's Q4_1), q = round((w - offset) / s) in [0, 2^bits - 1], stored unsigned.
 - int4 codes are packed two per byte: low nibble = even column, high nibble = odd column.
+- a row whose length is not a multiple of the group size ends in a shorter group (its own scale).
 
 Scales (and offsets) are rounded to fp16 before the codes are computed, so dequantizing with the
 stored fp16 values reproduces exactly what was optimised. The file is a safetensors file
@@ -62,14 +63,27 @@ class QuantConfig:
 # ------------------------------------------------------------------------------------- one matrix
 
 
+def _groups(cols: int, g: int) -> tuple[int, int]:
+    """(groups per row, padding): a row's last group may be short (ceil(cols / g) scales per row)."""
+    n = math.ceil(cols / g)
+    return n, n * g - cols
+
+
 def quantize_matrix(w: torch.Tensor, cfg: QuantConfig) -> dict[str, torch.Tensor]:
-    """[rows, cols] float matrix -> {"qweight", "scales"(, "offsets")}; cols must be a multiple of the group."""
+    """[rows, cols] float matrix -> {"qweight", "scales"(, "offsets")}, one scale per group of a row.
+
+    A row whose length is not a multiple of the group size ends in a short group; it is padded for the
+    arithmetic by repeating its last weight (which leaves the group's max |w|, min and max unchanged),
+    and only the real columns are stored."""
     rows, cols = w.shape
     g = cfg.group_size
-    if cols % g:
-        raise TrainscaleError(f"a row of {cols} weights is not a whole number of groups of {g}; "
-                              "pick a group size that divides every matrix's row length")
-    x = w.detach().float().reshape(rows, cols // g, g)
+    if cfg.bits == 4 and cols % 2:
+        raise TrainscaleError(f"int4 packs two weights per byte; a row of {cols} weights is odd")
+    ng, pad = _groups(cols, g)
+    x = w.detach().float()
+    if pad:
+        x = torch.cat([x, x[:, -1:].expand(rows, pad)], dim=1)
+    x = x.reshape(rows, ng, g)
     levels = 2 ** cfg.bits - 1
     if cfg.asymmetric:
         lo, hi = x.amin(-1), x.amax(-1)
@@ -90,7 +104,7 @@ def quantize_matrix(w: torch.Tensor, cfg: QuantConfig) -> dict[str, torch.Tensor
         inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
         q = (torch.round(x * inv[..., None]) + 8).clamp_(0, 15).to(torch.uint8)
         out = {"scales": scale.half()}
-    q = q.reshape(rows, cols)
+    q = q.reshape(rows, ng * g)[:, :cols]
     if cfg.bits == 4:
         q = q[:, 0::2] | (q[:, 1::2] << 4)
     out["qweight"] = q.contiguous()
@@ -101,10 +115,14 @@ def dequantize_matrix(parts: dict[str, torch.Tensor], cfg: QuantConfig, shape: t
     """Inverse of quantize_matrix, in fp32."""
     rows, cols = shape
     g = cfg.group_size
+    ng, pad = _groups(cols, g)
     q = parts["qweight"]
     if cfg.bits == 4:
         q = torch.stack((q & 0x0F, q >> 4), dim=-1).reshape(rows, cols)
-    x = q.float().reshape(rows, cols // g, g)
+    x = q.float()
+    if pad:
+        x = torch.cat([x, x.new_zeros(rows, pad)], dim=1)
+    x = x.reshape(rows, ng, g)
     scale = parts["scales"].float()[..., None]
     if cfg.asymmetric:
         w = x * scale + parts["offsets"].float()[..., None]
@@ -112,7 +130,7 @@ def dequantize_matrix(parts: dict[str, torch.Tensor], cfg: QuantConfig, shape: t
         w = x * scale
     else:
         w = (x - 8) * scale
-    return w.reshape(rows, cols)
+    return w.reshape(rows, ng * g)[:, :cols].contiguous()
 
 
 # ------------------------------------------------------------------------------------- a model
