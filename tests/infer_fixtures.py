@@ -54,7 +54,13 @@ def train_small_model(out: Path, steps: int = 250, spec_fields: dict | None = No
     return out
 
 
+_BUILT: dict[str, Path] = {}
+
+
 @pytest.fixture(scope="session")
 def small_model_dir(tmp_path_factory) -> Path:
-    torch.set_num_threads(2)
-    return train_small_model(tmp_path_factory.mktemp("infer") / "small")
+    """Trained once per test session: each test module imports this fixture, which pytest registers per
+    module, so the folder is cached here (this module is imported once). Tests must not write into it."""
+    if "small" not in _BUILT:
+        _BUILT["small"] = train_small_model(tmp_path_factory.mktemp("infer") / "small")
+    return _BUILT["small"]
