@@ -147,8 +147,7 @@ def layout_mesh(layout: Layout, cluster: ClusterSpec, out: Path, max_gpus: int =
         ax.text(per_server + 0.2, -k - h / 2 + 0.5, f"rack {k // max(rack_rows, 1)}", va="center", fontsize=7)
     ax.set_xlim(-0.3, per_server + 2)
     ax.set_ylim(-servers, 1.2)
-    ax.set_xlabel(f"GPU within server ({per_server} per server, {cluster.scale_up} domain {cluster.scale_up_domain})"
-                  if hasattr(cluster, "scale_up") else f"GPU within server ({per_server} per server)")
+    ax.set_xlabel(f"GPU within server ({per_server} per server, scale-up domain of {cluster.scale_up_domain})")
     ax.set_ylabel("server")
     ax.set_yticks([])
     shown = f" (first {n} of {layout.world_size:,})" if n < layout.world_size else ""
