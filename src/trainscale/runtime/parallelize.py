@@ -163,7 +163,13 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMe
         g = p.grad
         copies = replicas
         if isinstance(g, DTensor):
-            if any(pl.is_partial() for pl in g.placements):
+            if isinstance(p, DTensor) and g.placements != p.placements and g.device_mesh == p.device_mesh:
+                # DTensor's embedding backward leaves the TP-sharded table's gradient whole (Replicate) or
+                # pending (Partial): put it on the parameter's placement, so the rank keeps only its shard
+                # (found by train --compare-plan: each TP rank held the whole embedding gradient)
+                g = g.redistribute(placements=p.placements)
+                p.grad = g
+            elif any(pl.is_partial() for pl in g.placements):
                 g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
                 p.grad = g
             for size, pl in zip(g.device_mesh.shape, g.placements, strict=True):

@@ -18,24 +18,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from trainscale.estimate.rank import local_stage_ids, stage_layers
 from trainscale.runtime.mesh import ParallelMesh
 from trainscale.runtime.model import Transformer, lm_loss
 from trainscale.specs import Layout
-
-
-def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """Contiguous layer ranges, as even as possible (the first stages take one extra)."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        n = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def local_stage_ids(layout: Layout, pp_rank: int) -> list[int]:
-    return [pp_rank + i * layout.pp for i in range(layout.v)]
 
 
 def split_model(model: Transformer, layout: Layout, pp_rank: int) -> list[tuple[int, Transformer]]:

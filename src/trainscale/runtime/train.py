@@ -121,6 +121,8 @@ class Trainer:
         self.pipeline = Pipeline(self.parts, layout, self.mesh, self.device, self.n_micro) if layout.pp > 1 else None
         self.grad_group = gradient_group(self.mesh)
         self.step = 0
+        # called after the optimizer step, before the gradients are freed (runtime/compare.py measures there)
+        self.after_update: Callable[[Trainer], None] | None = None
 
         self.flops_per_token = measure.flops_per_token(cfg.model, t.seq_len)
         self.peak, self.peak_source = measure.job_peak_flops(self.world)
@@ -184,6 +186,9 @@ class Trainer:
         grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip, self.mesh)
         for opt in self.optimizers:
             opt.step()
+        if self.after_update is not None:
+            self.after_update(self)
+        for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         # the global batch's mean loss: every dp and cp rank of the last stage holds the mean of its share
         loss = loss.detach().float().reshape(1)

@@ -1,0 +1,285 @@
+"""What one rank of trainscale's own runtime holds and computes, predicted without torch.
+
+The planner (estimate/step.py, memory.py) models a Megatron-style GPU job with the published formulas.
+This module predicts the *runtime in this repository* (runtime/model.py + parallelize.py + pipeline.py)
+rank by rank, so that ``trainscale train --compare-plan`` can check every figure against real tensors:
+
+- model state: each parameter tensor of ``estimate.params.tensor_inventory``, cut by the pipeline
+  (the stages a rank runs), by tensor parallelism (DTensor's column/row plan: which dim each weight is
+  sharded on) and by FSDP2 (dim 0 over the dp_shard x cp group), both with ``torch.chunk``'s sizes
+  (ceil-sized pieces, the last ones short or empty). Gradients have the parameters' local shapes;
+  AdamW keeps two moments of that shape and one fp32 step counter per tensor
+  (Loshchilov & Hutter 2019, arXiv 1711.05101; torch.optim.AdamW's state layout).
+- activations: the tensors autograd saves for the backward pass of one micro-batch through a rank's
+  stage, counted operation by operation from the model's code (norm, projections, RoPE, the attention
+  kernel, the MLP, the loss). It is the same accounting Korthikanti et al. 2022 (arXiv 2205.05198,
+  Sec. 4.1) do for Megatron's layer, applied to this layer (RMSNorm, GQA, RoPE, SwiGLU, no dropout).
+- FLOPs: the matmul FLOPs a rank executes in one step, forward + backward + recomputation, in the
+  convention torch's FlopCounterMode counts them (dense attention matmuls; a FlashAttention backward
+  recomputes QK^T, Dao et al. 2022 arXiv 2205.14135 Algorithm 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from math import ceil, prod
+
+from trainscale.estimate.params import embedding_tensors, head_tensors, layer_tensors
+from trainscale.specs import Layout, ModelSpec
+
+FP32 = 4
+INDEX_BYTES = 8  # int64 token ids and targets
+ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq
+ADAM_STEP_BYTES = 4  # torch.optim.AdamW's per-tensor fp32 step counter
+
+# DeviceMesh dims of runtime/mesh.py, outermost first
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+# ----------------------------------------------------------------------------- where a rank sits
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
+    """The runtime's pipeline cut: contiguous layer ranges, as even as possible (first stages take one extra)."""
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def local_stage_ids(layout: Layout, pp_rank: int) -> list[int]:
+    """Stages rank ``pp_rank`` runs: r, r + pp, r + 2pp, ... (looped placement, interleaved 1F1B)."""
+    return [pp_rank + i * layout.pp for i in range(layout.v)]
+
+
+def mesh_sizes(layout: Layout) -> dict[str, int]:
+    return {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "cp": layout.cp,
+            "tp": layout.tp}
+
+
+def coords(layout: Layout, rank: int) -> dict[str, int]:
+    """A global rank's coordinate on each mesh dim (row-major over MESH_DIMS, tp innermost)."""
+    sizes = mesh_sizes(layout)
+    out: dict[str, int] = {}
+    for dim in reversed(MESH_DIMS):
+        rank, out[dim] = divmod(rank, sizes[dim])
+    return out
+
+
+def chunk_len(n: int, parts: int, index: int) -> int:
+    """Length of piece ``index`` of ``torch.chunk(range(n), parts)``: ceil(n/parts) each, the rest short."""
+    c = ceil(n / parts) if n else 0
+    return max(0, min(c, n - index * c))
+
+
+# ----------------------------------------------------------------------------- model state
+
+
+def tp_shard_dim(name: str) -> int | None:
+    """The dim runtime/parallelize.py shards a tensor on: column-parallel weights and biases on their
+    output dim 0, row-parallel weights on their input dim 1 (their biases replicated), embeddings and
+    the output head on the vocabulary dim 0 (Shoeybi et al. 2019, arXiv 1909.08053 Sec. 3)."""
+    leaf = name.rsplit(".", 2)
+    module, kind = leaf[-2], leaf[-1]
+    if module in ("wq", "wk", "wv", "w1", "w3"):
+        return 0
+    if module in ("wo", "w2"):
+        return 1 if kind == "weight" else None
+    if module in ("tok_embeddings", "pos_embeddings", "output"):
+        return 0
+    return None  # norms
+
+
+def rank_tensors(m: ModelSpec, layout: Layout, rank: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, local shape) of every parameter tensor ``rank`` holds."""
+    c = coords(layout, rank)
+    n_stages = layout.pp * layout.v
+    ranges = stage_layers(m.n_layers, n_stages)
+    tensors: list[tuple[str, tuple[int, ...]]] = []
+    for s in local_stage_ids(layout, c["pp"]):
+        if s == 0:
+            tensors += embedding_tensors(m)
+        for i in ranges[s]:
+            tensors += layer_tensors(m, i)
+        if s == n_stages - 1:
+            tensors += head_tensors(m)
+    fsdp = layout.zero > 0
+    n_shard, shard_idx = layout.dp_shard * layout.cp, c["dp_shard"] * layout.cp + c["cp"]
+    out = []
+    for name, shape in tensors:
+        local = list(shape)
+        dim = tp_shard_dim(name) if layout.tp > 1 else None
+        if dim is not None:
+            local[dim] = chunk_len(local[dim], layout.tp, c["tp"])
+        if fsdp:
+            local[0] = chunk_len(local[0], n_shard, shard_idx)
+        out.append((name, tuple(local)))
+    return out
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Bytes of model state one rank holds (fp32 master weights, gradients, AdamW state)."""
+
+    tensors: int
+    parameters: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def rank_state_bytes(m: ModelSpec, layout: Layout, rank: int, param_bytes: int = FP32) -> RankState:
+    """Parameters, gradients and optimizer state of ``rank`` in bytes: numel x dtype for the weights
+    and their gradients, 2 moments x numel x dtype + one fp32 step per tensor for AdamW."""
+    tensors = rank_tensors(m, layout, rank)
+    n = sum(prod(s) for _, s in tensors)
+    return RankState(tensors=len(tensors), parameters=n * param_bytes, gradients=n * param_bytes,
+                     optimizer=ADAM_MOMENTS * n * param_bytes + ADAM_STEP_BYTES * len(tensors))
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes autograd saves for one micro-batch's backward on one rank, by where they come from."""
+
+    layers: float
+    embedding: float
+    head: float
+    rope: float
+    per_layer: float
+    n_layers: int
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.embedding + self.head + self.rope
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+def _norm_saved(m: ModelSpec, rows: float, e: int) -> float:
+    """RMSNorm x·rsqrt(mean(x²)+eps)·g saves x, the rsqrt (one per row, fp32) and the normalised x;
+    LayerNorm (aten.native_layer_norm) saves x and its fp32 mean and rstd per row."""
+    if m.norm == "rmsnorm":
+        return rows * m.d_model * e + rows * FP32 + rows * m.d_model * e
+    return rows * m.d_model * e + 2 * rows * FP32
+
+
+def layer_saved_bytes(m: ModelSpec, tokens: int, seq: int, layout: Layout, e: int = FP32) -> float:
+    """Bytes one decoder layer saves for backward on one rank, for ``tokens`` = micro-batch x local seq.
+
+    none: the block input, both norms' saved tensors, the projections' (all-gathered, with SP) inputs,
+    the attention kernel's q, k, v (K/V heads repeated for GQA; gathered over the whole sequence with CP),
+    its output and per-row log-sum-exp, and the MLP's hidden tensors (SwiGLU: w1 x, w3 x, silu(w1 x) and
+    the product; GELU: w1 x and gelu(w1 x)).
+    selective: the attention kernel is recomputed, so only its inputs stay (q, and the un-repeated,
+    un-gathered k, v) and its output.
+    full: the block input only (Chen et al. 2016, arXiv 1604.06174)."""
+    tp, cp = layout.tp, layout.cp
+    sp = tp > 1 and layout.sp
+    rows = tokens / tp if sp else tokens  # residual-stream rows on this rank
+    d, hd = m.d_model, m.head_dim
+    h_loc, kv_loc = m.n_heads // tp, max(m.n_kv_heads // tp, 1)
+    if layout.recompute == "full":
+        return rows * d * e
+    q = tokens * h_loc * hd * e
+    kv_local = tokens * kv_loc * hd * e  # one of k, v as this rank projected them
+    norms = _norm_saved(m, rows, e) * 2
+    linear_inputs = 2 * tokens * d * e  # attention and MLP inputs (the whole sequence shard, gathered under SP)
+    out = tokens * h_loc * hd * e  # the attention output: saved by the kernel and by wo
+    ff_loc = m.d_ff // tp
+    mlp = tokens * ff_loc * e * (4 if m.mlp == "swiglu" else 2)
+    if layout.recompute == "selective":
+        core = q + 2 * kv_local + out
+    else:
+        keys = tokens * cp  # keys a rank attends to: the whole sequence, gathered from the cp group under CP
+        kv_kernel = keys * h_loc * hd * e  # k and v as the kernel gets them (K/V heads repeated for GQA)
+        lse = tokens * h_loc * FP32
+        core = q + 2 * kv_kernel + out + lse
+        if cp > 1:  # CP's causal mask over global positions, passed to the kernel as an fp32 additive mask
+            core += (seq // cp) * seq * FP32
+    return norms + linear_inputs + core + mlp
+
+
+def stage_saved_bytes(m: ModelSpec, micro_batch: int, seq: int, layout: Layout, stage: int,
+                      e: int = FP32) -> Activations:
+    """Activations one micro-batch leaves for backward on pipeline stage ``stage`` (layers, plus the
+    token ids on the first stage, plus the final norm, its gathered input to the head and the fp32
+    log-softmax of the cross-entropy loss on the last)."""
+    n_stages = layout.pp * layout.v
+    layers = stage_layers(m.n_layers, n_stages)[stage]
+    s_loc = seq // layout.cp
+    tokens = micro_batch * s_loc
+    per_layer = layer_saved_bytes(m, tokens, seq, layout, e)
+    sp = layout.tp > 1 and layout.sp
+    rows = tokens / layout.tp if sp else tokens
+    emb = tokens * INDEX_BYTES if stage == 0 else 0.0
+    head = 0.0
+    if stage == n_stages - 1:
+        head = (_norm_saved(m, rows, e) + tokens * m.d_model * e + tokens * m.vocab_size * FP32
+                + tokens * INDEX_BYTES)
+    # RoPE's cos and sin [s_local, head_dim / 2], fp32, computed once per forward and shared by the layers
+    rope = 2 * s_loc * (m.head_dim // 2) * FP32 if (m.positions == "rope" and layers) else 0.0
+    return Activations(layers=per_layer * len(layers), embedding=emb, head=head, rope=rope, per_layer=per_layer,
+                       n_layers=len(layers))
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def layer_matmul_params(m: ModelSpec) -> int:
+    """Weights of one layer's matrix multiplies (2-D tensors; biases are adds)."""
+    return sum(prod(s) for _, s in layer_tensors(m, 0) if len(s) == 2)
+
+
+def attention_matmul_flops(m: ModelSpec, q_tokens: int, keys: int, tp: int = 1) -> tuple[float, float]:
+    """(forward, backward) FLOPs of the attention matmuls for ``q_tokens`` queries against ``keys`` keys
+    (per sequence: q_tokens is micro-batch x local queries): QK^T and PV, 2 x 2·s_q·s_k·head_dim per head
+    forward; the FlashAttention backward recomputes QK^T and does four more (Dao et al. 2022, Alg. 4).
+    Dense: the count a FLOP counter makes of the kernel's shapes, masked positions included."""
+    heads = m.n_heads // tp
+    fwd = 2 * 2.0 * q_tokens * keys * m.head_dim * heads
+    return fwd, 2.5 * fwd
+
+
+def rank_step_flops(m: ModelSpec, layout: Layout, rank: int, seq: int, global_batch: int) -> dict[str, float]:
+    """Matmul FLOPs ``rank`` executes in one optimizer step: forward + backward of its stages' layers
+    (6 x weights x tokens, Kaplan et al. 2020), the attention kernels, the output head on the last
+    stage, and what recomputation adds (full: the layers' forward again; selective: the kernel's)."""
+    c = coords(layout, rank)
+    n_stages = layout.pp * layout.v
+    ranges = stage_layers(m.n_layers, n_stages)
+    tokens = global_batch // layout.dp * seq // layout.cp  # this rank's tokens per step
+    n_seqs = global_batch // layout.dp
+    n_layers = sum(len(ranges[s]) for s in local_stage_ids(layout, c["pp"]))
+    has_head = (n_stages - 1) in local_stage_ids(layout, c["pp"])
+    w_layer = layer_matmul_params(m) / layout.tp
+    a_fwd, a_bwd = attention_matmul_flops(m, n_seqs * seq // layout.cp, seq, layout.tp)
+    dense = 6.0 * w_layer * tokens * n_layers
+    attention = (a_fwd + a_bwd) * n_layers
+    head = 6.0 * m.d_model * m.vocab_size / layout.tp * tokens if has_head else 0.0
+    rc_dense, rc_attn = 0.0, 0.0
+    if layout.recompute == "full":
+        # torch's checkpoint stops recomputing once every tensor the backward needs exists again
+        # (torch.utils.checkpoint early stop): the layer's last matmul (MLP down) is not redone
+        last = m.d_model * m.d_ff / layout.tp
+        rc_dense, rc_attn = 2.0 * (w_layer - last) * tokens * n_layers, a_fwd * n_layers
+    elif layout.recompute == "selective":
+        rc_attn = a_fwd * n_layers
+    total = dense + attention + head + rc_dense + rc_attn
+    # torch's FlopCounterMode runs above DTensor's dispatch: the tensor-parallel projections (DTensor inputs)
+    # count at their global shapes, i.e. the whole TP group's work, while the attention kernel gets local tensors
+    counted = layout.tp * (dense + head + rc_dense) + attention + rc_attn
+    return {"dense": dense, "attention": attention, "head": head, "recompute_dense": rc_dense,
+            "recompute_attention": rc_attn, "total": total, "flop_counter": counted}

@@ -1,0 +1,226 @@
+"""Measure what a layout really holds and does, rank by rank, for ``trainscale train --compare-plan``:
+``python -m trainscale.runtime.compare --config X.toml --layout L --out result.json`` under torchrun.
+
+Each rank builds the same Trainer as a training run and reports:
+  - model state: bytes of its real parameter, gradient and AdamW state tensors (local shards of
+    DTensors), read after an optimizer step, before the gradients are freed
+  - activations: bytes of the tensors autograd saves for backward during one micro-batch's forward
+    through each of its pipeline stages (``torch.autograd.graph.saved_tensors_hooks``; each storage
+    counted once, parameters excluded), then that micro-batch's backward so FSDP's state stays whole
+  - FLOPs: one training step under ``torch.utils.flop_counter.FlopCounterMode`` (with the CPU
+    FlashAttention kernel registered, which torch counts only on GPUs)
+  - step time: the median of the timed steps after the warm-up ones
+Rank 0 gathers every rank's figures and writes them as JSON; the predictions are estimate/rank.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainscale.errors import TrainscaleError
+from trainscale.runtime.config import load_config
+from trainscale.runtime.model import lm_loss
+from trainscale.runtime.train import Trainer
+from trainscale.specs import Layout
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding a subclass's data (DTensor's local shard, a pending collective's result)."""
+    while hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        inner, _ = t.__tensor_flatten__()
+        t = getattr(t, inner[0])
+    return t
+
+
+# ----------------------------------------------------------------------------- model state
+
+
+def state_bytes(trainer: Trainer) -> dict[str, int]:
+    """Bytes of this rank's parameters, gradients and optimizer state, from the tensors themselves."""
+    params = trainer.params
+    out = {"tensors": len(params), "parameters": sum(_nbytes(p) for p in params),
+           "gradients": sum(_nbytes(p.grad) for p in params if p.grad is not None), "optimizer": 0}
+    for opt in trainer.optimizers:
+        for state in opt.state.values():
+            out["optimizer"] += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    out["total"] = out["parameters"] + out["gradients"] + out["optimizer"]
+    return out
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+class SavedTensors:
+    """Bytes of every distinct storage autograd saves while active, excluding ``module``'s parameters
+    (looked up at each save: FSDP swaps its gathered weights in during the forward)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.seen: dict[int, int] = {}
+        self.items: list[tuple[tuple[int, ...], str, int]] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _param_storages(self) -> set[int]:
+        return {_local(p).untyped_storage().data_ptr() for p in self.module.parameters()}
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter):
+            return t
+        local = _dense(t)
+        st = local.untyped_storage()
+        key = st.data_ptr()
+        if key and key not in self.seen and key not in self._param_storages():
+            self.seen[key] = st.nbytes()
+            self.items.append((tuple(local.shape), str(local.dtype), st.nbytes()))
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+    def __enter__(self) -> SavedTensors:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def activation_bytes(trainer: Trainer) -> list[dict[str, Any]]:
+    """One micro-batch forward (+ loss on the last stage) through each local stage, saved bytes counted."""
+    cfg, lo = trainer.cfg, trainer.layout
+    seq_local = cfg.train.seq_len // lo.cp
+    n_stages = lo.pp * lo.v
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.model.vocab_size, (trainer.micro, seq_local), generator=gen).to(trainer.device)
+    targets = tokens.roll(-1, dims=1)
+    out = []
+    for stage, part in trainer.parts:
+        if stage == 0:
+            x = tokens
+        else:  # a later stage receives hidden states: this rank's sequence shard of them under SP
+            rows = seq_local // lo.tp if lo.tp > 1 and lo.sp else seq_local
+            x = torch.randn(trainer.micro, rows, cfg.model.d_model, generator=gen).to(trainer.device)
+            x.requires_grad_(True)
+        with SavedTensors(part) as saved, trainer.autocast:
+            y = part(x)
+            if stage == n_stages - 1:
+                loss = lm_loss(y, targets)
+        if stage != n_stages - 1:  # a stand-in for the next stage's gradient, outside the count
+            loss = _local(y).float().pow(2).mean()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
+        loss.backward()
+        out.append({"stage": stage, "bytes": saved.total, "tensors": len(saved.items)})
+    for p in trainer.params:
+        p.grad = None
+    return out
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def _cpu_flash_flops() -> dict[Any, Any]:
+    """FlopCounterMode formulas for the CPU FlashAttention kernel, as torch registers the CUDA one."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def fwd(q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(q, k, v)
+
+    def bwd(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_backward_flop_count(grad_out, q, k, v)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: fwd,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: bwd}
+
+
+def step_flops(trainer: Trainer) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_flash_flops())
+    with counter:
+        trainer.train_step()
+    return float(counter.get_total_flops())
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def measure(trainer: Trainer, steps: int = 3, warmup: int = 1) -> dict[str, Any]:
+    """This rank's measured figures (see the module docstring)."""
+    got: dict[str, Any] = {"rank": trainer.rank}
+    got["activations"] = activation_bytes(trainer)
+
+    def probe(t: Trainer) -> None:
+        got.setdefault("state", state_bytes(t))
+
+    trainer.after_update = probe
+    trainer.train_step()  # the first step also creates AdamW's state
+    trainer.after_update = None
+    got["flops"] = step_flops(trainer)
+    for _ in range(warmup):
+        trainer.train_step()
+    times = [trainer.train_step()["step_time_s"] for _ in range(steps)]
+    got["step_times"] = times
+    got["step_time_s"] = statistics.median(times)
+    return got
+
+
+def run(config: str | Path, layout: str, steps: int = 3, warmup: int = 1) -> list[dict[str, Any]] | None:
+    """Measure ``layout`` in the current process group; -> every rank's figures on rank 0, else None."""
+    cfg = load_config(config)
+    trainer = Trainer(cfg, Layout.parse(layout), out=None, log=lambda _m: None)
+    mine = measure(trainer, steps, warmup)
+    if trainer.world == 1:
+        return [mine]
+    got: list[Any] = [None] * trainer.world if trainer.rank == 0 else None  # type: ignore[assignment]
+    dist.gather_object(mine, got, dst=0)
+    return got if trainer.rank == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainscale.runtime.compare", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--layout", required=True)
+    ap.add_argument("--out", required=True, help="JSON file for every rank's figures")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=1)
+    args = ap.parse_args(argv)
+    try:
+        got = run(args.config, args.layout, args.steps, args.warmup)
+        if got is not None:
+            Path(args.out).write_text(json.dumps({"layout": args.layout, "ranks": got}, indent=1))
+    except TrainscaleError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"trainscale: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
