@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from math import ceil, prod
+from typing import Any
 
 from trainscale.estimate.params import embedding_tensors, head_tensors, layer_tensors
 from trainscale.specs import Layout, ModelSpec
@@ -283,3 +284,105 @@ def rank_step_flops(m: ModelSpec, layout: Layout, rank: int, seq: int, global_ba
     counted = layout.tp * (dense + head + rc_dense) + attention + rc_attn
     return {"dense": dense, "attention": attention, "head": head, "recompute_dense": rc_dense,
             "recompute_attention": rc_attn, "total": total, "flop_counter": counted}
+
+
+# ----------------------------------------------------------------------------- step time
+
+
+# Non-matmul work (norms, RoPE, SiLU, residual adds, softmax-loss, the gradient of each) is memory-bound:
+# each activation the forward saves was written once, is read once by the backward, which writes its
+# gradient once: 3 passes over the saved bytes of a layer without recomputation (and one more forward
+# pass under full recomputation). A roofline (Williams et al. 2009) memory term, not a fit.
+ELEMENTWISE_PASSES = 3
+# calibrate counts the causal attention kernel as 3 x 2·b·h·s²·d (forward 2, backward 4); the dense count
+# of the same shapes here is 14·b·h·s²·d (forward 4, FlashAttention backward 10): a kernel that skips the
+# masked half runs at (dense count / 2) / time
+_ATTN_COUNT = 6 / 14
+
+
+def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_batch: int, mach: Any,
+                   micro_batch: int) -> dict[str, float]:
+    """Seconds of one training step on ``rank`` of this runtime on a measured machine (estimate/machine.py).
+
+    Per micro-batch on each local stage: matmuls at the measured matmul FLOP/s, the attention kernel at
+    the measured attention FLOP/s (under CP it gets an explicit mask and cannot skip the masked half),
+    memory-bound elementwise work (ELEMENTWISE_PASSES), tensor-parallel collectives (2 per layer each
+    way: all-reduces, or all-gather + reduce-scatter with SP; Korthikanti et al. 2022 Sec. 4.2.2) and
+    context-parallel K/V all-gathers and gradient reduce-scatters (Llama 3 Sec. 3.3.2), with the
+    forward's again under full recomputation. Through the pipeline: m + (p-1)/v stage-times (Narayanan
+    et al. 2021 Eq. 1) plus a send and a receive per micro-batch and stage boundary. Then the data-parallel
+    traffic (zero0: one gradient all-reduce; FSDP: per-block all-gathers in the forward, again in the
+    backward under zero3, and one reduce-scatter), the gradient-norm all-reduce and AdamW. On a CPU the
+    collectives share the cores with the compute: nothing overlaps."""
+    from trainscale.estimate.pipeline import pipeline_time
+
+    c = coords(layout, rank)
+    lo, e = layout, FP32
+    n_stages = lo.pp * lo.v
+    ranges = stage_layers(m.n_layers, n_stages)
+    n_micro = global_batch // lo.dp // micro_batch
+    s_loc = seq // lo.cp
+    tokens = micro_batch * s_loc
+    sp = lo.tp > 1 and lo.sp
+
+    # one micro-batch through this rank's stages
+    w_layer = layer_matmul_params(m) / lo.tp
+    last = m.d_model * m.d_ff / lo.tp
+    a_fwd, a_bwd = attention_matmul_flops(m, tokens, seq, lo.tp)
+    attn_rate = mach.attention_flops / _ATTN_COUNT * (1.0 if lo.cp > 1 else 2.0)  # dense FLOPs per second
+    t_layer_mm = 6.0 * w_layer * tokens / mach.matmul_flops
+    t_layer_attn = (a_fwd + a_bwd) / attn_rate
+    none = Layout(**{**lo.model_dump(), "recompute": "none"})
+    t_layer_elem = ELEMENTWISE_PASSES * layer_saved_bytes(m, tokens, seq, none, e) / mach.memory_bandwidth
+    act = tokens * m.d_model * e
+    tp_one_way = (2 * (mach.collective_time("all_gather", act, lo.tp) + mach.collective_time("reduce_scatter", act,
+                                                                                               lo.tp))
+                  if sp else 2 * mach.collective_time("all_reduce", act, lo.tp))
+    kv = micro_batch * seq * 2 * max(m.n_kv_heads // lo.tp, 1) * m.head_dim * e
+    cp_fwd = mach.collective_time("all_gather", kv, lo.cp)
+    cp_bwd = mach.collective_time("reduce_scatter", kv, lo.cp)
+    t_layer_comm = 2 * tp_one_way + cp_fwd + cp_bwd
+    if lo.recompute == "full":
+        t_layer_mm += 2.0 * (w_layer - last) * tokens / mach.matmul_flops
+        t_layer_attn += a_fwd / attn_rate
+        t_layer_elem += t_layer_elem / ELEMENTWISE_PASSES
+        t_layer_comm += tp_one_way + cp_fwd
+    elif lo.recompute == "selective":
+        t_layer_attn += a_fwd / attn_rate
+    t_layer = t_layer_mm + t_layer_attn + t_layer_elem + t_layer_comm
+    t_head = (6.0 * m.d_model * m.vocab_size / lo.tp * tokens / mach.head_matmul_flops
+              + 2 * mach.collective_time("all_gather", tokens * m.vocab_size * e, lo.tp)
+              + ELEMENTWISE_PASSES * tokens * m.vocab_size * FP32 / mach.memory_bandwidth)
+    t_embed = 0.0
+    if lo.tp > 1:  # the vocabulary-sharded embedding's partial sums
+        t_embed = (mach.collective_time("reduce_scatter", act, lo.tp) if sp
+                   else mach.collective_time("all_reduce", act, lo.tp))
+    t_p2p = 2 * lo.v * mach.collective_time("send_recv", act / (lo.tp if sp else 1), 2) if lo.pp > 1 else 0.0
+
+    def micro_time(pp_rank: int) -> float:
+        """One micro-batch through the stages of pipeline rank ``pp_rank``."""
+        ids = local_stage_ids(lo, pp_rank)
+        t = sum(len(ranges[s]) for s in ids) * t_layer + t_p2p
+        return t + (t_head if n_stages - 1 in ids else 0.0) + (t_embed if 0 in ids else 0.0)
+
+    t_micro = micro_time(c["pp"])
+    # the pipeline runs at its slowest stage (Narayanan et al. 2021 Eq. 1); the ranks meet at the step's end
+    t_compute = float(pipeline_time(max(micro_time(r) for r in range(lo.pp)), n_micro, lo.pp, lo.v))
+
+    # data parallel and the optimizer, on this rank's shards
+    tensors = rank_tensors(m, lo, rank)
+    local = sum(prod(s) for _, s in tensors)
+    full = local * (lo.dp_shard * lo.cp if lo.zero > 0 else 1)  # this rank's share before FSDP's cut
+    n_shard = lo.dp_shard * lo.cp
+    if lo.zero == 0:
+        t_dp = mach.collective_time("all_reduce", full * e, lo.dp * lo.cp)
+    else:
+        gathers = (2 if lo.zero == 3 else 1) * n_micro
+        t_dp = (gathers * mach.collective_time("all_gather", full * e, n_shard)
+                + mach.collective_time("reduce_scatter", full * e, n_shard)
+                + mach.collective_time("all_reduce", local * e, lo.dp_replicate))
+    t_norm = mach.collective_time("all_reduce", 8, lo.world_size)
+    t_opt = local * mach.optimizer_seconds_per_param
+    total = t_compute + t_dp + t_norm + t_opt
+    return {"compute": t_compute, "data_parallel": t_dp, "optimizer": t_opt + t_norm, "total": total,
+            "per_microbatch": t_micro}

@@ -203,15 +203,18 @@ def run(config: str | Path, layout: str, steps: int = 3, warmup: int = 1) -> lis
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainscale.runtime.compare", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
-    ap.add_argument("--layout", required=True)
-    ap.add_argument("--out", required=True, help="JSON file for every rank's figures")
+    ap.add_argument("--layouts", required=True, help="';'-separated layouts of the same world size, run in turn")
+    ap.add_argument("--out", required=True, help="JSON file: {layout: [every rank's figures]}")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=1)
     args = ap.parse_args(argv)
     try:
-        got = run(args.config, args.layout, args.steps, args.warmup)
-        if got is not None:
-            Path(args.out).write_text(json.dumps({"layout": args.layout, "ranks": got}, indent=1))
+        results: dict[str, Any] = {}
+        for layout in args.layouts.split(";"):
+            got = run(args.config, layout, args.steps, args.warmup)
+            if got is not None:
+                results[layout] = got
+                Path(args.out).write_text(json.dumps(results, indent=1))
     except TrainscaleError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"trainscale: error: {e}", file=sys.stderr, flush=True)
@@ -224,3 +227,63 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ----------------------------------------------------------------------------- predicted vs measured
+
+
+def compare_command(config: str | Path, layouts: list[str], out: str | Path, steps: int = 3, warmup: int = 1,
+                    python: str = sys.executable) -> list[str]:
+    """The command that measures ``layouts`` (all of one world size) one after another in one job: torchrun
+    with one process per rank, or plain Python for one process."""
+    world = Layout.parse(layouts[0]).world_size
+    launcher = [python] if world == 1 else [python, "-m", "torch.distributed.run", "--standalone",
+                                            "--nproc-per-node", str(world)]
+    return [*launcher, "-m", "trainscale.runtime.compare", "--config", str(config), "--layouts", ";".join(layouts),
+            "--out", str(out), "--steps", str(steps), "--warmup", str(warmup)]
+
+
+def _err(pred: float, got: float) -> float:
+    return (pred - got) / got if got else (0.0 if pred == got else float("inf"))
+
+
+def compare(cfg: Any, layout: Layout, measured: list[dict[str, Any]], profile: dict[str, Any] | None
+            ) -> dict[str, Any]:
+    """Every rank's prediction (estimate/rank.py) next to its measurement, and the worst differences."""
+    from trainscale.estimate import rank as R
+    from trainscale.estimate.machine import machine_from_profile
+    from trainscale.runtime.config import micro_batch
+
+    m, t = cfg.model, cfg.train
+    mb = micro_batch(cfg, layout)
+    mach = machine_from_profile(profile, layout.world_size) if profile is not None else None
+    ranks = []
+    for got in sorted(measured, key=lambda g: g["rank"]):
+        r = got["rank"]
+        state = R.rank_state_bytes(m, layout, r).as_dict()
+        flops = R.rank_step_flops(m, layout, r, t.seq_len, t.global_batch)
+        acts = [{"stage": a["stage"], "measured": a["bytes"],
+                 "predicted": R.stage_saved_bytes(m, mb, t.seq_len, layout, a["stage"]).total}
+                for a in got["activations"]]
+        row = {"rank": r, "coords": R.coords(layout, r),
+               "state": {k: {"predicted": state[k], "measured": got["state"][k]}
+                         for k in ("parameters", "gradients", "optimizer", "total")},
+               "activations": acts,
+               "flops": {"predicted": flops["flop_counter"], "measured": got["flops"], "executed": flops["total"]},
+               "step_time_s": {"measured": got["step_time_s"], "samples": got["step_times"]}}
+        if mach is not None:
+            st = R.rank_step_time(m, layout, r, t.seq_len, t.global_batch, mach, mb)
+            row["step_time_s"].update(predicted=st["total"], breakdown=st)
+        ranks.append(row)
+    state_exact = all(v["predicted"] == v["measured"] for r in ranks for v in r["state"].values())
+    act_err = max(abs(_err(a["predicted"], a["measured"])) for r in ranks for a in r["activations"])
+    flop_err = max(abs(_err(r["flops"]["predicted"], r["flops"]["measured"])) for r in ranks)
+    step_meas = max(r["step_time_s"]["measured"] for r in ranks)  # a step ends when the slowest rank does
+    out: dict[str, Any] = {"layout": str(layout), "world_size": layout.world_size, "micro_batch": mb,
+                           "ranks": ranks, "state_exact": state_exact, "activation_max_error": act_err,
+                           "flops_max_error": flop_err, "step_time_measured_s": step_meas}
+    if mach is not None:
+        step_pred = max(r["step_time_s"]["predicted"] for r in ranks)
+        out.update(step_time_predicted_s=step_pred, step_time_error=_err(step_pred, step_meas),
+                   profile_processes=mach.measured_processes)
+    return out

@@ -1,0 +1,73 @@
+"""A measured machine: what ``trainscale calibrate`` wrote, as the step-time model uses it.
+
+The profile (TOML) holds, per number of processes sharing the machine, what one process achieves
+(``[processes.N]``: matmul and attention FLOP/s at a model's shapes, memory bandwidth, AdamW seconds
+per parameter), and per group size the backend's collectives (``[collectives.N.op]``: latency and bus
+bandwidth). Collective time follows the ring model of estimate/comms.py with the measured figures:
+latency + factor x bytes / bus bandwidth, factor 2(n-1)/n for all-reduce and (n-1)/n for all-gather
+and reduce-scatter (NCCL-tests PERFORMANCE.md), 1 for a point-to-point send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainscale.errors import TrainscaleError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+COMPUTE_KEYS = ("matmul_flops", "attention_flops", "memory_bandwidth", "optimizer_seconds_per_param")
+
+
+def _nearest(table: dict[str, Any], n: int, what: str) -> tuple[int, Any]:
+    if not table:
+        raise TrainscaleError(f"the profile has no {what} measurements")
+    keys = sorted(int(k) for k in table)
+    best = min(keys, key=lambda k: (abs(k - n), -k))
+    return best, table[str(best)]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """One process's view of a measured machine while ``processes`` share it."""
+
+    processes: int
+    matmul_flops: float
+    attention_flops: float
+    memory_bandwidth: float
+    optimizer_seconds_per_param: float
+    head_matmul_flops: float
+    collectives: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)  # n -> op -> (lat, busbw)
+    measured_processes: int = 0  # the process count of the [processes.N] table used (nearest measured)
+    device: str = "cpu"
+
+    def collective_time(self, op: str, nbytes: float, n: int) -> float:
+        """Seconds of one ``op`` over ``n`` ranks moving ``nbytes`` (the full buffer: the all-reduced tensor,
+        the all-gather's result, the reduce-scatter's input, the message sent)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        if not self.collectives:
+            raise TrainscaleError("the profile has no collective measurements (calibrate with --processes 1,2,...)")
+        _, table = _nearest({str(k): v for k, v in self.collectives.items()}, n, "collective")
+        lat, busbw = table[op]
+        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+                  "send_recv": 1.0}[op]
+        return lat + factor * nbytes / busbw
+
+
+def machine_from_profile(profile: dict[str, Any], processes: int) -> Machine:
+    """The figures of ``profile`` for ``processes`` processes at once (the nearest count measured)."""
+    try:
+        n, row = _nearest(profile.get("processes", {}), processes, "per-process compute")
+        missing = [k for k in COMPUTE_KEYS if k not in row]
+        if missing:
+            raise TrainscaleError(f"the profile's [processes.{n}] lacks {', '.join(missing)}")
+        coll = {int(k): {op: (float(v[op]["latency_s"]), float(v[op]["bus_bandwidth"]))
+                         for op in COLLECTIVES if op in v} for k, v in profile.get("collectives", {}).items()}
+        return Machine(processes=processes, matmul_flops=float(row["matmul_flops"]),
+                       attention_flops=float(row["attention_flops"]), memory_bandwidth=float(row["memory_bandwidth"]),
+                       optimizer_seconds_per_param=float(row["optimizer_seconds_per_param"]),
+                       head_matmul_flops=float(row.get("head_matmul_flops", row["matmul_flops"])), collectives=coll,
+                       measured_processes=n, device=str(profile.get("machine", {}).get("device", "cpu")))
+    except (KeyError, TypeError, ValueError) as e:
+        raise TrainscaleError(f"the hardware profile is malformed ({e}); run trainscale calibrate again") from None
