@@ -1,0 +1,164 @@
+"""Issue 8, the plan checked against the runtime: for real layouts run by real processes (gloo), each rank's
+parameter, gradient and AdamW bytes equal estimate/rank.py's prediction exactly, the activations autograd
+saves for backward match to 1 % (the issue asks 10 %) under no / selective / full recomputation, and the
+FLOPs torch's FlopCounterMode counts in a step match to 2 %. Llama-style (RMSNorm, GQA, RoPE, SwiGLU) and
+GPT-style (LayerNorm, GELU, learned positions, biases) variants of the tiny model; one job per world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainscale.estimate import rank as R
+from trainscale.estimate.machine import machine_from_profile
+from trainscale.runtime.compare import compare, compare_command
+from trainscale.runtime.config import load_config
+from trainscale.specs import Layout
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+GPT = {"name": "tiny-gpt", "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True,
+       "n_kv_heads": 4}
+
+JOBS = {  # (variant, world) -> layouts
+    ("llama", 1): ["", "rc=selective", "rc=full", "mb2"],
+    ("llama", 2): ["dp2", "dp2,zero3", "dp2,zero1", "tp2", "tp2,nosp,rc=selective", "cp2", "cp2,rc=full",
+                   "pp2,mb2", "pp2,v2,interleaved,mb1"],
+    ("llama", 4): ["dp2,tp2,zero3", "fsdp4,hsdp2", "tp2,pp2,mb2,rc=full", "cp2,tp2,rc=selective"],
+    ("gpt", 2): ["tp2", "cp2,rc=selective", "dp2,zero3,rc=full"],
+}
+
+
+def _config(variant: str, tmp: Path) -> Path:
+    if variant == "llama":
+        return TINY
+    text = TINY.read_text().replace('name = "tiny-llama"', "\n".join(
+        f"{k} = {json.dumps(v) if isinstance(v, str) else str(v).lower()}" for k, v in GPT.items()))
+    text = text.replace("n_kv_heads = 2\n", "")
+    path = tmp / "tiny-gpt.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[tuple[str, str], tuple[object, list[dict]]]:
+    tmp = tmp_path_factory.mktemp("compare")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    got = {}
+    for (variant, world), layouts in JOBS.items():
+        config = _config(variant, tmp)
+        out = tmp / f"{variant}{world}.json"
+        proc = subprocess.run(compare_command(config, layouts, out, steps=1, warmup=0), capture_output=True,
+                              text=True, timeout=900, env=env, cwd=ROOT)
+        assert proc.returncode == 0, f"{variant} world {world}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+        cfg = load_config(config)
+        for layout, ranks in json.loads(out.read_text()).items():
+            assert len(ranks) == world
+            got[(variant, layout)] = (cfg, ranks)
+    return got
+
+
+CASES = [(v, lay) for (v, _), lays in JOBS.items() for lay in lays]
+
+
+@pytest.mark.parametrize("variant,layout", CASES)
+def test_model_state_bytes_exact(measured, variant, layout):
+    cfg, ranks = measured[(variant, layout)]
+    res = compare(cfg, Layout.parse(layout), ranks, None)
+    for r in res["ranks"]:
+        for what, v in r["state"].items():
+            assert v["predicted"] == v["measured"], (layout, r["rank"], what, v)
+    assert res["state_exact"]
+
+
+@pytest.mark.parametrize("variant,layout", CASES)
+def test_activations_and_flops(measured, variant, layout):
+    cfg, ranks = measured[(variant, layout)]
+    res = compare(cfg, Layout.parse(layout), ranks, None)
+    assert res["activation_max_error"] < 0.01, res["ranks"][0]["activations"]
+    assert res["flops_max_error"] < 0.02, res["ranks"][0]["flops"]
+
+
+def test_sharding_shrinks_what_it_should(measured):
+    """The measured bytes themselves: FSDP over 2 halves every state tensor's bytes (AdamW's per-tensor
+    step counters aside); recomputation cuts the saved activations none > selective > full."""
+    cfg, one = measured[("llama", "")]
+    _, fsdp = measured[("llama", "dp2,zero3")]
+    n_tensors = one[0]["state"]["tensors"]
+    assert fsdp[0]["state"]["parameters"] * 2 == one[0]["state"]["parameters"]
+    assert (fsdp[0]["state"]["optimizer"] - 4 * n_tensors) * 2 == one[0]["state"]["optimizer"] - 4 * n_tensors
+    acts = {rc: measured[("llama", rc)][1][0]["activations"][0]["bytes"] for rc in ("", "rc=selective", "rc=full")}
+    assert acts[""] > acts["rc=selective"] > acts["rc=full"]
+    # full recomputation keeps each layer's input: L x micro-batch x seq x d_model fp32, plus embeddings/head
+    m, t = cfg.model, cfg.train
+    assert acts["rc=full"] > m.n_layers * t.global_batch * t.seq_len * m.d_model * 4
+
+
+def test_tensor_parallel_flops_convention(measured):
+    """FlopCounterMode sees TP projections at their global shapes: a tp2 rank counts its group's dense matmuls
+    (twice its own), the attention kernel at its local shapes; rank_step_flops predicts both counts."""
+    cfg, ranks = measured[("llama", "tp2")]
+    f = R.rank_step_flops(cfg.model, Layout.parse("tp2"), 0, cfg.train.seq_len, cfg.train.global_batch)
+    _, single = measured[("llama", "")]
+    assert f["flop_counter"] == pytest.approx(ranks[0]["flops"], rel=1e-9)
+    assert 2 * f["total"] == pytest.approx(single[0]["flops"], rel=1e-9)  # the two ranks' work is the whole
+
+
+def test_rank_coordinates_follow_the_mesh():
+    """Mesh dims (pp, dp_replicate, dp_shard, cp, tp), row-major, tp innermost (runtime/mesh.py)."""
+    lo = Layout.parse("pp2,dp2,cp2,tp2")  # zero0: dp is all replicate
+    assert R.coords(lo, 13) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1}
+    assert R.coords(Layout.parse("dp4,zero3,hsdp2"), 3) == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "cp": 0,
+                                                              "tp": 0}
+    assert R.chunk_len(10, 4, 3) == 1 and R.chunk_len(10, 4, 0) == 3 and R.chunk_len(2, 4, 3) == 0
+
+
+def test_machine_profile_collectives():
+    prof = {"machine": {"device": "cpu"},
+            "processes": {"1": {"matmul_flops": 1e10, "attention_flops": 5e9, "memory_bandwidth": 1e10,
+                                "optimizer_seconds_per_param": 1e-9},
+                          "4": {"matmul_flops": 5e9, "attention_flops": 2e9, "memory_bandwidth": 5e9,
+                                "optimizer_seconds_per_param": 2e-9}},
+            "collectives": {"2": {op: {"latency_s": 1e-4, "bus_bandwidth": 1e9}
+                                  for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")}}}
+    mach = machine_from_profile(prof, 3)  # nearest measured count: 4 (ties go to the larger)
+    assert mach.measured_processes == 4 and mach.matmul_flops == 5e9
+    # ring all-reduce of 1 MB over 2 ranks: latency + 2(n-1)/n x bytes / busbw
+    assert mach.collective_time("all_reduce", 1e6, 2) == pytest.approx(1e-4 + 1e6 / 1e9)
+    assert mach.collective_time("all_gather", 1e6, 2) == pytest.approx(1e-4 + 0.5e6 / 1e9)
+    assert mach.collective_time("all_reduce", 1e6, 1) == 0.0
+
+
+def test_compare_plan_cli(tmp_path):
+    prof = tmp_path / "profile.toml"
+    prof.write_text("[machine]\ndevice = 'cpu'\nmodel = 'tiny-llama'\n"
+                    "[processes.2]\nmatmul_flops = 2e9\nattention_flops = 1e9\nmemory_bandwidth = 5e9\n"
+                    "optimizer_seconds_per_param = 3e-9\n"
+                    + "".join(f"[collectives.2.{op}]\nlatency_s = 1e-4\nbus_bandwidth = 1e9\n"
+                              for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")))
+    cmd = [sys.executable, "-m", "trainscale", "train", "--config", str(TINY), "--compare-plan", "--layout",
+           "dp2;tp2", "--profile", str(prof), "--steps", "1", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout)["results"]
+    assert [Layout.parse(r["layout"]) for r in res] == [Layout.parse("dp2"), Layout.parse("tp2")]
+    for r in res:
+        assert r["state_exact"] and r["step_time_predicted_s"] > 0 and r["step_time_measured_s"] > 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--layout", "tp3"], "tp3 must divide"),
+    (["--layout", "dp2", "--profile", "/nonexistent/profile.toml"], "profile"),
+])
+def test_compare_plan_bad_input(args, needle):
+    cmd = [sys.executable, "-m", "trainscale", "train", "--config", str(TINY), "--compare-plan", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
