@@ -110,9 +110,11 @@ def calibrate_command(
     t.add_column("figure")
     for n in profile["processes"]:
         t.add_column(f"n = {n}", justify="right")
-    rows = [("layer GEMMs GFLOP/s (fwd+bwd)", "matmul_flops", 1e-9, ".1f"),
+    rows = [("one decoder layer fwd+bwd ms", "layer_seconds", 1e3, ".2f"),
+            ("layer GEMMs GFLOP/s (fwd+bwd)", "matmul_flops", 1e-9, ".1f"),
             ("lm-head GEMMs GFLOP/s", "head_matmul_flops", 1e-9, ".1f"),
             ("causal attention GFLOP/s", "attention_flops", 1e-9, ".2f"),
+            ("between the matmuls ns/token", "elementwise_seconds_per_token", 1e9, ".1f"),
             ("memory copy GB/s", "memory_bandwidth", 1e-9, ".1f"),
             ("AdamW ns/param", "optimizer_seconds_per_param", 1e9, ".2f"),
             ("AdamW bytes/param (x memory GB/s)", "optimizer_bytes_per_param", 1.0, ".0f")]

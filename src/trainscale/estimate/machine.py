@@ -1,11 +1,12 @@
 """A measured machine: what ``trainscale calibrate`` wrote, as the step-time model uses it.
 
 The profile (TOML) holds, per number of processes sharing the machine, what one process achieves
-(``[processes.N]``: matmul and attention FLOP/s at a model's shapes, memory bandwidth, AdamW seconds
-per parameter), and per group size the backend's collectives (``[collectives.N.op]``: latency and bus
-bandwidth). Collective time follows the ring model of estimate/comms.py with the measured figures:
-latency + factor x bytes / bus bandwidth, factor 2(n-1)/n for all-reduce and (n-1)/n for all-gather
-and reduce-scatter (NCCL-tests PERFORMANCE.md), 1 for a point-to-point send.
+(``[processes.N]``: matmul and attention FLOP/s at a model's shapes, the non-matmul time of a real
+layer per token, memory bandwidth, AdamW seconds per parameter), and per group size the backend's
+collectives (``[collectives.N.op]``: latency and bus bandwidth). Collective time follows the ring
+model of estimate/comms.py with the measured figures: latency + factor x bytes / bus bandwidth,
+factor 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter (NCCL-tests
+PERFORMANCE.md), 1 for a point-to-point send.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ class Machine:
     memory_bandwidth: float
     optimizer_seconds_per_param: float
     head_matmul_flops: float
+    elementwise_seconds_per_token: float = 0.0  # a layer's non-matmul work per token (0: not measured)
     collectives: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)  # n -> op -> (lat, busbw)
+    tensor_parallel: dict[int, tuple[float, float]] = field(default_factory=dict)  # tp -> (s/token, its FLOP/s)
     measured_processes: int = 0  # the process count of the [processes.N] table used (nearest measured)
     device: str = "cpu"
 
@@ -48,11 +51,23 @@ class Machine:
             return 0.0
         if not self.collectives:
             raise TrainscaleError("the profile has no collective measurements (calibrate with --processes 1,2,...)")
-        _, table = _nearest({str(k): v for k, v in self.collectives.items()}, n, "collective")
+        # the table measured with as many processes as the job runs: with more processes than cores a
+        # collective waits for its peers to be scheduled, whatever the group's size
+        _, table = _nearest({str(k): v for k, v in self.collectives.items()}, max(n, self.processes), "collective")
         lat, busbw = table[op]
         factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
                   "send_recv": 1.0}[op]
         return lat + factor * nbytes / busbw
+
+
+    def tensor_parallel_overhead(self, tp: int) -> float:
+        """Seconds per token of DTensor's own work in one TP layer (calibrate: the measured TP layer less the
+        composed one), at the nearest measured degree; slowed like the compute when more processes than
+        that share the machine."""
+        if not self.tensor_parallel:
+            return 0.0
+        _, (per_token, flops) = _nearest({str(k): v for k, v in self.tensor_parallel.items()}, tp, "tensor-parallel")
+        return per_token * max(1.0, flops / self.matmul_flops)
 
 
 def machine_from_profile(profile: dict[str, Any], processes: int) -> Machine:
@@ -67,7 +82,11 @@ def machine_from_profile(profile: dict[str, Any], processes: int) -> Machine:
         return Machine(processes=processes, matmul_flops=float(row["matmul_flops"]),
                        attention_flops=float(row["attention_flops"]), memory_bandwidth=float(row["memory_bandwidth"]),
                        optimizer_seconds_per_param=float(row["optimizer_seconds_per_param"]),
-                       head_matmul_flops=float(row.get("head_matmul_flops", row["matmul_flops"])), collectives=coll,
+                       head_matmul_flops=float(row.get("head_matmul_flops", row["matmul_flops"])),
+                       elementwise_seconds_per_token=float(row.get("elementwise_seconds_per_token", 0.0)),
+                       collectives=coll, tensor_parallel={
+                           int(k): (float(v["overhead_seconds_per_token"]), float(v["matmul_flops"]))
+                           for k, v in profile.get("tensor_parallel", {}).items()},
                        measured_processes=n, device=str(profile.get("machine", {}).get("device", "cpu")))
     except (KeyError, TypeError, ValueError) as e:
         raise TrainscaleError(f"the hardware profile is malformed ({e}); run trainscale calibrate again") from None

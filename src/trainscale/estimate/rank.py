@@ -289,10 +289,11 @@ def rank_step_flops(m: ModelSpec, layout: Layout, rank: int, seq: int, global_ba
 # ----------------------------------------------------------------------------- step time
 
 
-# Non-matmul work (norms, RoPE, SiLU, residual adds, softmax-loss, the gradient of each) is memory-bound:
-# each activation the forward saves was written once, is read once by the backward, which writes its
-# gradient once: 3 passes over the saved bytes of a layer without recomputation (and one more forward
-# pass under full recomputation). A roofline (Williams et al. 2009) memory term, not a fit.
+# Non-matmul work (norms, RoPE, head repeats, SiLU, residual adds and their gradients) is memory-bound:
+# calibrate measures it on a real layer (its time less its GEMMs and attention kernel) per token; a rank's
+# share scales with the activations its layer touches, which layer_saved_bytes counts exactly. Without a
+# measurement: 3 passes over those bytes (written in the forward, read and their gradient written in the
+# backward) at the copy bandwidth, a roofline memory term (Williams et al. 2009).
 ELEMENTWISE_PASSES = 3
 # calibrate counts the causal attention kernel as 3 x 2·b·h·s²·d (forward 2, backward 4); the dense count
 # of the same shapes here is 14·b·h·s²·d (forward 4, FlashAttention backward 10): a kernel that skips the
@@ -300,20 +301,61 @@ ELEMENTWISE_PASSES = 3
 _ATTN_COUNT = 6 / 14
 
 
+def layer_step_time(m: ModelSpec, layout: Layout, micro_batch: int, seq: int, mach: Any) -> dict[str, float]:
+    """Seconds of one decoder layer, forward + backward (+ recomputation), for one micro-batch on one rank:
+    GEMMs at the measured matmul FLOP/s; the attention kernel at the measured attention FLOP/s (under CP it
+    gets an explicit mask and cannot skip the masked half); the memory-bound work between the matmuls
+    (ELEMENTWISE_PASSES); the tensor-parallel collectives (2 per layer each way: all-reduces, or all-gather
+    + reduce-scatter with SP; Korthikanti et al. 2022 Sec. 4.2.2) and DTensor's measured overhead; the
+    context-parallel K/V all-gathers and gradient reduce-scatters (Llama 3 Sec. 3.3.2). Full recomputation
+    runs the forward's share of each again."""
+    lo, e = layout, FP32
+    tokens = micro_batch * (seq // lo.cp)
+    sp = lo.tp > 1 and lo.sp
+    w_layer = layer_matmul_params(m) / lo.tp
+    last = m.d_model * m.d_ff / lo.tp
+    a_fwd, a_bwd = attention_matmul_flops(m, tokens, seq, lo.tp)
+    attn_rate = mach.attention_flops / _ATTN_COUNT / (2.0 if lo.cp > 1 else 1.0)  # dense FLOPs per second
+    mm = 6.0 * w_layer * tokens / mach.matmul_flops
+    attn = (a_fwd + a_bwd) / attn_rate
+    none = Layout(**{**lo.model_dump(), "recompute": "none"})
+    touched = layer_saved_bytes(m, tokens, seq, none, e)
+    if mach.elementwise_seconds_per_token:  # measured on a whole layer at one process's shapes
+        whole = layer_saved_bytes(m, tokens * lo.cp, seq, Layout(), e)  # the same tokens unsharded
+        elem = mach.elementwise_seconds_per_token * tokens * lo.cp * touched / whole
+    else:
+        elem = ELEMENTWISE_PASSES * touched / mach.memory_bandwidth
+    act = tokens * m.d_model * e
+    tp_one_way = (2 * (mach.collective_time("all_gather", act, lo.tp) + mach.collective_time("reduce_scatter", act,
+                                                                                               lo.tp))
+                  if sp else 2 * mach.collective_time("all_reduce", act, lo.tp))
+    tp_extra = mach.tensor_parallel_overhead(lo.tp) * tokens if lo.tp > 1 else 0.0
+    kv = micro_batch * seq * 2 * max(m.n_kv_heads // lo.tp, 1) * m.head_dim * e
+    cp_fwd = mach.collective_time("all_gather", kv, lo.cp)
+    cp_bwd = mach.collective_time("reduce_scatter", kv, lo.cp)
+    comm = 2 * tp_one_way + tp_extra + cp_fwd + cp_bwd
+    if lo.recompute == "full":
+        mm += 2.0 * (w_layer - last) * tokens / mach.matmul_flops
+        attn += a_fwd / attn_rate
+        elem += elem / ELEMENTWISE_PASSES
+        comm += tp_one_way + tp_extra / 3 + cp_fwd
+    elif lo.recompute == "selective":
+        attn += a_fwd / attn_rate
+    return {"matmul": mm, "attention": attn, "elementwise": elem, "communication": comm,
+            "total": mm + attn + elem + comm}
+
+
 def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_batch: int, mach: Any,
                    micro_batch: int) -> dict[str, float]:
     """Seconds of one training step on ``rank`` of this runtime on a measured machine (estimate/machine.py).
 
-    Per micro-batch on each local stage: matmuls at the measured matmul FLOP/s, the attention kernel at
-    the measured attention FLOP/s (under CP it gets an explicit mask and cannot skip the masked half),
-    memory-bound elementwise work (ELEMENTWISE_PASSES), tensor-parallel collectives (2 per layer each
-    way: all-reduces, or all-gather + reduce-scatter with SP; Korthikanti et al. 2022 Sec. 4.2.2) and
-    context-parallel K/V all-gathers and gradient reduce-scatters (Llama 3 Sec. 3.3.2), with the
-    forward's again under full recomputation. Through the pipeline: m + (p-1)/v stage-times (Narayanan
-    et al. 2021 Eq. 1) plus a send and a receive per micro-batch and stage boundary. Then the data-parallel
-    traffic (zero0: one gradient all-reduce; FSDP: per-block all-gathers in the forward, again in the
-    backward under zero3, and one reduce-scatter), the gradient-norm all-reduce and AdamW. On a CPU the
-    collectives share the cores with the compute: nothing overlaps."""
+    Each micro-batch runs the rank's stages' layers (``layer_step_time``), the output head (its logits
+    gathered under TP, the loss) on the last stage and the embedding's partial sums under TP on the first,
+    and a send and a receive per micro-batch and stage boundary. Through the pipeline: m + (p-1)/v
+    stage-times of the slowest stage (Narayanan et al. 2021 Eq. 1). Then the data-parallel traffic (zero0:
+    one gradient all-reduce; FSDP: per-block all-gathers in the forward, again in the backward under zero3,
+    and one reduce-scatter), the gradient-norm all-reduce and AdamW. On a CPU the collectives share the
+    cores with the compute: nothing overlaps."""
     from trainscale.estimate.pipeline import pipeline_time
 
     c = coords(layout, rank)
@@ -321,35 +363,10 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
     n_stages = lo.pp * lo.v
     ranges = stage_layers(m.n_layers, n_stages)
     n_micro = global_batch // lo.dp // micro_batch
-    s_loc = seq // lo.cp
-    tokens = micro_batch * s_loc
+    tokens = micro_batch * (seq // lo.cp)
     sp = lo.tp > 1 and lo.sp
-
-    # one micro-batch through this rank's stages
-    w_layer = layer_matmul_params(m) / lo.tp
-    last = m.d_model * m.d_ff / lo.tp
-    a_fwd, a_bwd = attention_matmul_flops(m, tokens, seq, lo.tp)
-    attn_rate = mach.attention_flops / _ATTN_COUNT * (1.0 if lo.cp > 1 else 2.0)  # dense FLOPs per second
-    t_layer_mm = 6.0 * w_layer * tokens / mach.matmul_flops
-    t_layer_attn = (a_fwd + a_bwd) / attn_rate
-    none = Layout(**{**lo.model_dump(), "recompute": "none"})
-    t_layer_elem = ELEMENTWISE_PASSES * layer_saved_bytes(m, tokens, seq, none, e) / mach.memory_bandwidth
     act = tokens * m.d_model * e
-    tp_one_way = (2 * (mach.collective_time("all_gather", act, lo.tp) + mach.collective_time("reduce_scatter", act,
-                                                                                               lo.tp))
-                  if sp else 2 * mach.collective_time("all_reduce", act, lo.tp))
-    kv = micro_batch * seq * 2 * max(m.n_kv_heads // lo.tp, 1) * m.head_dim * e
-    cp_fwd = mach.collective_time("all_gather", kv, lo.cp)
-    cp_bwd = mach.collective_time("reduce_scatter", kv, lo.cp)
-    t_layer_comm = 2 * tp_one_way + cp_fwd + cp_bwd
-    if lo.recompute == "full":
-        t_layer_mm += 2.0 * (w_layer - last) * tokens / mach.matmul_flops
-        t_layer_attn += a_fwd / attn_rate
-        t_layer_elem += t_layer_elem / ELEMENTWISE_PASSES
-        t_layer_comm += tp_one_way + cp_fwd
-    elif lo.recompute == "selective":
-        t_layer_attn += a_fwd / attn_rate
-    t_layer = t_layer_mm + t_layer_attn + t_layer_elem + t_layer_comm
+    t_layer = layer_step_time(m, lo, micro_batch, seq, mach)["total"]
     t_head = (6.0 * m.d_model * m.vocab_size / lo.tp * tokens / mach.head_matmul_flops
               + 2 * mach.collective_time("all_gather", tokens * m.vocab_size * e, lo.tp)
               + ELEMENTWISE_PASSES * tokens * m.vocab_size * FP32 / mach.memory_bandwidth)

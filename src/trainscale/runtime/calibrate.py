@@ -29,6 +29,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,14 +46,15 @@ GRAD_BUCKET_BYTES = 25 * 2**20
 SMALL_MESSAGE_BYTES = 4 * 1024
 
 # Wall-clock seconds each process spends timing one measurement (default, --quick).
-_BUDGET = {"layer": (1.5, 0.1), "head": (0.8, 0.1), "attention": (0.8, 0.1), "memory": (0.6, 0.05),
+_BUDGET = {"block": (1.5, 0.1), "layer": (1.5, 0.1), "head": (0.8, 0.1), "attention": (0.8, 0.1), "memory": (0.6, 0.05),
            "optimizer": (0.8, 0.1)}
 _MEMORY_BYTES = (128 * 2**20, 32 * 2**20)  # per copy buffer; well above a CPU's last-level cache
 _OPTIMIZER_PARAMS = (2_000_000, 250_000)
 _COLLECTIVE_REPEAT = (9, 5)
 
 COMPUTE_KEYS = ("matmul_flops", "head_matmul_flops", "attention_flops", "memory_bandwidth",
-                "optimizer_seconds_per_param", "optimizer_bytes_per_param")
+                "optimizer_seconds_per_param", "optimizer_bytes_per_param", "layer_seconds",
+                "elementwise_seconds_per_token")
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
@@ -196,6 +198,83 @@ def memory_bandwidth(nbytes: int = 256 * 2**20, repeat: int = 5, budget_s: float
 
     t = _timeit(run, repeat) if budget_s is None else _median_seconds(run, budget_s)
     return 2.0 * nbytes / t
+
+
+def tensor_parallel_overhead(profile: dict[str, Any], n: int, spec: ModelSpec, seq_len: int, micro_batch: int,
+                             layer_seconds: float) -> dict[str, float]:
+    """The measured tensor-parallel layer against the same layer composed from this profile's figures
+    (estimate/rank.py: GEMMs, attention, elementwise work, the TP collectives): what is left per token is
+    DTensor's own cost (dispatch, redistribution copies), which no FLOP or byte count sees."""
+    from trainscale.estimate.machine import machine_from_profile
+    from trainscale.estimate.rank import layer_step_time
+    from trainscale.specs import Layout
+
+    mach = replace(machine_from_profile(profile, n), tensor_parallel={})
+    composed = layer_step_time(spec, Layout(tp=n), micro_batch, seq_len, mach)["total"]
+    return {"layer_seconds": layer_seconds, "composed_seconds": composed,
+            "overhead_seconds_per_token": max(0.0, layer_seconds - composed) / (micro_batch * seq_len),
+            "matmul_flops": profile["processes"][str(n)]["matmul_flops"]}
+
+
+def elementwise_seconds_per_token(spec: ModelSpec, micro_batch: int, seq_len: int, fig: dict[str, float]) -> float:
+    """A real layer's time less its GEMMs and attention kernel (at their measured rates), per token: the
+    memory-bound work between the matmuls, which no FLOP count sees."""
+    tokens = micro_batch * seq_len
+    gemm = layer_matmul_flop_count(spec, tokens) / fig["matmul_flops"]
+    attn = attention_flop_count(spec, micro_batch, seq_len) / fig["attention_flops"]
+    return max(0.0, fig["layer_seconds"] - gemm - attn) / tokens
+
+
+def block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, budget_s: float = 1.0, min_repeat: int = 3) -> float:
+    """Median seconds of one real decoder layer (runtime/model.py's Block) forward + backward on
+    [micro_batch, seq_len, d_model]: its GEMMs and attention kernel and everything between them (norms,
+    RoPE, head repeats, activation function, residual adds) as the runtime runs them."""
+    from trainscale.runtime.model import Block, rope_angles
+
+    dev, dtype = device(), compute_dtype()
+    with torch.device(dev):
+        block = Block(spec).to(dtype)
+    x = torch.randn(micro_batch, seq_len, spec.d_model, device=dev, dtype=dtype, requires_grad=True)
+    dout = torch.randn_like(x)
+    cos, sin = rope_angles(torch.arange(seq_len, device=dev), spec.head_dim, spec.rope_theta)
+
+    def run():
+        out = block(x, cos, sin)
+        out.backward(dout)
+        _sync()
+
+    return _median_seconds(run, budget_s, min_repeat)
+
+
+def tp_block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, world: int, dev: torch.device,
+                     budget_s: float = 1.0, min_repeat: int = 3) -> float | None:
+    """Median seconds of one real decoder layer under the runtime's tensor (+ sequence) parallel plan over
+    all ``world`` processes of the current group (runtime/parallelize.py: DTensor column/row-parallel
+    projections, sequence-sharded norms), forward + backward; None when ``world`` does not divide the heads,
+    d_ff or the sequence. Every rank runs it at the same time."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainscale.runtime.model import build_model, rope_angles
+    from trainscale.runtime.parallelize import apply_tensor_parallel
+
+    if spec.n_heads % world or spec.n_kv_heads % world or spec.d_ff % world or seq_len % world:
+        return None
+    dtype = compute_dtype()
+    model = build_model(spec.model_copy(update={"n_layers": 1}), dev).to(dtype)
+    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("tp",))
+    apply_tensor_parallel(model, {"tp": mesh}, sp=True)
+    block = model.layers["0"]
+    x = torch.randn(micro_batch, seq_len // world, spec.d_model, device=dev, dtype=dtype, requires_grad=True)
+    dout = torch.randn_like(x)
+    cos, sin = rope_angles(torch.arange(seq_len, device=dev), spec.head_dim, spec.rope_theta)
+
+    def run():
+        out = block(x, cos, sin)
+        out.backward(dout)
+        _sync()
+
+    dist.barrier()
+    return _median_seconds(run, budget_s, min_repeat)
 
 
 def optimizer_shapes(spec: ModelSpec, target_params: int) -> list[tuple[int, ...]]:
@@ -358,7 +437,8 @@ def message_sizes(spec: ModelSpec, tokens: int, quick: bool = False) -> list[int
 
 
 def _steps() -> list[tuple[str, str]]:
-    return [("matmul_flops", "layer GEMMs"), ("head_matmul_flops", "lm-head GEMMs"),
+    return [("layer_seconds", "one decoder layer"), ("matmul_flops", "layer GEMMs"),
+            ("head_matmul_flops", "lm-head GEMMs"),
             ("attention_flops", "attention"), ("memory_bandwidth", "memory copy"),
             ("optimizer_seconds_per_param", "AdamW step")]
 
@@ -378,6 +458,7 @@ def _calibrate_worker(rank: int, world: int, port: int, spec: ModelSpec, seq_len
     minr = 2 if quick else 3
     d, v = spec.d_model, spec.vocab_size
     measure = {
+        "layer_seconds": lambda: block_seconds(spec, micro_batch, seq_len, _BUDGET["block"][q], minr),
         "matmul_flops": lambda: gemm_train_flops(layer_linear_shapes(spec), tokens, _BUDGET["layer"][q], minr),
         "head_matmul_flops": lambda: gemm_train_flops([(d, v)], tokens, _BUDGET["head"][q], minr),
         "attention_flops": lambda: attention_flops(spec, micro_batch, seq_len, _BUDGET["attention"][q], minr),
@@ -395,8 +476,9 @@ def _calibrate_worker(rank: int, world: int, port: int, spec: ModelSpec, seq_len
     if world > 1:
         dev = _init_group(rank, world, port)
         raw = _collective_times(rank, world, dev, sizes, _COLLECTIVE_REPEAT[q])
+        tp = tp_block_seconds(spec, micro_batch, seq_len, world, dev, _BUDGET["block"][q], minr)
         if rank == 0:
-            out.put(("collectives", raw))
+            out.put(("collectives", {"raw": raw, "tp_layer_seconds": tp}))
         dist.barrier()
         dist.destroy_process_group()
 
@@ -512,9 +594,13 @@ def calibrate(spec: ModelSpec, seq_len: int, micro_batch: int, processes: list[i
         compute, raw = _run_group(n, spec, seq_len, micro_batch, quick, sizes, progress)
         fig = {k: float(statistics.median(c[k] for c in compute)) for k, _ in _steps()}
         fig["optimizer_bytes_per_param"] = fig["optimizer_seconds_per_param"] * fig["memory_bandwidth"]
+        fig["elementwise_seconds_per_token"] = elementwise_seconds_per_token(spec, micro_batch, seq_len, fig)
         profile["processes"][str(n)] = {k: fig[k] for k in COMPUTE_KEYS}
         if raw is not None:
-            profile["collectives"][str(n)] = summarize_collectives(raw, n)
+            profile["collectives"][str(n)] = summarize_collectives(raw["raw"], n)
+            if raw["tp_layer_seconds"] is not None:
+                profile.setdefault("tensor_parallel", {})[str(n)] = tensor_parallel_overhead(
+                    profile, n, spec, seq_len, micro_batch, raw["tp_layer_seconds"])
     profile["machine"]["seconds"] = round(time.perf_counter() - t0, 3)
     return profile
 
