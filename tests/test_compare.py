@@ -162,3 +162,47 @@ def test_compare_plan_bad_input(args, needle):
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+GPU_PROFILE = """[machine]
+device = "cuda"
+device_name = "NVIDIA H100 80GB HBM3"
+[processes.1]
+matmul_flops = 4.945e14
+attention_flops = 3.956e14
+memory_bandwidth = 2.68e12
+optimizer_seconds_per_param = 1e-11
+optimizer_bytes_per_param = 26.8
+[collectives.8.all_reduce]
+latency_s = 2.8e-05
+bus_bandwidth = 3.6e11
+"""
+
+
+def test_planner_takes_a_calibrated_gpu_profile(tmp_path):
+    """A profile `trainscale calibrate` wrote on an H100 replaces the catalog defaults: figures over the
+    datasheet (H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s HBM, NVLink 450 GB/s per direction)."""
+    from trainscale.estimate.step import load_efficiencies
+
+    path = tmp_path / "h100.toml"
+    path.write_text(GPU_PROFILE)
+    eff = load_efficiencies("h100-sxm", path, None, 989e12, 3.35e12, 900e9)
+    assert eff.matmul_efficiency == pytest.approx(0.5) and eff.attention_efficiency == pytest.approx(0.4)
+    assert eff.hbm_efficiency == pytest.approx(0.8) and eff.optimizer_bytes_per_param == pytest.approx(26.8)
+    assert eff.scale_up_bus_efficiency == pytest.approx(0.8)  # 360 of 450 GB/s
+    assert eff.scale_up_latency_s == pytest.approx(2e-6)  # 28 us over 2(8-1) ring steps
+    assert eff.sources["matmul_efficiency"] == f"profile {path}"
+    cmd = [sys.executable, "-m", "trainscale", "plan", "--model", "llama3.1-8b", "--gpus", "64", "--json"]
+    base = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    prof = subprocess.run([*cmd, "--profile", str(path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert base.returncode == 0 and prof.returncode == 0, prof.stderr
+    assert json.loads(prof.stdout) != json.loads(base.stdout)  # slower matmuls than the 0.54 default: a new plan
+
+
+def test_planner_refuses_a_cpu_profile_for_a_gpu(tmp_path):
+    path = tmp_path / "cpu.toml"
+    path.write_text(GPU_PROFILE.replace('device = "cuda"', 'device = "cpu"'))
+    cmd = [sys.executable, "-m", "trainscale", "plan", "--model", "llama3.1-8b", "--gpus", "64", "--profile",
+           str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "measured on a cpu device" in proc.stderr and "Traceback" not in proc.stderr

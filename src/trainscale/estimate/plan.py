@@ -444,5 +444,5 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
     """Build a planning problem from catalog names (or files), with the catalog's default efficiencies."""
     m = load_model(model)
     cl, g = pick_cluster(gpu, gpus, cluster)
-    eff = load_efficiencies(g.name, profile, overrides, g.peak_bf16_flops)
+    eff = load_efficiencies(g.name, profile, overrides, g.peak_bf16_flops, g.hbm_bandwidth, g.scale_up_bandwidth)
     return Problem(m, g, cl, cluster_topology(cl, g, eff), eff, gpus, seq, global_batch_tokens, tokens)

@@ -70,12 +70,46 @@ def planner_catalog() -> dict[str, Any]:
     return tomllib.loads(resources.files("trainscale.catalog").joinpath("planner.toml").read_text())
 
 
+def profile_efficiencies(prof: dict[str, Any], path: Path, peak_flops: float | None, hbm_bandwidth: float | None,
+                         scale_up_bandwidth: float | None) -> dict[str, float]:
+    """The planner settings a ``trainscale calibrate`` hardware profile implies for one GPU: its one-process
+    figures over the datasheet (matmul and attention FLOP/s over the bf16 peak, copy bandwidth over HBM), the
+    measured AdamW bytes per parameter, and from the largest all-reduce group the bus efficiency over the
+    per-direction scale-up link and the latency per ring step (2(n-1) steps, NCCL-tests' ring)."""
+    machine = prof.get("machine", {})
+    if machine.get("device") != "cuda":
+        raise TrainscaleError(f"profile {path} was measured on a {machine.get('device', 'unknown')} device "
+                              f"({machine.get('device_name', '?')}); the planner's GPUs need one calibrated on "
+                              "the GPU (run trainscale calibrate there)")
+    if not peak_flops or not hbm_bandwidth:
+        raise TrainscaleError("a calibrated profile needs the GPU's peak and HBM bandwidth to become efficiencies")
+    one = prof.get("processes", {}).get("1")
+    if not one:
+        raise TrainscaleError(f"profile {path} has no one-process figures ([processes.1])")
+    try:
+        out = {"matmul_efficiency": min(1.0, float(one["matmul_flops"]) / peak_flops),
+               "attention_efficiency": min(1.0, float(one["attention_flops"]) / peak_flops),
+               "hbm_efficiency": min(1.0, float(one["memory_bandwidth"]) / hbm_bandwidth),
+               "optimizer_bytes_per_param": float(one["optimizer_bytes_per_param"])}
+        groups = {int(n): v for n, v in prof.get("collectives", {}).items() if "all_reduce" in v}
+        if groups and scale_up_bandwidth:
+            n = max(groups)
+            ar = groups[n]["all_reduce"]
+            out["scale_up_bus_efficiency"] = min(1.0, float(ar["bus_bandwidth"]) / (scale_up_bandwidth / 2))
+            out["scale_up_latency_s"] = float(ar["latency_s"]) / (2 * (n - 1))
+    except (KeyError, TypeError, ValueError) as e:
+        raise TrainscaleError(f"profile {path} is malformed ({e}); run trainscale calibrate again") from None
+    return out
+
+
 def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
-                      overrides: dict[str, float] | None = None, peak_flops: float | None = None) -> Efficiencies:
+                      overrides: dict[str, float] | None = None, peak_flops: float | None = None,
+                      hbm_bandwidth: float | None = None, scale_up_bandwidth: float | None = None) -> Efficiencies:
     """Catalog defaults, then the GPU's overrides, then a measured profile (TOML/JSON), then ``overrides``.
 
-    A profile may give ``matmul_flops`` (achieved FLOP/s, as ``trainscale calibrate`` measures it)
-    instead of ``matmul_efficiency``; it is divided by the GPU's peak.
+    A profile is either flat planner settings (the keys of catalog/planner.toml [defaults]; ``matmul_flops``
+    may stand for ``matmul_efficiency`` and is divided by the GPU's peak) or a hardware profile written by
+    ``trainscale calibrate`` on the GPU (``profile_efficiencies``).
     """
     cat = planner_catalog()
     vals: dict[str, Any] = {k: cat["defaults"][k] for k in _EFF_KEYS}
@@ -91,6 +125,8 @@ def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
             extra = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
         except (OSError, ValueError) as e:
             raise TrainscaleError(f"profile {path} cannot be read: {e}") from None
+        if "processes" in extra:  # a `trainscale calibrate` hardware profile
+            extra = profile_efficiencies(extra, path, peak_flops, hbm_bandwidth, scale_up_bandwidth)
         if "matmul_flops" in extra:
             if not peak_flops:
                 raise TrainscaleError("a profile's matmul_flops needs the GPU's peak to become an efficiency")
