@@ -6,7 +6,8 @@ Each rank builds the same Trainer as a training run and reports:
     DTensors), read after an optimizer step, before the gradients are freed
   - activations: bytes of the tensors autograd saves for backward during one micro-batch's forward
     through each of its pipeline stages (``torch.autograd.graph.saved_tensors_hooks``; each storage
-    counted once, parameters excluded), then that micro-batch's backward so FSDP's state stays whole
+    counted once, parameters excluded; on a GPU also the peak allocated above the start, which adds
+    the transient buffers), then that micro-batch's backward so FSDP's state stays whole
   - FLOPs: one training step under ``torch.utils.flop_counter.FlopCounterMode`` (with the CPU
     FlashAttention kernel registered, which torch counts only on GPUs)
   - step time: the median of the timed steps after the warm-up ones
@@ -122,16 +123,25 @@ def activation_bytes(trainer: Trainer) -> list[dict[str, Any]]:
             rows = seq_local // lo.tp if lo.tp > 1 and lo.sp else seq_local
             x = torch.randn(trainer.micro, rows, cfg.model.d_model, generator=gen).to(trainer.device)
             x.requires_grad_(True)
+        cuda = trainer.device.type == "cuda"
+        if cuda:  # on a GPU also the allocator's view: peak allocated during the forward, above the start
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
         with SavedTensors(part) as saved, trainer.autocast:
             y = part(x)
             if stage == n_stages - 1:
                 loss = lm_loss(y, targets)
+        peak = torch.cuda.max_memory_allocated() - base if cuda else 0
         if stage != n_stages - 1:  # a stand-in for the next stage's gradient, outside the count
             loss = _local(y).float().pow(2).mean()
         if isinstance(loss, DTensor):
             loss = loss.full_tensor()
         loss.backward()
-        out.append({"stage": stage, "bytes": saved.total, "tensors": len(saved.items)})
+        row = {"stage": stage, "bytes": saved.total, "tensors": len(saved.items)}
+        if cuda:
+            row["peak_allocated_bytes"] = peak
+        out.append(row)
     for p in trainer.params:
         p.grad = None
     return out
