@@ -130,4 +130,13 @@ def calibrate_command(
             for op, f in ops.items():
                 c.add_row(n, op, f"{f['latency_s'] * 1e6:.0f}", f"{f['bus_bandwidth'] / 1e9:.2f}")
         console.print(c)
+    if profile.get("tensor_parallel"):
+        tp = Table(title="one layer under DTensor tensor parallelism (tp = n, sequence parallel)", title_justify="left",
+                   show_edge=False, pad_edge=False)
+        for col in ("tp", "measured ms", "composed ms", "DTensor overhead ns/token"):
+            tp.add_column(col, justify="right")
+        for n, f in profile["tensor_parallel"].items():
+            tp.add_row(n, f"{f['layer_seconds'] * 1e3:.1f}", f"{f['composed_seconds'] * 1e3:.1f}",
+                       f"{f['overhead_seconds_per_token'] * 1e9:,.0f}")
+        console.print(tp)
     console.print(f"wrote {path} in {seconds:.0f} s")

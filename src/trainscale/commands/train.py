@@ -195,9 +195,11 @@ def _mb(x: float) -> str:
     return f"{x / 1e6:,.3f} MB"
 
 
-def _diff(pred: float, got: float) -> str:
+def _diff(pred: float, got: float, unit: str = "") -> str:
     if pred == got:
         return "exact"
+    if unit and got and abs(pred - got) / got < 1e-4:  # a few bytes (a scalar) apart
+        return f"{pred - got:+,.0f} {unit}"
     return f"{(pred - got) / got:+.2%}" if got else "-"
 
 
@@ -227,7 +229,7 @@ def _print_comparison(res: dict[str, Any]) -> None:
     for ids, acts in grouped(lambda r: r["activations"]):
         for a in acts:
             t.add_row(f"activations saved, stage {a['stage']}", ranks(ids), _mb(a["predicted"]), _mb(a["measured"]),
-                      _diff(a["predicted"], a["measured"]))
+                      _diff(a["predicted"], a["measured"], "B"))
     for ids, v in grouped(lambda r: {k: r["flops"][k] for k in ("predicted", "measured")}):
         t.add_row("FLOPs per step (FlopCounterMode)", ranks(ids), f"{v['predicted'] / 1e9:,.2f} G",
                   f"{v['measured'] / 1e9:,.2f} G", _diff(v["predicted"], v["measured"]))
