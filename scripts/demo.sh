@@ -27,6 +27,10 @@ step "5. Quantize what it trained to int4 (groups of 32) and generate from it"
 $TS quantize runs/demo --format int4 --group-size 32 --out runs/demo-int4
 $TS generate runs/demo-int4 --prompt "ROMEO:" --max-new-tokens 40 --seed 1
 
-step "6. The report of the plan, the reliability model and this run"
+step "6. Calibrate this machine, then check the plan against the runtime, rank by rank"
+$TS calibrate --config configs/small.toml --processes 1,2
+$TS train --config configs/small.toml --compare-plan --layout "dp2,zero3;tp2;pp2,mb4"
+
+step "7. The report of the plan, the reliability model and this run"
 $TS report --out runs/demo-report --plan runs/plan-405b.json --run runs/demo
 echo "open runs/demo-report/index.html"
