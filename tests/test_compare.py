@@ -206,3 +206,35 @@ def test_planner_refuses_a_cpu_profile_for_a_gpu(tmp_path):
            str(path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "measured on a cpu device" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _machine(lat: float = 1e-4, bw: float = 1e9):
+    from trainscale.estimate.machine import Machine
+
+    coll = {n: {op: (lat, bw) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")} for n in (2, 4)}
+    return Machine(processes=2, matmul_flops=5e10, attention_flops=2e10, memory_bandwidth=2e10,
+                   optimizer_seconds_per_param=2e-9, head_matmul_flops=5e10, elementwise_seconds_per_token=1e-6,
+                   collectives=coll)
+
+
+def test_step_time_model_follows_its_formulas():
+    """The pipeline term is m + (p-1)/v stage-times (Narayanan et al. 2021, Eq. 1; interleaved Sec. 2.2.2)
+    and zero0's gradient sync one ring all-reduce of the rank's fp32 gradients (2(n-1)/n x bytes / busbw)."""
+    cfg = load_config(TINY)
+    m, seq = cfg.model, cfg.train.seq_len
+    mach = _machine()
+
+    def compute(layout: str, batch: int) -> float:
+        lo = Layout.parse(layout)
+        return R.rank_step_time(m, lo, 0, seq, batch, mach, lo.mb)["compute"]
+
+    # the same micro-batches, 4 vs 8 of them: (4 + 1) / (8 + 1) stage-times
+    assert compute("pp2,mb2", 8) / compute("pp2,mb2", 16) == pytest.approx(5 / 9)
+    assert compute("pp2,v2,interleaved,mb2", 8) / compute("pp2,v2,interleaved,mb2", 16) == pytest.approx(4.5 / 8.5)
+    lo = Layout.parse("dp2")
+    t = R.rank_step_time(m, lo, 0, seq, 8, mach, 4)
+    grads = R.rank_state_bytes(m, lo, 0).gradients
+    assert t["data_parallel"] == pytest.approx(1e-4 + grads / 1e9)  # 2(2-1)/2 = 1
+    # FSDP moves the same bytes in three collectives per step under zero3 with one micro-batch
+    fs = R.rank_step_time(m, Layout.parse("dp2,zero3"), 0, seq, 8, mach, 4)
+    assert fs["data_parallel"] == pytest.approx(3 * (1e-4 + 0.5 * grads / 1e9))
