@@ -54,8 +54,11 @@ def measured(tmp_path_factory) -> dict[tuple[str, str], tuple[object, list[dict]
     for (variant, world), layouts in JOBS.items():
         config = _config(variant, tmp)
         out = tmp / f"{variant}{world}.json"
-        proc = subprocess.run(compare_command(config, layouts, out, steps=1, warmup=0), capture_output=True,
-                              text=True, timeout=900, env=env, cwd=ROOT)
+        for _attempt in range(2):  # one retry: a gloo rank has rarely aborted in C++ teardown ("terminate called")
+            proc = subprocess.run(compare_command(config, layouts, out, steps=1, warmup=0), capture_output=True,
+                                  text=True, timeout=900, env=env, cwd=ROOT)
+            if proc.returncode == 0 or proc.returncode == 2:
+                break
         assert proc.returncode == 0, f"{variant} world {world}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
         cfg = load_config(config)
         for layout, ranks in json.loads(out.read_text()).items():

@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if dist.is_initialized():
+            if dist.get_world_size() > 1:
+                dist.barrier()  # every rank done with its collectives before the group goes
             dist.destroy_process_group()
     return 0
 
