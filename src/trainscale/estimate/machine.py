@@ -20,6 +20,13 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 COMPUTE_KEYS = ("matmul_flops", "attention_flops", "memory_bandwidth", "optimizer_seconds_per_param")
 
 
+def bus_factor(op: str, n: int) -> float:
+    """Bytes a ring moves per rank, per byte of the buffer: 2(n-1)/n all-reduce, (n-1)/n all-gather and
+    reduce-scatter, 1 send (NCCL-tests PERFORMANCE.md: bus bandwidth = algorithm bandwidth x this)."""
+    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
+            "send_recv": 1.0}[op]
+
+
 def _nearest(table: dict[str, Any], n: int, what: str) -> tuple[int, Any]:
     if not table:
         raise TrainscaleError(f"the profile has no {what} measurements")
@@ -55,9 +62,7 @@ class Machine:
         # collective waits for its peers to be scheduled, whatever the group's size
         _, table = _nearest({str(k): v for k, v in self.collectives.items()}, max(n, self.processes), "collective")
         lat, busbw = table[op]
-        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-                  "send_recv": 1.0}[op]
-        return lat + factor * nbytes / busbw
+        return lat + bus_factor(op, n) * nbytes / busbw
 
 
     def tensor_parallel_overhead(self, tp: int) -> float:

@@ -39,6 +39,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainscale.errors import TrainscaleError
+from trainscale.estimate.machine import COLLECTIVES as COLLECTIVE_OPS
+from trainscale.estimate.machine import bus_factor
+from trainscale.runtime.mesh import free_port
 from trainscale.specs import ModelSpec
 
 # DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25).
@@ -55,7 +58,6 @@ _COLLECTIVE_REPEAT = (9, 5)
 COMPUTE_KEYS = ("matmul_flops", "head_matmul_flops", "attention_flops", "memory_bandwidth",
                 "optimizer_seconds_per_param", "optimizer_bytes_per_param", "layer_seconds",
                 "elementwise_seconds_per_token")
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 
 def _timeit(fn, repeat: int, warmup: int = 2) -> float:
@@ -94,29 +96,6 @@ def compute_dtype() -> torch.dtype:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype | None = None, repeat: int = 5) -> float:
-    """Achieved FLOP/s of one [m,k] x [k,n] matmul: 2mkn / best time."""
-    dev = device()
-    dtype = dtype or compute_dtype()
-    a = torch.randn(m, k, device=dev, dtype=dtype)
-    b = torch.randn(k, n, device=dev, dtype=dtype)
-
-    def run():
-        torch.mm(a, b)
-        _sync()
-
-    return 2.0 * m * k * n / _timeit(run, repeat)
-
-
-def model_matmul_shapes(spec: ModelSpec, tokens: int) -> dict[str, tuple[int, int, int]]:
-    """The forward matmuls of one layer for ``tokens`` tokens: (m, k, n), q/k/v and the MLP's up
-    projections fused (see ``layer_linear_shapes`` for the separate nn.Linear the runtime model has)."""
-    d = spec.d_model
-    return {"qkv": (tokens, d, spec.q_dim + 2 * spec.kv_dim), "attn_out": (tokens, spec.q_dim, d),
-            "mlp_up": (tokens, d, spec.d_ff * (2 if spec.mlp == "swiglu" else 1)), "mlp_down": (tokens, spec.d_ff, d),
-            "lm_head": (tokens, d, spec.vocab_size)}
 
 
 def layer_linear_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
@@ -225,16 +204,14 @@ def elementwise_seconds_per_token(spec: ModelSpec, micro_batch: int, seq_len: in
     return max(0.0, fig["layer_seconds"] - gemm - attn) / tokens
 
 
-def block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, budget_s: float = 1.0, min_repeat: int = 3) -> float:
-    """Median seconds of one real decoder layer (runtime/model.py's Block) forward + backward on
-    [micro_batch, seq_len, d_model]: its GEMMs and attention kernel and everything between them (norms,
-    RoPE, head repeats, activation function, residual adds) as the runtime runs them."""
-    from trainscale.runtime.model import Block, rope_angles
+def _block_seconds(block: torch.nn.Module, spec: ModelSpec, micro_batch: int, rows: int, seq_len: int,
+                   dev: torch.device, budget_s: float, min_repeat: int) -> float:
+    """Median seconds of ``block`` forward + backward on [micro_batch, rows, d_model] (rows: this rank's share
+    of the sequence), RoPE angles for the whole ``seq_len``."""
+    from trainscale.runtime.model import rope_angles
 
-    dev, dtype = device(), compute_dtype()
-    with torch.device(dev):
-        block = Block(spec).to(dtype)
-    x = torch.randn(micro_batch, seq_len, spec.d_model, device=dev, dtype=dtype, requires_grad=True)
+    dtype = compute_dtype()
+    x = torch.randn(micro_batch, rows, spec.d_model, device=dev, dtype=dtype, requires_grad=True)
     dout = torch.randn_like(x)
     cos, sin = rope_angles(torch.arange(seq_len, device=dev), spec.head_dim, spec.rope_theta)
 
@@ -244,6 +221,18 @@ def block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, budget_s: flo
         _sync()
 
     return _median_seconds(run, budget_s, min_repeat)
+
+
+def block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, budget_s: float = 1.0, min_repeat: int = 3) -> float:
+    """Median seconds of one real decoder layer (runtime/model.py's Block) forward + backward on
+    [micro_batch, seq_len, d_model]: its GEMMs and attention kernel and everything between them (norms,
+    RoPE, head repeats, activation function, residual adds) as the runtime runs them."""
+    from trainscale.runtime.model import Block
+
+    dev, dtype = device(), compute_dtype()
+    with torch.device(dev):
+        block = Block(spec).to(dtype)
+    return _block_seconds(block, spec, micro_batch, seq_len, seq_len, dev, budget_s, min_repeat)
 
 
 def tp_block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, world: int, dev: torch.device,
@@ -254,7 +243,7 @@ def tp_block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, world: int
     d_ff or the sequence. Every rank runs it at the same time."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainscale.runtime.model import build_model, rope_angles
+    from trainscale.runtime.model import build_model
     from trainscale.runtime.parallelize import apply_tensor_parallel
 
     if spec.n_heads % world or spec.n_kv_heads % world or spec.d_ff % world or seq_len % world:
@@ -264,17 +253,8 @@ def tp_block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, world: int
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("tp",))
     apply_tensor_parallel(model, {"tp": mesh}, sp=True)
     block = model.layers["0"]
-    x = torch.randn(micro_batch, seq_len // world, spec.d_model, device=dev, dtype=dtype, requires_grad=True)
-    dout = torch.randn_like(x)
-    cos, sin = rope_angles(torch.arange(seq_len, device=dev), spec.head_dim, spec.rope_theta)
-
-    def run():
-        out = block(x, cos, sin)
-        out.backward(dout)
-        _sync()
-
     dist.barrier()
-    return _median_seconds(run, budget_s, min_repeat)
+    return _block_seconds(block, spec, micro_batch, seq_len // world, seq_len, dev, budget_s, min_repeat)
 
 
 def optimizer_shapes(spec: ModelSpec, target_params: int) -> list[tuple[int, ...]]:
@@ -310,8 +290,7 @@ def optimizer_seconds_per_param(spec: ModelSpec, target_params: int = 2_000_000,
 
 # ------------------------------------------------------------------ collectives
 
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n, "send_recv": lambda n: 1.0}
+BUS_FACTOR = {op: (lambda n, op=op: bus_factor(op, n)) for op in COLLECTIVE_OPS}
 
 
 def _init_group(rank: int, world: int, port: int) -> torch.device:
@@ -341,16 +320,6 @@ def _collective_times(rank: int, world: int, dev: torch.device, sizes: list[int]
                 times.append(time.perf_counter() - t0)
             res[name][numel * 4] = min(times)
     return res
-
-
-def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeat: int, out: Any) -> None:
-    torch.set_num_threads(1)
-    dev = _init_group(rank, world, port)
-    res = _collective_times(rank, world, dev, sizes, repeat)
-    if rank == 0:
-        out.put(res)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _ops(x: torch.Tensor, chunk: torch.Tensor, rank: int, world: int) -> dict:
@@ -386,12 +355,6 @@ def _ping(x: torch.Tensor, rank: int, world: int) -> None:
         dist.send(x, peer)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bandwidth_fit(times: dict[int, float]) -> tuple[float, float]:
     """(latency_s, algbw) from {bytes: seconds}: the smallest message's time, and the slope between the
     smallest and the largest (bytes / time of the largest if noise makes the slope non-positive)."""
@@ -412,17 +375,6 @@ def summarize_collectives(raw: dict[str, dict[int, float]], world: int) -> dict[
         out[op] = {"latency_s": latency, "bus_bandwidth": alg * BUS_FACTOR[op](world), "algbw": alg,
                    "times": {str(b): t for b, t in sorted(times.items())}}
     return out
-
-
-def measure_collectives(world: int, sizes: list[int] | None = None, repeat: int = 3) -> dict[str, Any]:
-    """Time each collective with ``world`` processes on this machine (gloo; NCCL when there is a GPU per
-    process). -> {op: {"latency_s", "bus_bandwidth", "algbw", "times": {bytes: seconds}}}."""
-    sizes = sizes or [SMALL_MESSAGE_BYTES, 4 * 2**20]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.start_processes(_collective_worker, args=(world, free_port(), sizes, repeat, q), nprocs=world, join=True,
-                       start_method="spawn")
-    return summarize_collectives(q.get(timeout=5), world)
 
 
 # ------------------------------------------------------------------ calibration

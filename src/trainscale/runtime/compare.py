@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -29,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainscale.errors import TrainscaleError
 from trainscale.runtime.config import load_config
+from trainscale.runtime.mesh import rank_main
 from trainscale.runtime.model import lm_loss
 from trainscale.runtime.train import Trainer
 from trainscale.specs import Layout
@@ -218,23 +217,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=1)
     args = ap.parse_args(argv)
-    try:
+
+    def body() -> None:
         results: dict[str, Any] = {}
         for layout in args.layouts.split(";"):
             got = run(args.config, layout, args.steps, args.warmup)
             if got is not None:
                 results[layout] = got
                 Path(args.out).write_text(json.dumps(results, indent=1))
-    except TrainscaleError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"trainscale: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if dist.is_initialized():
-            if dist.get_world_size() > 1:
-                dist.barrier()  # every rank done with its collectives before the group goes
-            dist.destroy_process_group()
-    return 0
+        if dist.get_world_size() > 1:
+            dist.barrier()  # every rank done with its collectives before the group goes
+
+    return rank_main(body)
 
 
 if __name__ == "__main__":

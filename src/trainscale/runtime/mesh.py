@@ -20,6 +20,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +43,23 @@ def backend() -> str:
     return "nccl" if device_type() == "cuda" else "gloo"
 
 
-def _free_port() -> int:
+def rank_main(body: Callable[[], None]) -> int:
+    """A rank's ``main``: run ``body``; a TrainscaleError is one line on stderr (from rank 0) and exit code 2;
+    the process group is destroyed either way."""
+    try:
+        body()
+    except TrainscaleError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"trainscale: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def free_port() -> int:
+    """A TCP port on localhost nobody listens on now (for a rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -75,7 +93,7 @@ def init_distributed(timeout_s: float | None = None) -> torch.device:
             dist.init_process_group(backend(), store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
         else:
-            dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return dev
 
 

@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +38,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count
 from trainscale.runtime import faults, measure
 from trainscale.runtime.checkpoint import CheckpointManager, step_dir_name
@@ -47,7 +45,7 @@ from trainscale.runtime.config import TrainConfig, check_layout, load_config, mi
 from trainscale.runtime.context import local_positions, shard_sequence
 from trainscale.runtime.data import TokenLoader, corpus_for, eval_windows, unigram_loss
 from trainscale.runtime.faults import Fault, restart_count
-from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed
+from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed, rank_main
 from trainscale.runtime.model import Transformer, build_model, lm_loss
 from trainscale.runtime.parallelize import allreduce_gradients, clip_grad_norm, gradient_group, parallelize, uses_fsdp
 from trainscale.runtime.pipeline import Pipeline, split_model
@@ -447,18 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
     ap.add_argument("--inject", default=None, help="faults, e.g. crash@step=7,rank=1 (runtime/faults.py)")
     args = ap.parse_args(argv)
-    try:
+
+    def body() -> None:
         cfg = load_config(args.config, {"train": {"steps": args.steps}} if args.steps else None)
         out = args.out or cfg.run.out
         train(cfg, args.layout, out=out, log=lambda m: print(m, flush=True), resume=args.resume, inject=args.inject)
-    except TrainscaleError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"trainscale: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+
+    return rank_main(body)
 
 
 if __name__ == "__main__":
