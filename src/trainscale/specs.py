@@ -121,16 +121,40 @@ class Facility(_Spec):
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Recompute = Literal["none", "selective", "full"]
 
-_NUM_TOKEN = re.compile(r"^(tp|cp|pp|dp|fsdp|mb|v|zero|hsdp)(\d+)$")
+_NUM_TOKEN = re.compile(r"^([a-z]+)(\d+)$")
+# number tokens -> the Layout field they set (a later parallel dimension, e.g. ``ep``, is one more entry)
+_NUM_FIELDS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "mb": "mb", "v": "v", "zero": "zero", "hsdp": "hsdp"}
+_GRAMMAR = ("tpN, cpN, ppN, dpN, fsdpN, zero0-3, hsdpN, mbN, vN, gpipe|1f1b|interleaved, "
+            "rc=none|selective|full, sp|nosp")
 
 
 class Layout(_Spec):
-    """How one training job is split: the same object the planner emits and the runtime applies.
+    """How one training job is split: the same object the planner emits and the runtime applies, and one
+    meaning per token wherever a layout string is read (plan, train, report, printed output).
 
-    World size = tp * cp * pp * dp. ``dp`` is the whole data-parallel degree; ``zero`` says how the
-    model state is sharded over it (0: replicated, 1: optimizer, 2: + gradients, 3: + parameters =
-    FSDP). With zero > 0, ``hsdp`` > 1 replicates over ``hsdp`` groups and shards within each
-    (hybrid sharding).
+    A layout string is comma-separated tokens, any order, each at most once; an absent token takes the
+    default in brackets:
+
+    - ``tpN`` [1] tensor parallel (Megatron-LM column/row split, ``placement.TP_BLOCK_PLAN``); ``cpN`` [1]
+      context parallel; ``ppN`` [1] pipeline stages; ``dpN`` [1] data-parallel degree. World = tp·cp·pp·dp.
+    - ``zeroK`` [0] how model state is spread over the dp (x cp) ranks (Rajbhandari et al. 2020, arXiv
+      1910.02054 Sec. 5): 0 every rank holds everything, gradients all-reduced; 1 the optimizer state
+      sharded, whole gradients and weights (planner only: the runtime refuses it, FSDP2 has no ZeRO-1);
+      2 optimizer state and gradients sharded, the weights gathered for a micro-batch's forward and kept
+      through its backward (FSDP2 ``reshard_after_forward=False``); 3 everything sharded, the weights
+      gathered for each use and freed after (FSDP, ``reshard_after_forward=True``).
+    - ``fsdpN`` is ``dpN,zero3``. ``hsdpN`` [1] (zero >= 1): the dp ranks form N replica groups, each
+      sharding over dp/N ranks (hybrid sharding).
+    - ``mbN`` [1] sequences per micro-batch, for the planner and the runtime alike: a step runs
+      global_batch / (dp·mb) micro-batches per data-parallel rank (gradient accumulation; with a
+      pipeline, its micro-batches). Without gradient accumulation: ``mb`` = global_batch / dp.
+    - ``gpipe | 1f1b | interleaved`` [1f1b] the pipeline schedule (pp > 1 only); ``vN`` [1] stages per
+      pipeline rank, v > 1 meaning interleaved (``placement.local_stage_ids``).
+    - ``rc=none|selective|full`` [none] (or bare ``selective``/``full``) activation recomputation.
+    - ``sp | nosp`` [sp] sequence parallelism with tp > 1 (without TP there is none: ``nosp`` is dropped).
+
+    ``str(layout)`` writes every count (``tp8,cp1,pp16,dp128,mb1,1f1b,zero1``), the schedule with a
+    pipeline and the rest when not the default, so ``Layout.parse(str(x)) == x`` and behaves the same.
     """
 
     tp: int = Field(default=1, gt=0)
@@ -145,6 +169,13 @@ class Layout(_Spec):
     recompute: Recompute = "none"
     sp: bool = True
 
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("tp", 1) == 1 and not data.get("sp", True):
+            data = {**data, "sp": True}  # sequence parallelism only exists with tensor parallelism
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> Layout:
         if self.dp % self.hsdp:
@@ -153,8 +184,8 @@ class Layout(_Spec):
             raise ValueError("hsdp needs a sharded data-parallel mode (zero1-3 or fsdp)")
         if self.v > 1 and self.schedule != "interleaved":
             raise ValueError(f"v{self.v} (virtual stages) needs the interleaved schedule")
-        if self.schedule == "interleaved" and self.pp == 1:
-            raise ValueError("the interleaved schedule needs pp > 1")
+        if self.schedule != "1f1b" and self.pp == 1:
+            raise ValueError(f"the {self.schedule} schedule needs pp > 1")
         return self
 
     @property
@@ -171,31 +202,35 @@ class Layout(_Spec):
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        """Parse ``tp8,cp1,pp16,dp128,mb1,v1,1f1b,zero1,rc=selective`` (any order, any subset)."""
+        """Read ``tp8,cp1,pp16,dp128,mb1,1f1b,zero1,rc=selective`` (any order, any subset; see the class)."""
         fields: dict[str, Any] = {}
+
+        def put(key: str, value: Any, token: str) -> None:
+            if key in fields and fields[key] != value:
+                raise TrainscaleError(f"layout '{text}' sets {key} twice (again by '{token}')")
+            fields[key] = value
+
         for raw in text.replace(" ", "").lower().split(","):
             if not raw:
                 continue
-            if m := _NUM_TOKEN.match(raw):
+            m = _NUM_TOKEN.match(raw)
+            if m and (m.group(1) in _NUM_FIELDS or m.group(1) == "fsdp"):
                 key, val = m.group(1), int(m.group(2))
-                if key == "fsdp":
-                    fields["dp"] = val
-                    fields.setdefault("zero", 3)
+                if key == "fsdp":  # fsdpN = dpN,zero3
+                    put("dp", val, raw)
+                    put("zero", 3, raw)
                 else:
-                    fields[key] = val
+                    put(_NUM_FIELDS[key], val, raw)
             elif raw in ("gpipe", "1f1b", "interleaved"):
-                fields["schedule"] = raw
+                put("schedule", raw, raw)
             elif raw in ("sp", "nosp"):
-                fields["sp"] = raw == "sp"
+                put("sp", raw == "sp", raw)
             elif raw.startswith(("rc=", "recompute=")):
-                fields["recompute"] = raw.split("=", 1)[1]
+                put("recompute", raw.split("=", 1)[1], raw)
             elif raw in ("selective", "full"):
-                fields["recompute"] = raw
+                put("recompute", raw, raw)
             else:
-                raise TrainscaleError(
-                    f"layout token '{raw}' is not understood; use tpN, cpN, ppN, dpN, fsdpN, hsdpN, mbN, vN, "
-                    "zeroN, gpipe|1f1b|interleaved, rc=none|selective|full"
-                )
+                raise TrainscaleError(f"layout token '{raw}' is not understood; use {_GRAMMAR}")
         if fields.get("v", 1) > 1 and "schedule" not in fields:
             fields["schedule"] = "interleaved"
         try:

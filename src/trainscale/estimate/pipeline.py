@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from trainscale import placement
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
@@ -21,25 +23,20 @@ def bubble_fraction(p: Any, m: Any, v: Any = 1) -> Any:
 
 
 def layer_placement(n_layers: int, p: Any, v: Any) -> dict[str, Any]:
-    """Layers per pipeline stage for p stages of v chunks each.
+    """Layers per pipeline rank for p ranks of v stages each: the cut of ``trainscale.placement`` (the
+    one the runtime runs), vectorised.
 
-    Either the L layers split evenly into p·v chunks, or — as Llama 3 does (arXiv 2407.21783
-    Sec. 3.3.2, "we reduce one Transformer layer each from the first and the last stages") — L + 2
-    slots split evenly and the first and last chunk give one slot each to the embedding and the
-    output head. Returns ``valid`` and the layers on the first stage, on the fullest stage, and on
-    the last stage (which also runs the output head).
+    The planner searches the balanced cuts (``valid``): the L layers split evenly into p·v stages, or
+    -- as Llama 3 does (arXiv 2407.21783 Sec. 3.3.2, "we reduce one Transformer layer each from the first
+    and the last stages") -- L + 2 slots split evenly and the first and last stage give one slot each
+    to the embedding and the output head (``balanced``). Returns ``valid``, ``balanced``, ``per_chunk``
+    (layers on the longest stage) and the layers on the first pipeline rank, on the fullest one and on
+    the last one (which also runs the output head); ``base``/``extra`` give the cut itself (p·v stages of
+    ``base`` layers, ``extra`` of them one longer).
     """
-    p, v = np.asarray(p), np.asarray(v)
-    chunks = p * v
-    even = n_layers % chunks == 0
-    llama = ~even & (p > 1) & ((n_layers + 2) % chunks == 0)
-    k = np.where(even, n_layers // chunks, (n_layers + 2) // chunks)  # layers (slots) per chunk
-    full = v * k
-    edge = np.where(even, full, full - 1)
-    first = np.where(p > 1, edge, n_layers)
-    fullest = np.where(p > 1, np.where(even | (p > 2), full, edge), n_layers)  # p = 2 has no middle stage
-    return {"valid": even | llama, "per_chunk": k, "first": first, "max": fullest, "last": first,
-            "balanced": llama}
+    c = placement.rank_layer_counts(n_layers, p, v)
+    return {"valid": c["even"] | c["llama3"], "per_chunk": c["per_stage"], "first": c["first"], "max": c["max"],
+            "last": c["last"], "balanced": c["llama3"], "base": c["base"], "extra": c["extra"]}
 
 
 def pipeline_time(stage_time: Any, m: Any, p: Any, v: Any = 1) -> Any:

@@ -5,11 +5,12 @@ This module predicts the *runtime in this repository* (runtime/model.py + parall
 rank by rank, so that ``trainscale train --compare-plan`` can check every figure against real tensors:
 
 - model state: each parameter tensor of ``estimate.params.tensor_inventory``, cut by the pipeline
-  (the stages a rank runs), by tensor parallelism (DTensor's column/row plan: which dim each weight is
-  sharded on) and by FSDP2 (dim 0 over the dp_shard x cp group), both with ``torch.chunk``'s sizes
-  (ceil-sized pieces, the last ones short or empty). Gradients have the parameters' local shapes;
-  AdamW keeps two moments of that shape and one fp32 step counter per tensor
-  (Loshchilov & Hutter 2019, arXiv 1711.05101; torch.optim.AdamW's state layout).
+  (the stages a rank runs, ``trainscale.placement``), by tensor parallelism (the TP plan of
+  ``trainscale.placement``: which dim each weight is sharded on) and by FSDP2 (dim 0 over the
+  dp_shard x cp group), both with ``torch.chunk``'s sizes (ceil-sized pieces, the last ones short or
+  empty). Gradients have the parameters' local shapes; AdamW keeps two moments of that shape and one
+  fp32 step counter per tensor (Loshchilov & Hutter 2019, arXiv 1711.05101; torch.optim.AdamW's state
+  layout).
 - activations: the tensors autograd saves for the backward pass of one micro-batch through a rank's
   stage, counted operation by operation from the model's code (norm, projections, RoPE, the attention
   kernel, the MLP, the loss). It is the same accounting Korthikanti et al. 2022 (arXiv 2205.05198,
@@ -22,76 +23,29 @@ rank by rank, so that ``trainscale train --compare-plan`` can check every figure
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from math import ceil, prod
+from math import prod
 from typing import Any
 
 from trainscale.estimate.params import embedding_tensors, head_tensors, layer_tensors
+from trainscale.placement import (  # where a rank sits: one placement for the planner and the runtime
+    MESH_DIMS,
+    chunk_len,
+    coords,
+    local_stage_ids,
+    mesh_sizes,
+    stage_layers,
+    tp_shard_dim,
+)
 from trainscale.specs import Layout, ModelSpec
+
+__all__ = ["MESH_DIMS", "chunk_len", "coords", "local_stage_ids", "mesh_sizes", "stage_layers", "tp_shard_dim"]
 
 FP32 = 4
 INDEX_BYTES = 8  # int64 token ids and targets
 ADAM_MOMENTS = 2  # exp_avg and exp_avg_sq
 ADAM_STEP_BYTES = 4  # torch.optim.AdamW's per-tensor fp32 step counter
 
-# DeviceMesh dims of runtime/mesh.py, outermost first
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-# ----------------------------------------------------------------------------- where a rank sits
-
-
-def stage_layers(n_layers: int, n_stages: int) -> list[list[int]]:
-    """The runtime's pipeline cut: contiguous layer ranges, as even as possible (first stages take one extra)."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        n = base + (1 if s < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def local_stage_ids(layout: Layout, pp_rank: int) -> list[int]:
-    """Stages rank ``pp_rank`` runs: r, r + pp, r + 2pp, ... (looped placement, interleaved 1F1B)."""
-    return [pp_rank + i * layout.pp for i in range(layout.v)]
-
-
-def mesh_sizes(layout: Layout) -> dict[str, int]:
-    return {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "cp": layout.cp,
-            "tp": layout.tp}
-
-
-def coords(layout: Layout, rank: int) -> dict[str, int]:
-    """A global rank's coordinate on each mesh dim (row-major over MESH_DIMS, tp innermost)."""
-    sizes = mesh_sizes(layout)
-    out: dict[str, int] = {}
-    for dim in reversed(MESH_DIMS):
-        rank, out[dim] = divmod(rank, sizes[dim])
-    return out
-
-
-def chunk_len(n: int, parts: int, index: int) -> int:
-    """Length of piece ``index`` of ``torch.chunk(range(n), parts)``: ceil(n/parts) each, the rest short."""
-    c = ceil(n / parts) if n else 0
-    return max(0, min(c, n - index * c))
-
-
 # ----------------------------------------------------------------------------- model state
-
-
-def tp_shard_dim(name: str) -> int | None:
-    """The dim runtime/parallelize.py shards a tensor on: column-parallel weights and biases on their
-    output dim 0, row-parallel weights on their input dim 1 (their biases replicated), embeddings and
-    the output head on the vocabulary dim 0 (Shoeybi et al. 2019, arXiv 1909.08053 Sec. 3)."""
-    leaf = name.rsplit(".", 2)
-    module, kind = leaf[-2], leaf[-1]
-    if module in ("wq", "wk", "wv", "w1", "w3"):
-        return 0
-    if module in ("wo", "w2"):
-        return 1 if kind == "weight" else None
-    if module in ("tok_embeddings", "pos_embeddings", "output"):
-        return 0
-    return None  # norms
 
 
 def rank_tensors(m: ModelSpec, layout: Layout, rank: int) -> list[tuple[str, tuple[int, ...]]]:

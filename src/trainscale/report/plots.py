@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
+from trainscale import placement  # noqa: E402
 from trainscale.estimate import flops, memory  # noqa: E402
 from trainscale.estimate.params import param_count  # noqa: E402
 from trainscale.specs import ClusterSpec, GPUSpec, Layout, ModelSpec  # noqa: E402
@@ -116,13 +117,10 @@ def compute_growth(flops_now: float, low: float, high: float, out: Path, years: 
 
 
 def rank_coords(layout: Layout, rank: int) -> dict[str, int]:
-    """Rank -> (tp, cp, pp, dp) index with TP innermost, then CP, PP, DP outermost: the order of
-    Llama 3's 4D parallelism (arXiv 2407.21783 Sec. 3.3.2, Fig. 5: [TP, CP, PP, DP])."""
-    tp = rank % layout.tp
-    cp = rank // layout.tp % layout.cp
-    pp = rank // (layout.tp * layout.cp) % layout.pp
-    dp = rank // (layout.tp * layout.cp * layout.pp)
-    return {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
+    """Rank -> (tp, cp, pp, dp) index as the runtime lays them out (``trainscale.placement``): TP innermost,
+    then CP, PP, DP outermost, the order of Llama 3's 4D parallelism (arXiv 2407.21783 Sec. 3.3.2, Fig. 5)."""
+    c = placement.coords(layout, rank)
+    return {"tp": c["tp"], "cp": c["cp"], "pp": c["pp"], "dp": placement.flat_coord(layout, c, "dp")}
 
 
 def layout_mesh(layout: Layout, cluster: ClusterSpec, out: Path, max_gpus: int = 256) -> Plot:

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainscale.errors import TrainscaleError
+from trainscale.placement import empty_stages
 from trainscale.specs import Layout, ModelSpec, _first_error, catalog_names, load_model
 
 
@@ -154,9 +155,12 @@ def check_layout(cfg: TrainConfig, layout: Layout) -> None:
     if layout.tp > 1 and layout.sp and (t.seq_len // layout.cp) % layout.tp:
         raise TrainscaleError(f"sequence parallel needs the per-rank sequence ({t.seq_len // layout.cp}) divisible "
                               f"by tp{layout.tp}")
-    stages = layout.pp * layout.v
-    if stages > m.n_layers:
-        raise TrainscaleError(f"pp{layout.pp} x v{layout.v} = {stages} stages exceed the model's {m.n_layers} layers")
+    if layout.zero == 1:
+        raise TrainscaleError("zero1 (whole gradients, sharded optimizer state) is not in this runtime, whose FSDP2 "
+                              "shards gradients with the optimizer state; use zero2 (less memory, the same traffic)")
+    if empty_stages(m.n_layers, layout):
+        raise TrainscaleError(f"pp{layout.pp} x v{layout.v} = {layout.pp * layout.v} stages leave a stage with no "
+                              f"layer for the model's {m.n_layers} layers")
     if t.global_batch % (layout.dp * layout.mb):
         raise TrainscaleError(f"global_batch {t.global_batch} must be divisible by dp{layout.dp} x mb{layout.mb}")
     n_micro = t.global_batch // (layout.dp * layout.mb)
@@ -171,9 +175,6 @@ def check_layout(cfg: TrainConfig, layout: Layout) -> None:
 
 
 def micro_batch(cfg: TrainConfig, layout: Layout) -> int:
-    """Sequences per forward pass: the layout's ``mb`` if given (or with a pipeline, which needs
-    microbatches), else the whole local batch (no gradient accumulation)."""
-    local = cfg.train.global_batch // layout.dp
-    if layout.pp > 1 or "mb" in layout.model_fields_set:
-        return layout.mb
-    return local
+    """Sequences per forward pass: the layout's ``mb`` (1 unless the layout says otherwise, as in the
+    planner); a step runs global_batch / (dp x mb) of them per data-parallel rank."""
+    return layout.mb

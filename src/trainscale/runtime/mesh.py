@@ -1,12 +1,13 @@
 """Processes, backend, and the device mesh a Layout lays out over them.
 
-The world of ``pp * dp * cp * tp`` processes is one 5-D DeviceMesh with dims, outermost first,
+The world of ``dp * pp * cp * tp`` processes is one 5-D DeviceMesh whose dims, order and sizes come
+from ``trainscale.placement`` (the planner prices collectives on the same order), outermost first
 
-    (pp, dp_replicate, dp_shard, cp, tp)
+    (dp_replicate, dp_shard, pp, cp, tp)
 
 so tensor parallelism, which talks every layer, is innermost: on a GPU server its ranks are
-neighbours on NVLink (Megatron-LM's ordering; torchtitan's ParallelDims uses the same). Three
-flattened dims are derived from it:
+neighbours on NVLink; data parallelism is outermost (Llama 3's [TP, CP, PP, DP], arXiv 2407.21783
+Sec. 3.3.2). Three flattened dims are derived from it (``placement.FLAT_DIMS``):
 
     dp        = dp_replicate x dp_shard   which slice of the global batch this rank reads
     dp_shard_cp = dp_shard x cp           the group FSDP shards over (CP ranks hold the same weights)
@@ -29,9 +30,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainscale.errors import TrainscaleError
+from trainscale.placement import FLAT_DIMS, MESH_DIMS, mesh_shape, mesh_sizes
 from trainscale.specs import Layout
-
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def device_type() -> str:
@@ -107,8 +107,7 @@ class ParallelMesh:
 
     @property
     def sizes(self) -> dict[str, int]:
-        lo = self.layout
-        return {"pp": lo.pp, "dp_replicate": lo.dp_replicate, "dp_shard": lo.dp_shard, "cp": lo.cp, "tp": lo.tp}
+        return mesh_sizes(self.layout)
 
     def __getitem__(self, dim: str) -> DeviceMesh:
         return self.flat[dim] if dim in self.flat else self.world[dim]
@@ -147,10 +146,7 @@ def build_mesh(layout: Layout) -> ParallelMesh:
     world = dist.get_world_size()
     if world != layout.world_size:
         raise TrainscaleError(f"layout {layout} needs {layout.world_size} processes, but {world} are running")
-    p = ParallelMesh(layout, None)  # type: ignore[arg-type]
-    shape = tuple(p.sizes[d] for d in DIMS)
-    p.world = init_device_mesh(device_type(), shape, mesh_dim_names=DIMS)
-    for name, dims in (("dp", ("dp_replicate", "dp_shard")), ("dp_shard_cp", ("dp_shard", "cp")),
-                       ("dp_cp", ("dp_replicate", "dp_shard", "cp"))):
+    p = ParallelMesh(layout, init_device_mesh(device_type(), mesh_shape(layout), mesh_dim_names=MESH_DIMS))
+    for name, dims in FLAT_DIMS.items():
         p.flat[name] = p.world[dims]._flatten(name)
     return p

@@ -4,9 +4,10 @@
      2019; SP: Korthikanti et al. 2022, arXiv 2205.05198)
   2. context parallel                      ``context.apply_context_parallel`` (the attention kernel)
   3. activation checkpointing              none / selective (the attention core) / full (each block)
-  4. data parallel                         FSDP2 ``fully_shard`` (ZeRO, Rajbhandari et al. 2020; HSDP
-                                           when dp_replicate > 1), or, with zero0, replicated weights
-                                           and one gradient all-reduce per step (``allreduce_gradients``)
+  4. data parallel                         FSDP2 ``fully_shard`` (zero2 / zero3: ZeRO, Rajbhandari et al.
+                                           2020; HSDP when dp_replicate > 1), or, with zero0, replicated
+                                           weights and one gradient all-reduce per step
+                                           (``allreduce_gradients``); zero1 is refused (FSDP2 has none)
 
 Pipeline parallelism is applied before all of these (runtime/pipeline.py cuts the model into stages;
 each stage is parallelized here). Parameter names never change: no wrapper modules are inserted, so
@@ -30,6 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from trainscale.placement import EMBEDDINGS, tp_plan
 from trainscale.runtime import context
 from trainscale.runtime.mesh import ParallelMesh
 from trainscale.runtime.model import Transformer
@@ -38,41 +40,48 @@ from trainscale.specs import Layout
 # ----------------------------------------------------------------------------- 1. tensor parallel
 
 
-def apply_tensor_parallel(model: Transformer, mesh: ParallelMesh, sp: bool) -> None:
-    """Column-parallel Q/K/V and MLP-up, row-parallel attention-out and MLP-down: one all-reduce (or,
-    with SP, one all-gather + one reduce-scatter) per sub-layer. With SP the norms and the residual
-    stream between sub-layers hold seq/tp tokens per rank (the activations are sharded too)."""
-    tp = mesh["tp"]
+def _tp_style(style: str, name: str, sp: bool, n_inputs: int = 1) -> object:
+    """One entry of ``placement``'s TP plan as the DTensor ParallelStyle that does it. Under SP the residual
+    stream between sub-layers is sharded on the sequence (dim 1), else replicated."""
     seq = Shard(1) if sp else Replicate()
-    top: dict[str, object] = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if model.pos_embeddings is not None:
-        top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if model.norm is not None and sp:
-        top["norm"] = SequenceParallel()
-    if model.output is not None and model.has_head:
-        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+    if style == "colwise":  # the head takes the residual stream and returns whole logits
+        return ColwiseParallel(input_layouts=seq, output_layouts=Replicate()) if name == "output" else ColwiseParallel()
+    if style == "rowwise":  # embeddings take (replicated) token ids; projections take sharded features
+        if name in EMBEDDINGS:
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        return RowwiseParallel(output_layouts=seq)
+    if style == "sequence":
+        return SequenceParallel()
+    if style == "gather":  # the sub-layer's first input (the hidden states) made whole; the rest untouched
+        rest = (None,) * (n_inputs - 1)
+        return PrepareModuleInput(input_layouts=(seq, *rest), desired_input_layouts=(Replicate(), *rest))
+    raise ValueError(f"unknown tensor-parallel style {style!r}")
+
+
+_GATHER_INPUTS = {"attention": 3, "feed_forward": 1}  # positional inputs of Attention(x, cos, sin) and MLP(x)
+
+
+def apply_tensor_parallel(model: Transformer, mesh: ParallelMesh, sp: bool) -> None:
+    """The TP plan of ``trainscale.placement`` (column-parallel Q/K/V and MLP-up, row-parallel attention-out and
+    MLP-down: one all-reduce, or with SP one all-gather + one reduce-scatter, per sub-layer; with SP the norms
+    and the residual stream between sub-layers hold seq/tp tokens per rank) on this stage's modules."""
+    tp = mesh["tp"]
+    model_plan, block_plan = tp_plan(sp)
+    top = {name: _tp_style(style, name, sp) for name, style in model_plan.items()
+           if getattr(model, name, None) is not None and (name != "output" or model.has_head)}
     if top:
         parallelize_module(model, tp, top)
     for block in model.layers.values():
-        plan: dict[str, object] = {
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-        }
-        if block.feed_forward.gated:
-            plan["feed_forward.w3"] = ColwiseParallel()
-        if sp:
-            plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
+        plan = {name: _tp_style(style, name, sp, _GATHER_INPUTS.get(name, 1)) for name, style in block_plan.items()
+                if _has(block, name)}  # w3 only in a gated (SwiGLU) MLP
         parallelize_module(block, tp, plan)
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        return module.get_submodule(name) is not None
+    except AttributeError:
+        return False
 
 
 # ----------------------------------------------------------------------------- 3. activation checkpointing
@@ -107,8 +116,12 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 
 def apply_fsdp(model: Transformer, mesh: ParallelMesh, layout: Layout) -> None:
     """FSDP2: each block is one all-gather / reduce-scatter unit, the rest (embeddings, head) another.
-    zero3 frees the gathered weights after use (reshard_after_forward); zero1/2 keep them for the
-    backward pass, sharding gradients and optimizer state only (FSDP2's ZeRO-2; it has no ZeRO-1)."""
+    Gradients and optimizer state are sharded either way. zero3 frees the gathered weights after the
+    forward and gathers them again for the backward (reshard_after_forward); zero2 keeps them from the
+    forward through the backward. FSDP2 has no ZeRO-1 (whole gradients, sharded optimizer):
+    ``config.check_layout`` refuses zero1 rather than run it as zero2."""
+    if layout.zero not in (2, 3):
+        raise ValueError(f"FSDP2 runs zero2 or zero3, not zero{layout.zero}")
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh.fsdp_mesh()

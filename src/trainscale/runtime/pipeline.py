@@ -1,10 +1,12 @@
 """Pipeline parallelism: the layers cut into ``pp * v`` stages, run by torch.distributed.pipelining.
 
-Stage s holds a contiguous run of layers (as even as the layer count allows); the first stage also
-holds the embeddings, the last the final norm and the output head. A stage is the same Transformer
+Stage s holds the contiguous run of layers ``trainscale.placement`` gives it (the planner's cut: as even
+as the layer count allows, the first and last stages the shorter ones, as Llama 3 places them); the
+first stage also holds the embeddings, the last the final norm and the output head. A stage is the same Transformer
 class sharing the full model's modules, so parameter names (``layers.17.attention.wq.weight``) are
 those of the unsplit model. With ``v`` virtual stages per rank (interleaved 1F1B, Narayanan et al.
-2021, arXiv 2104.04473), rank r holds stages r, r + pp, r + 2pp, ... ("looped" placement).
+2021, arXiv 2104.04473), rank r holds stages r, r + pp, r + 2pp, ... ("looped" placement,
+``placement.local_stage_ids``).
 
 Schedules (torch.distributed.pipelining.schedules): GPipe (all forwards, then all backwards; Huang
 et al. 2019), 1F1B (PipeDream-Flush, Narayanan et al. 2019) and interleaved 1F1B. Each splits the
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainscale.estimate.rank import local_stage_ids, stage_layers
+from trainscale.placement import holds_embedding, holds_head, local_stage_ids, n_stages, stage_layers
 from trainscale.runtime.mesh import ParallelMesh
 from trainscale.runtime.model import Transformer, lm_loss
 from trainscale.specs import Layout
@@ -26,9 +28,9 @@ from trainscale.specs import Layout
 
 def split_model(model: Transformer, layout: Layout, pp_rank: int) -> list[tuple[int, Transformer]]:
     """-> [(stage index, stage module)] for the stages this rank runs."""
-    n_stages = layout.pp * layout.v
-    ranges = stage_layers(model.spec.n_layers, n_stages)
-    return [(s, model.stage(ranges[s], first=s == 0, last=s == n_stages - 1)) for s in local_stage_ids(layout, pp_rank)]
+    ranges = stage_layers(model.spec.n_layers, n_stages(layout))
+    return [(s, model.stage(ranges[s], first=holds_embedding(s), last=holds_head(layout, s)))
+            for s in local_stage_ids(layout, pp_rank)]
 
 
 class Pipeline:
@@ -36,9 +38,8 @@ class Pipeline:
 
     def __init__(self, parts: list[tuple[int, Transformer]], layout: Layout, mesh: ParallelMesh,
                  device: torch.device, n_microbatches: int) -> None:
-        n_stages = layout.pp * layout.v
         group = mesh.group("pp")
-        self.stages = [PipelineStage(mod, idx, n_stages, device, group=group) for idx, mod in parts]
+        self.stages = [PipelineStage(mod, idx, n_stages(layout), device, group=group) for idx, mod in parts]
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         if layout.schedule == "interleaved":
