@@ -28,7 +28,7 @@ GPT = {"name": "tiny-gpt", "mlp": "gelu", "norm": "layernorm", "positions": "lea
 
 JOBS = {  # (variant, world) -> layouts
     ("llama", 1): ["", "rc=selective", "rc=full", "mb2"],
-    ("llama", 2): ["dp2", "dp2,zero3", "dp2,zero1", "tp2", "tp2,nosp,rc=selective", "cp2", "cp2,rc=full",
+    ("llama", 2): ["dp2", "dp2,zero3", "dp2,zero2", "tp2", "tp2,nosp,rc=selective", "cp2", "cp2,rc=full",
                    "pp2,mb2", "pp2,v2,interleaved,mb1"],
     ("llama", 4): ["dp2,tp2,zero3", "fsdp4,hsdp2", "tp2,pp2,mb2,rc=full", "cp2,tp2,rc=selective"],
     ("gpt", 2): ["tp2", "cp2,rc=selective", "dp2,zero3,rc=full"],
@@ -114,7 +114,7 @@ def test_tensor_parallel_flops_convention(measured):
 
 
 def test_rank_coordinates_follow_the_mesh():
-    """Mesh dims (pp, dp_replicate, dp_shard, cp, tp), row-major, tp innermost (runtime/mesh.py)."""
+    """Mesh dims (dp_replicate, dp_shard, pp, cp, tp), row-major, tp innermost (trainscale.placement)."""
     lo = Layout.parse("pp2,dp2,cp2,tp2")  # zero0: dp is all replicate
     assert R.coords(lo, 13) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1}
     assert R.coords(Layout.parse("dp4,zero3,hsdp2"), 3) == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "cp": 0,

@@ -64,7 +64,7 @@ def test_pipeline_stages_keep_names_and_split_layers():
     assert stages[0].tok_embeddings is not None and stages[3].output is not None and stages[3].has_head
     assert stages[1].tok_embeddings is None and stages[1].norm is None and not stages[1].has_head
     assert [list(s.layers) for _, s in sorted(stages.items())] == [["0"], ["1"], ["2"], ["3"]]
-    assert stage_layers(126, 16)[0] == list(range(8)) and sum(map(len, stage_layers(126, 16))) == 126
+    assert stage_layers(126, 16)[0] == list(range(7)) and sum(map(len, stage_layers(126, 16))) == 126
 
 
 def test_context_parallel_chunks_are_load_balanced():
@@ -120,14 +120,18 @@ def test_config_errors_are_one_sentence():
         check_layout(cfg, Layout.parse("tp3"))
     with pytest.raises(TrainscaleError, match="1F1B needs"):
         check_layout(cfg, Layout.parse("pp2,dp2,mb4"))
-    with pytest.raises(TrainscaleError, match="stages exceed"):
-        check_layout(cfg, Layout.parse("pp2,v2"))
+    check_layout(cfg, Layout.parse("pp2,v2"))  # 2 layers on 4 stages: Llama 3's cut, embedding and head alone
+    with pytest.raises(TrainscaleError, match="no layer"):
+        check_layout(cfg, Layout.parse("pp2,v3"))
+    with pytest.raises(TrainscaleError, match="zero1"):
+        check_layout(cfg, Layout.parse("dp2,zero1"))
     with pytest.raises(TrainscaleError, match="2\\*cp"):
         check_layout(cfg, Layout.parse("cp3"))
     # catalog model with overrides
     assert config_from_dict({"model": {"name": "llama3.1-8b", "n_layers": 2}}).model.d_model == 4096
-    # micro-batch: the whole local batch unless mb is given (or a pipeline needs microbatches)
-    assert micro_batch(cfg, Layout.parse("dp2")) == 4
+    # micro-batch: mb, 1 unless given, with or without a pipeline (the planner's meaning)
+    assert micro_batch(cfg, Layout.parse("dp2")) == 1
+    assert micro_batch(cfg, Layout.parse("dp2,mb4")) == 4
     assert micro_batch(cfg, Layout.parse("dp2,mb2")) == 2
     assert micro_batch(cfg, Layout.parse("pp2")) == 1
 

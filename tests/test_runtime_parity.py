@@ -27,7 +27,7 @@ TOL = 1e-4
 # world size -> layouts (a "gpt:" prefix runs the GPT-style variant: LayerNorm, GELU, learned positions, biases)
 JOBS: dict[int, list[str]] = {
     1: ["", "mb2", "rc=full", "gpt:"],
-    2: ["dp2", "fsdp2", "fsdp2,mb2", "dp2,zero1", "tp2", "pp2,gpipe", "pp2,1f1b", "pp2,v2,interleaved", "cp2",
+    2: ["dp2", "fsdp2", "fsdp2,mb2", "dp2,zero2", "tp2", "pp2,gpipe", "pp2,1f1b", "pp2,v2,interleaved", "cp2",
         "cp2,rc=selective", "gpt:tp2", "gpt:pp2", "gpt:cp2"],
     4: ["dp2,tp2", "tp2,pp2", "cp2,tp2", "fsdp4,hsdp2", "dp2,cp2,fsdp2,rc=full", "dp2,tp2,nosp,rc=selective",
         "pp2,fsdp2,v2"],
