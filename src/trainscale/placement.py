@@ -110,7 +110,7 @@ def _extra_rank(c: int, n_stages: int) -> int:
     """The order in which stages receive the leftover layers: the middle ones, then the first, then the last."""
     if 0 < c < n_stages - 1:
         return c - 1
-    return n_stages - 2 if c == 0 else n_stages - 1
+    return max(n_stages - 2, 0) if c == 0 else n_stages - 1
 
 
 def stage_sizes(n_layers: int, n_stages: int) -> list[int]:
