@@ -41,8 +41,10 @@ def cpu_ticks() -> tuple[int, int]:
 def steal_since(start: tuple[int, int]) -> float:
     now = cpu_ticks()
     return (now[0] - start[0]) / max(1, now[1] - start[1])
-LAYOUTS = ["", "rc=full", "dp2", "dp2,zero3", "tp2", "tp2,nosp", "cp2", "pp2,mb4", "pp2,mb2,v2,interleaved",
-           "dp2,tp2", "fsdp4", "tp2,pp2,mb4"]
+# configs/small.toml's 16 sequences per step: without a pipeline, mb = the whole local batch (no gradient
+# accumulation; an absent mb means 1, issue 12)
+LAYOUTS = ["mb16", "rc=full,mb16", "dp2,mb8", "dp2,zero3,mb8", "tp2,mb16", "tp2,nosp,mb16", "cp2,mb16", "pp2,mb4",
+           "pp2,mb2,v2,interleaved", "dp2,tp2,mb8", "fsdp4,mb4", "tp2,pp2,mb4"]
 
 
 def main() -> None:
