@@ -26,12 +26,12 @@ TINY = ROOT / "configs" / "tiny.toml"
 GPT = {"name": "tiny-gpt", "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True,
        "n_kv_heads": 4}
 
-JOBS = {  # (variant, world) -> layouts
-    ("llama", 1): ["", "rc=selective", "rc=full", "mb2"],
-    ("llama", 2): ["dp2", "dp2,zero3", "dp2,zero2", "tp2", "tp2,nosp,rc=selective", "cp2", "cp2,rc=full",
-                   "pp2,mb2", "pp2,v2,interleaved,mb1"],
-    ("llama", 4): ["dp2,tp2,zero3", "fsdp4,hsdp2", "tp2,pp2,mb2,rc=full", "cp2,tp2,rc=selective"],
-    ("gpt", 2): ["tp2", "cp2,rc=selective", "dp2,zero3,rc=full"],
+JOBS = {  # (variant, world) -> layouts; mb = the whole local batch of tiny.toml's 8 sequences unless a pipeline
+    ("llama", 1): ["mb8", "rc=selective,mb8", "rc=full,mb8", "mb2"],
+    ("llama", 2): ["dp2,mb4", "dp2,zero3,mb4", "dp2,zero2,mb4", "tp2,mb8", "tp2,nosp,rc=selective,mb8", "cp2,mb8",
+                   "cp2,rc=full,mb8", "pp2,mb2", "pp2,v2,interleaved,mb1"],
+    ("llama", 4): ["dp2,tp2,zero3,mb4", "fsdp4,hsdp2,mb2", "tp2,pp2,mb2,rc=full", "cp2,tp2,rc=selective,mb8"],
+    ("gpt", 2): ["tp2,mb8", "cp2,rc=selective,mb8", "dp2,zero3,rc=full,mb4"],
 }
 
 
@@ -91,24 +91,25 @@ def test_activations_and_flops(measured, variant, layout):
 def test_sharding_shrinks_what_it_should(measured):
     """The measured bytes themselves: FSDP over 2 halves every state tensor's bytes (AdamW's per-tensor
     step counters aside); recomputation cuts the saved activations none > selective > full."""
-    cfg, one = measured[("llama", "")]
-    _, fsdp = measured[("llama", "dp2,zero3")]
+    cfg, one = measured[("llama", "mb8")]
+    _, fsdp = measured[("llama", "dp2,zero3,mb4")]
     n_tensors = one[0]["state"]["tensors"]
     assert fsdp[0]["state"]["parameters"] * 2 == one[0]["state"]["parameters"]
     assert (fsdp[0]["state"]["optimizer"] - 4 * n_tensors) * 2 == one[0]["state"]["optimizer"] - 4 * n_tensors
-    acts = {rc: measured[("llama", rc)][1][0]["activations"][0]["bytes"] for rc in ("", "rc=selective", "rc=full")}
-    assert acts[""] > acts["rc=selective"] > acts["rc=full"]
+    acts = {rc: measured[("llama", rc + "mb8")][1][0]["activations"][0]["bytes"] for rc in ("", "rc=selective,",
+                                                                                            "rc=full,")}
+    assert acts[""] > acts["rc=selective,"] > acts["rc=full,"]
     # full recomputation keeps each layer's input: L x micro-batch x seq x d_model fp32, plus embeddings/head
     m, t = cfg.model, cfg.train
-    assert acts["rc=full"] > m.n_layers * t.global_batch * t.seq_len * m.d_model * 4
+    assert acts["rc=full,"] > m.n_layers * t.global_batch * t.seq_len * m.d_model * 4
 
 
 def test_tensor_parallel_flops_convention(measured):
     """FlopCounterMode sees TP projections at their global shapes: a tp2 rank counts its group's dense matmuls
     (twice its own), the attention kernel at its local shapes; rank_step_flops predicts both counts."""
-    cfg, ranks = measured[("llama", "tp2")]
-    f = R.rank_step_flops(cfg.model, Layout.parse("tp2"), 0, cfg.train.seq_len, cfg.train.global_batch)
-    _, single = measured[("llama", "")]
+    cfg, ranks = measured[("llama", "tp2,mb8")]
+    f = R.rank_step_flops(cfg.model, Layout.parse("tp2,mb8"), 0, cfg.train.seq_len, cfg.train.global_batch)
+    _, single = measured[("llama", "mb8")]
     assert f["flop_counter"] == pytest.approx(ranks[0]["flops"], rel=1e-9)
     assert 2 * f["total"] == pytest.approx(single[0]["flops"], rel=1e-9)  # the two ranks' work is the whole
 
