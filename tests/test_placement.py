@@ -144,6 +144,7 @@ def test_vectorised_counts_equal_the_per_rank_cut():
         cases = [(p, v) for p in range(1, 18) for v in range(1, 10) if (p > 1 or v == 1) and p * v <= n_layers + 2]
         ps, vs = np.array([c[0] for c in cases]), np.array([c[1] for c in cases])
         got = P.rank_layer_counts(n_layers, ps, vs)
+        table = P.layers_per_rank(n_layers, ps, vs)
         for i, (p, v) in enumerate(cases):
             lay = Layout(pp=p, v=v, schedule="interleaved" if v > 1 else "1f1b")
             per_rank = [len(P.rank_layers(n_layers, lay, r)) for r in range(p)]
@@ -154,6 +155,7 @@ def test_vectorised_counts_equal_the_per_rank_cut():
             assert (got["first"][i], got["last"][i], got["max"][i]) == (per_rank[0], per_rank[-1], max(per_rank)), \
                 (n_layers, p, v)
             assert got["per_stage"][i] == max(sizes)
+            assert table[i, :p].tolist() == per_rank and not table[i, p:].any()
             even = n_layers % (p * v) == 0
             llama = not even and p > 1 and (n_layers + 2) % (p * v) == 0
             assert (bool(got["even"][i]), bool(got["llama3"][i])) == (even, llama)

@@ -194,6 +194,20 @@ def rank_layer_counts(n_layers: int, p: Any, v: Any) -> dict[str, Any]:
             "extra": extra, "even": even, "llama3": ~even & (extra == chunks - 2) & (p > 1)}
 
 
+def layers_per_rank(n_layers: int, p: Any, v: Any) -> np.ndarray:
+    """Layers on every pipeline rank, vectorised: shape ``p.shape + (max p,)``, entry [..., r] the layers of
+    pipeline rank r (0 for r >= p). For a per-stage figure such as memory (rank r of 1F1B holds p - r
+    micro-batches in flight), the same numbers ``rank_layers`` gives one layout."""
+    p, v = np.asarray(p), np.asarray(v)
+    base, extra = np.divmod(n_layers, p * v)
+    middle = np.minimum(extra, p * v - 2)
+    first_extra = (extra == p * v - 1) & (p * v > 1)
+    r = np.arange(int(np.max(p)) if p.size else 1)
+    pe, ve, be, me = (x[..., None] for x in (p, v, base, middle))
+    counts = ve * be + _count_in_residue(me, r, pe) + ((r == 0) & first_extra[..., None])
+    return np.where(r < pe, counts, 0)
+
+
 # ----------------------------------------------------------------------------- the tensor-parallel plan
 #
 # Megatron-LM's split (Shoeybi et al. 2019, arXiv 1909.08053 Sec. 3): column-parallel Q/K/V and MLP
