@@ -283,3 +283,13 @@ def test_runtime_tp_shards_what_the_plan_says(variant, sp):
         assert seen > 0
     finally:
         dist.destroy_process_group()
+
+
+def test_placement_imports_no_torch():
+    """The planner reads placement without loading torch (``trainscale plan`` starts fast)."""
+    import subprocess
+    import sys
+
+    code = "import sys, trainscale.placement, trainscale.estimate.pipeline; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
