@@ -1,5 +1,5 @@
 """`trainscale train`: run a training config under a layout on this machine (torchrun, one process per
-rank), with a live progress bar; `trainscale launch --slurm`: the same job as a Slurm batch script."""
+rank), with a live progress bar. (`trainscale launch --slurm` is commands/launch.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from trainscale.errors import TrainscaleError
 
 def register(app: typer.Typer) -> None:
     app.command()(train)
-    app.command()(launch)
 
 
 def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool):
@@ -339,33 +338,3 @@ def _summary(info: dict[str, Any], rows: list[dict[str, Any]], run_dir: Path) ->
     if (run_dir / "final").exists():
         t.add_row("model folder", str(run_dir / "final"))
     console.print(t)
-
-
-def launch(
-    config: Path = typer.Option(..., "--config", help="training config TOML"),
-    layout: str = typer.Option(..., help="parallel layout; its world size must equal nodes x GPUs per node"),
-    slurm: bool = typer.Option(False, "--slurm", help="write a Slurm sbatch script"),
-    nodes: int = typer.Option(..., help="machines"),
-    gpus_per_node: int = typer.Option(8, help="GPUs (processes) per machine"),
-    partition: str = typer.Option(None, help="Slurm partition"),
-    time_limit: str = typer.Option("24:00:00", "--time", help="Slurm time limit"),
-    steps: int = typer.Option(None, help="optimizer steps (default: the config's)"),
-    out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out)"),
-    script: Path = typer.Option(None, help="where to write the script (default: stdout)"),
-) -> None:
-    """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous)."""
-    from trainscale.runtime.launch import sbatch_script
-
-    if not slurm:
-        raise TrainscaleError("say which scheduler: --slurm (the only one supported)")
-    if nodes <= 0 or gpus_per_node <= 0:
-        raise TrainscaleError("--nodes and --gpus-per-node must be positive")
-    cfg, layout_text, lay, _ = _resolve(config, layout, steps, plan=False)
-    text = sbatch_script(config, layout_text, out or cfg.run.out, nodes, gpus_per_node, job_name=cfg.name,
-                         partition=partition, time_limit=time_limit, steps=steps)
-    if script is None:
-        sys.stdout.write(text)
-        return
-    script.write_text(text)
-    script.chmod(0o755)
-    console.print(f"wrote {script}: sbatch {script}  ({lay.world_size} processes, layout {lay})")

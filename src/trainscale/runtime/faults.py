@@ -63,7 +63,16 @@ def parse_faults(text: str | None) -> list[Fault]:
 
 
 def restart_count() -> int:
+    """torchrun's restarts of this job's workers inside one launch (one Slurm allocation)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def requeue_count() -> int:
+    """Slurm's requeues of the batch job (SLURM_RESTART_COUNT, set by Slurm on a requeued job's start)."""
+    try:
+        return max(0, int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
 
 
 def _active(f: Fault, step: int, rank: int) -> bool:

@@ -1,12 +1,11 @@
-"""Starting a training job: the torchrun command for this machine (or a multi-node rendezvous), the
-sbatch script for a Slurm cluster, and the layout to use when asked to plan one.
+"""Starting a training job: the torchrun command for this machine (or a multi-node rendezvous) and the
+layout to use when asked to plan one (the Slurm batch script is runtime/slurm.py).
 
 Imports no torch at module level: ``trainscale train --help`` and ``launch --slurm`` stay fast.
 """
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
@@ -40,48 +39,6 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
     if resume:
         cmd += ["--resume"]
     return cmd
-
-
-def sbatch_script(config: str | Path, layout: str, out: str | Path, nodes: int, gpus_per_node: int,
-                  job_name: str = "trainscale", partition: str | None = None, time_limit: str = "24:00:00",
-                  steps: int | None = None, cpus_per_gpu: int = 8, port: int = 29500) -> str:
-    """A Slurm batch script: one task per node, each running torchrun with a c10d rendezvous on the
-    first node of the allocation (torchrun's documented multi-node pattern)."""
-    world = Layout.parse(layout).world_size
-    if nodes * gpus_per_node != world:
-        raise TrainscaleError(f"layout {layout} needs {world} processes, but {nodes} nodes x {gpus_per_node} GPUs "
-                              f"= {nodes * gpus_per_node}")
-    train = ["-m", "trainscale.runtime.train", "--config", str(config), "--layout", layout, "--out", str(out)]
-    if steps is not None:
-        train += ["--steps", str(steps)]
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={gpus_per_node}",
-        f"#SBATCH --cpus-per-task={cpus_per_gpu * gpus_per_node}",
-        f"#SBATCH --time={time_limit}",
-        f"#SBATCH --output={out}/slurm-%j.out",
-    ]
-    if partition:
-        lines.append(f"#SBATCH --partition={partition}")
-    lines += [
-        "",
-        "# written by `trainscale launch --slurm`",
-        "set -euo pipefail",
-        f"mkdir -p {shlex.quote(str(out))}",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"export OMP_NUM_THREADS={cpus_per_gpu}",
-        "srun torchrun \\",
-        '  --nnodes "$SLURM_NNODES" \\',
-        f"  --nproc-per-node {gpus_per_node} \\",
-        '  --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d \\',
-        f'  --rdzv-endpoint "$head:{port}" \\',
-        "  " + " ".join(shlex.quote(a) for a in train),
-        "",
-    ]
-    return "\n".join(lines)
 
 
 def plan_layout(cfg: TrainConfig) -> tuple[str, str]:
