@@ -34,6 +34,7 @@ def launch(
     python: str = typer.Option(None, help="the Python on the cluster that has trainscale (default: this one)"),
     max_restarts: int = typer.Option(3, help="torchrun restarts after a failure inside one allocation"),
     steps: int = typer.Option(None, help="optimizer steps (default: the config's)"),
+    inject: str = typer.Option(None, help="faults to inject, as for `trainscale train --inject`"),
     out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out)"),
     script: Path = typer.Option(None, help="where to write the script (default: stdout); the Slurm log goes beside "
                                            "it"),
@@ -60,7 +61,7 @@ def launch(
     job = SlurmJob(config=str(Path(config).resolve()), layout=str(lay), out=str(out or cfg.run.out), nodes=nodes,
                    procs_per_node=gpus_per_node, gpus=not cpu, job_name=job_name, partition=partition,
                    account=account, time_limit=time_limit, cpus_per_proc=cpus_per_gpu, mem=mem, setup=setup,
-                   python=python or sys.executable, steps=steps, max_restarts=max_restarts,
+                   python=python or sys.executable, steps=steps, inject=inject, max_restarts=max_restarts,
                    signal_before_s=signal_before, log_dir=log_dir)
     text = sbatch_script(job)
     if script is not None:

@@ -56,6 +56,7 @@ class SlurmJob:
     setup: str | None = None  # a shell line run before training, e.g. "source /shared/venv/bin/activate"
     python: str = sys.executable
     steps: int | None = None
+    inject: str | None = None  # faults to inject (runtime/faults.py), to prove the job survives them
     max_restarts: int = 3
     signal_before_s: int = 120  # 0: no early signal
     log_dir: str = "."
@@ -84,10 +85,14 @@ class SlurmJob:
             raise TrainscaleError("--max-restarts must be between 0 and 100")
         if not 0 <= self.signal_before_s <= 86400:
             raise TrainscaleError("--signal-before must be between 0 and 86400 seconds")
+        if self.inject:
+            from trainscale.runtime.faults import parse_faults
+
+            parse_faults(self.inject)
         if self.steps is not None and not 0 < self.steps < 10**9:
             raise TrainscaleError("--steps must be a positive number below 1e9")
         for what, val in (("config path", self.config), ("--out", self.out), ("log folder", self.log_dir),
-                          ("python", self.python), ("--setup", self.setup)):
+                          ("python", self.python), ("--setup", self.setup), ("--inject", self.inject)):
             if val is not None and any(c in str(val) for c in "\n\r\0"):
                 raise TrainscaleError(f"{what} contains a line break; it would add lines to the batch script")
         if any(c in str(self.log_dir) for c in "%"):
@@ -107,6 +112,8 @@ def sbatch_script(job: SlurmJob) -> str:
              "--resume"]
     if job.steps is not None:
         train += ["--steps", str(job.steps)]
+    if job.inject:
+        train += ["--inject", job.inject]
     # $-variables stay unquoted-expandable inside double quotes; everything else is single-quoted
     cmd = " ".join(f'"{a}"' if a.startswith("$") else q(a) for a in train)
     cpus = job.cpus_per_proc * job.procs_per_node
