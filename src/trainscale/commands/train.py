@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -91,9 +92,11 @@ def train(
         console.print(f"[bold]plan:[/bold] {lay} ({why})")
     env = _prepare(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / "train.log"
+    multi_node = nnodes > 1 or rdzv_endpoint is not None
+    # every node keeps its own log: in a shared run folder the nodes would otherwise overwrite one file
+    log_path = run_dir / (f"train-{socket.gethostname()}-{os.getpid()}.log" if multi_node else "train.log")
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists() and not resume:
+    if metrics.exists() and not resume and not multi_node:  # rank 0's node truncates it (runtime/train.py)
         metrics.unlink()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -111,6 +114,15 @@ def train(
             raise TrainscaleError(err.split("trainscale: error:", 1)[1].strip())
         sys.stderr.write("\n".join(tail) + "\n")
         raise TrainscaleError(f"training failed (exit {proc.returncode}); the whole log is {log_path}")
+    if multi_node and not (run_dir / "run.json").exists():
+        # this node did not run rank 0 and the run folder is not shared: rank 0's node wrote the results
+        note = {"status": "done", "node": socket.gethostname(), "rank0_here": False, "log": str(log_path)}
+        if as_json:
+            emit_json(note)
+        else:
+            console.print(f"this node's ranks finished; the node that ran rank 0 wrote the run folder "
+                          f"(metrics.jsonl, run.json, final/); this node's log is {log_path}")
+        return
     info = json.loads((run_dir / "run.json").read_text())
     if as_json:
         emit_json(info)

@@ -366,7 +366,7 @@ class Trainer:
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(g) + "\n")
         info = json.loads((self.out / "run.json").read_text())
-        (self.out / "run.json").write_text(json.dumps({**info, **g}, indent=2))
+        _write_atomic(self.out / "run.json", json.dumps({**info, **g}, indent=2))
         self.log(f"goodput {g['goodput']:.1%}: {useful:.1f} s of useful steps in {wall:.1f} s wall; "
                  f"{g['restarts']} restart(s), {g['lost_steps']} step(s) recomputed, {g['checkpoints']} checkpoint(s) "
                  f"taking {save:.1f} s, {g['restart_and_startup_s']:.1f} s starting and restarting")
@@ -444,7 +444,14 @@ class Trainer:
                 "flops_per_token": self.flops_per_token,
                 "peak_flops": self.peak, "peak_source": self.peak_source, "micro_batch": self.micro,
                 "microbatches": self.n_micro, "config": self.cfg.model_dump(mode="json", exclude={"model"}), **extra}
-        (self.out / "run.json").write_text(json.dumps(info, indent=2))
+        _write_atomic(self.out / "run.json", json.dumps(info, indent=2))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Readers on other nodes (a shared run folder) see the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _restarts(step_rows: list[dict[str, Any]]) -> int:
