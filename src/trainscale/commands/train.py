@@ -48,7 +48,10 @@ def train(
     steps: int = typer.Option(None, help="optimizer steps (default: the config's train.steps)"),
     out: Path = typer.Option(None, help="run folder (default: the config's run.out)"),
     plan: bool = typer.Option(False, "--plan", help="ask the planner for the best layout for this machine"),
-    nnodes: int = typer.Option(1, help="machines in the job (run the same command on each)"),
+    nnodes: str = typer.Option("1", help="machines in the job (run the same command on each); MIN:MAX makes it "
+                               "elastic: it goes on after losing machines, down to MIN"),
+    fallback_layout: str = typer.Option(None, help="elastic jobs: the layout for a re-formed job whose world size "
+                                        "the layout's own rule (same tp/cp/pp, fewer dp) cannot serve"),
     rdzv_endpoint: str = typer.Option(None, help="HOST:PORT of the first machine, for a multi-node rendezvous"),
     resume: bool = typer.Option(False, "--resume", help="continue from the run folder's newest good checkpoint"),
     inject: str = typer.Option(None, help="faults to inject, e.g. 'crash@step=7,rank=1' (crash, hang, slow, "
@@ -68,8 +71,13 @@ def train(
     if compare_plan:
         _compare_plan(config, layout, steps, profile, as_json)
         return
-    if nnodes <= 0:
-        raise TrainscaleError(f"--nnodes must be positive, not {nnodes}")
+    from trainscale.runtime.launch import parse_nnodes
+
+    _, max_nodes = parse_nnodes(nnodes)
+    if fallback_layout is not None:
+        from trainscale.specs import Layout as _Layout
+
+        _Layout.parse(fallback_layout)  # a bad fallback is a one-line error here, not in every worker later
     cfg, layout_text, lay, why = _resolve(config, layout, steps, plan)
     run_dir = out or Path(cfg.run.out)
     from trainscale.runtime.faults import parse_faults
@@ -78,7 +86,7 @@ def train(
     if max_restarts < 0:
         raise TrainscaleError(f"--max-restarts must be >= 0, not {max_restarts}")
     cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
-                           max_restarts=max_restarts, inject=inject, resume=resume)
+                           max_restarts=max_restarts, inject=inject, resume=resume, fallback_layout=fallback_layout)
     if dry_run:
         info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd}
         if as_json:
@@ -92,7 +100,7 @@ def train(
         console.print(f"[bold]plan:[/bold] {lay} ({why})")
     env = _prepare(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    multi_node = nnodes > 1 or rdzv_endpoint is not None
+    multi_node = max_nodes > 1 or rdzv_endpoint is not None
     # every node keeps its own log: in a shared run folder the nodes would otherwise overwrite one file
     log_path = run_dir / (f"train-{socket.gethostname()}-{os.getpid()}.log" if multi_node else "train.log")
     metrics = run_dir / "metrics.jsonl"

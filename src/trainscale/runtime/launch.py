@@ -14,23 +14,39 @@ from trainscale.runtime.config import TrainConfig, check_layout
 from trainscale.specs import Layout
 
 
+def parse_nnodes(nnodes: int | str) -> tuple[int, int]:
+    """``N`` or torchrun's elastic range ``MIN:MAX`` -> (min, max)."""
+    text = str(nnodes).strip()
+    lo, _, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise TrainscaleError(f"--nnodes must be N or MIN:MAX (an elastic range), not {text!r}") from None
+    if not 0 < a <= b <= 4096:
+        raise TrainscaleError(f"--nnodes {text}: need 1 <= MIN <= MAX <= 4096")
+    return a, b
+
+
 def torchrun_command(config: str | Path, layout: str, out: str | Path, world: int, steps: int | None = None,
-                     nnodes: int = 1, rdzv_endpoint: str | None = None, rdzv_id: str = "trainscale",
+                     nnodes: int | str = 1, rdzv_endpoint: str | None = None, rdzv_id: str = "trainscale",
                      python: str = sys.executable, max_restarts: int = 0, inject: str | None = None,
-                     resume: bool = False) -> list[str]:
+                     resume: bool = False, fallback_layout: str | None = None) -> list[str]:
     """``python -m torch.distributed.run ... -m trainscale.runtime.train ...``: standalone on one machine,
-    c10d rendezvous at ``rdzv_endpoint`` across ``nnodes`` machines (run the same command on each)."""
-    if world % nnodes:
-        raise TrainscaleError(f"the layout's {world} processes do not split evenly over {nnodes} nodes")
+    c10d rendezvous at ``rdzv_endpoint`` across ``nnodes`` machines (run the same command on each).
+    ``nnodes = "MIN:MAX"`` makes the job elastic: it goes on with as few as MIN machines after one is lost
+    (each re-formed job re-plans its layout for the processes left, runtime/elastic.py)."""
+    lo, hi = parse_nnodes(nnodes)
+    if world % hi:
+        raise TrainscaleError(f"the layout's {world} processes do not split evenly over {hi} nodes")
     cmd = [python, "-m", "torch.distributed.run"]
-    if nnodes == 1 and rdzv_endpoint is None:
+    if hi == 1 and rdzv_endpoint is None:
         cmd += ["--standalone"]
     else:
         if rdzv_endpoint is None:
             raise TrainscaleError("a multi-node run needs --rdzv-endpoint HOST:PORT (the first node's address)")
-        cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
-                "--rdzv-id", rdzv_id]
-    cmd += ["--nproc-per-node", str(world // nnodes), "--max-restarts", str(max_restarts),
+        cmd += ["--nnodes", f"{lo}:{hi}" if lo != hi else str(hi), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+    cmd += ["--nproc-per-node", str(world // hi), "--max-restarts", str(max_restarts),
             "-m", "trainscale.runtime.train", "--config", str(config), "--layout", layout, "--out", str(out)]
     if steps is not None:
         cmd += ["--steps", str(steps)]
@@ -38,6 +54,8 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
         cmd += ["--inject", inject]
     if resume:
         cmd += ["--resume"]
+    if fallback_layout:
+        cmd += ["--fallback-layout", fallback_layout]
     return cmd
 
 

@@ -480,12 +480,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="run folder (default: the config's run.out)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
     ap.add_argument("--inject", default=None, help="faults, e.g. crash@step=7,rank=1 (runtime/faults.py)")
+    ap.add_argument("--fallback-layout", default=None, help="the layout to use if an elastic job re-forms with a "
+                    "world size the layout's own rule cannot serve (runtime/elastic.py)")
     args = ap.parse_args(argv)
 
     def body() -> None:
         cfg = load_config(args.config, {"train": {"steps": args.steps}} if args.steps else None)
         out = args.out or cfg.run.out
-        train(cfg, args.layout, out=out, log=lambda m: print(m, flush=True), resume=args.resume, inject=args.inject)
+        layout = Layout.parse(args.layout or cfg.run.layout or "")
+        world = int(os.environ.get("WORLD_SIZE", layout.world_size))
+        if world != layout.world_size:  # torchrun re-formed an elastic job with another number of processes
+            from trainscale.runtime.elastic import layout_for_world
+
+            fallback = Layout.parse(args.fallback_layout) if args.fallback_layout else None
+            layout, why = layout_for_world(cfg, layout, world, fallback)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"[elastic] layout {layout}: {why}", flush=True)
+        train(cfg, layout, out=out, log=lambda m: print(m, flush=True), resume=args.resume, inject=args.inject)
 
     return rank_main(body)
 
