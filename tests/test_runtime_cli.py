@@ -1,5 +1,5 @@
 """Issue 4, the command line: `trainscale train` (torchrun underneath, run folder, consolidated model)
-and `trainscale launch --slurm`; bad input is one line and exit code 2."""
+(`launch --slurm` is tests/test_slurm.py); bad input is one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -75,15 +75,3 @@ def test_plan_and_dry_run_on_this_machine():
            "--dry-run", "--json")
     cmd = json.loads(p.stdout)["command"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--rdzv-endpoint") + 1] == "n0:29500"
-
-
-def test_launch_slurm_writes_an_sbatch_script(tmp_path):
-    script = tmp_path / "job.sbatch"
-    p = ts("launch", "--slurm", "--config", str(TINY), "--layout", "dp4,tp2,pp2", "--nodes", "2",
-           "--gpus-per-node", "8", "--script", str(script))
-    assert p.returncode == 0, p.stderr
-    text = script.read_text()
-    assert "#SBATCH --nodes=2" in text and "--nproc-per-node 8" in text and '--nnodes "$SLURM_NNODES"' in text
-    assert "--rdzv-backend c10d" in text and "dp4,tp2,pp2" in text and text.startswith("#!/bin/bash")
-    p = ts("launch", "--slurm", "--config", str(TINY), "--layout", "dp4", "--nodes", "2", "--gpus-per-node", "8")
-    assert p.returncode == 2 and "needs 4 processes" in p.stderr

@@ -1,10 +1,11 @@
 """`trainscale train`: run a training config under a layout on this machine (torchrun, one process per
-rank), with a live progress bar; `trainscale launch --slurm`: the same job as a Slurm batch script."""
+rank), with a live progress bar. (`trainscale launch --slurm` is commands/launch.py.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,6 @@ from trainscale.errors import TrainscaleError
 
 def register(app: typer.Typer) -> None:
     app.command()(train)
-    app.command()(launch)
 
 
 def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool):
@@ -48,7 +48,10 @@ def train(
     steps: int = typer.Option(None, help="optimizer steps (default: the config's train.steps)"),
     out: Path = typer.Option(None, help="run folder (default: the config's run.out)"),
     plan: bool = typer.Option(False, "--plan", help="ask the planner for the best layout for this machine"),
-    nnodes: int = typer.Option(1, help="machines in the job (run the same command on each)"),
+    nnodes: str = typer.Option("1", help="machines in the job (run the same command on each); MIN:MAX makes it "
+                               "elastic: it goes on after losing machines, down to MIN"),
+    fallback_layout: str = typer.Option(None, help="elastic jobs: the layout for a re-formed job whose world size "
+                                        "the layout's own rule (same tp/cp/pp, fewer dp) cannot serve"),
     rdzv_endpoint: str = typer.Option(None, help="HOST:PORT of the first machine, for a multi-node rendezvous"),
     resume: bool = typer.Option(False, "--resume", help="continue from the run folder's newest good checkpoint"),
     inject: str = typer.Option(None, help="faults to inject, e.g. 'crash@step=7,rank=1' (crash, hang, slow, "
@@ -68,8 +71,13 @@ def train(
     if compare_plan:
         _compare_plan(config, layout, steps, profile, as_json)
         return
-    if nnodes <= 0:
-        raise TrainscaleError(f"--nnodes must be positive, not {nnodes}")
+    from trainscale.runtime.launch import parse_nnodes
+
+    _, max_nodes = parse_nnodes(nnodes)
+    if fallback_layout is not None:
+        from trainscale.specs import Layout as _Layout
+
+        _Layout.parse(fallback_layout)  # a bad fallback is a one-line error here, not in every worker later
     cfg, layout_text, lay, why = _resolve(config, layout, steps, plan)
     run_dir = out or Path(cfg.run.out)
     from trainscale.runtime.faults import parse_faults
@@ -78,7 +86,7 @@ def train(
     if max_restarts < 0:
         raise TrainscaleError(f"--max-restarts must be >= 0, not {max_restarts}")
     cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
-                           max_restarts=max_restarts, inject=inject, resume=resume)
+                           max_restarts=max_restarts, inject=inject, resume=resume, fallback_layout=fallback_layout)
     if dry_run:
         info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd}
         if as_json:
@@ -92,9 +100,11 @@ def train(
         console.print(f"[bold]plan:[/bold] {lay} ({why})")
     env = _prepare(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / "train.log"
+    multi_node = max_nodes > 1 or rdzv_endpoint is not None
+    # every node keeps its own log: in a shared run folder the nodes would otherwise overwrite one file
+    log_path = run_dir / (f"train-{socket.gethostname()}-{os.getpid()}.log" if multi_node else "train.log")
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists() and not resume:
+    if metrics.exists() and not resume and not multi_node:  # rank 0's node truncates it (runtime/train.py)
         metrics.unlink()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -112,6 +122,15 @@ def train(
             raise TrainscaleError(err.split("trainscale: error:", 1)[1].strip())
         sys.stderr.write("\n".join(tail) + "\n")
         raise TrainscaleError(f"training failed (exit {proc.returncode}); the whole log is {log_path}")
+    if multi_node and not (run_dir / "run.json").exists():
+        # this node did not run rank 0 and the run folder is not shared: rank 0's node wrote the results
+        note = {"status": "done", "node": socket.gethostname(), "rank0_here": False, "log": str(log_path)}
+        if as_json:
+            emit_json(note)
+        else:
+            console.print(f"this node's ranks finished; the node that ran rank 0 wrote the run folder "
+                          f"(metrics.jsonl, run.json, final/); this node's log is {log_path}")
+        return
     info = json.loads((run_dir / "run.json").read_text())
     if as_json:
         emit_json(info)
@@ -339,33 +358,3 @@ def _summary(info: dict[str, Any], rows: list[dict[str, Any]], run_dir: Path) ->
     if (run_dir / "final").exists():
         t.add_row("model folder", str(run_dir / "final"))
     console.print(t)
-
-
-def launch(
-    config: Path = typer.Option(..., "--config", help="training config TOML"),
-    layout: str = typer.Option(..., help="parallel layout; its world size must equal nodes x GPUs per node"),
-    slurm: bool = typer.Option(False, "--slurm", help="write a Slurm sbatch script"),
-    nodes: int = typer.Option(..., help="machines"),
-    gpus_per_node: int = typer.Option(8, help="GPUs (processes) per machine"),
-    partition: str = typer.Option(None, help="Slurm partition"),
-    time_limit: str = typer.Option("24:00:00", "--time", help="Slurm time limit"),
-    steps: int = typer.Option(None, help="optimizer steps (default: the config's)"),
-    out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out)"),
-    script: Path = typer.Option(None, help="where to write the script (default: stdout)"),
-) -> None:
-    """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous)."""
-    from trainscale.runtime.launch import sbatch_script
-
-    if not slurm:
-        raise TrainscaleError("say which scheduler: --slurm (the only one supported)")
-    if nodes <= 0 or gpus_per_node <= 0:
-        raise TrainscaleError("--nodes and --gpus-per-node must be positive")
-    cfg, layout_text, lay, _ = _resolve(config, layout, steps, plan=False)
-    text = sbatch_script(config, layout_text, out or cfg.run.out, nodes, gpus_per_node, job_name=cfg.name,
-                         partition=partition, time_limit=time_limit, steps=steps)
-    if script is None:
-        sys.stdout.write(text)
-        return
-    script.write_text(text)
-    script.chmod(0o755)
-    console.print(f"wrote {script}: sbatch {script}  ({lay.world_size} processes, layout {lay})")

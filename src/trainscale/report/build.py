@@ -122,6 +122,24 @@ def reliability_sections(out: Path, model: str, gpu: str, gpus: int, window_h: f
     return [("Failures, checkpoints and power", [sweep_plot, power_plot])], summary
 
 
+def run_timeline(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
+    """A run's step rows in step order with each step once (its last run: a step run again after a restart
+    replaced the lost one), and the restarts as (first step after it, label). A restart is a new torchrun
+    attempt or Slurm requeue (the ``attempt`` and ``requeue`` fields of metrics.jsonl)."""
+    last: dict[int, dict[str, Any]] = {}
+    restarts: list[tuple[int, str]] = []
+    prev = None
+    for r in rows:
+        if "loss" not in r or "step" not in r:
+            continue
+        who = (int(r.get("requeue", 0)), int(r.get("attempt", 0)))
+        if prev is not None and who != prev:
+            restarts.append((int(r["step"]), f"restart {len(restarts) + 1} (resumed after step {int(r['step']) - 1})"))
+        prev = who
+        last[int(r["step"])] = r
+    return [last[k] for k in sorted(last)], restarts
+
+
 def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]:
     """Figures of a real training run folder (metrics.jsonl written by trainscale train)."""
     path = run_dir / "metrics.jsonl"
@@ -135,25 +153,26 @@ def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             raise TrainscaleError(f"{path} line {i + 1} is not JSON") from None
-    steps = [r for r in rows if "loss" in r and "step" in r]
+    steps, restarts = run_timeline(rows)
     if not steps:
         raise TrainscaleError(f"{path} has no training steps")
     xs = [float(r["step"]) for r in steps]
-    figs = [plots.lines("run_loss", f"Training loss of {run_dir.name}", "step", "cross-entropy (nats/token)",
-                        {"train loss": (xs, [float(r["loss"]) for r in steps])}, out,
-                        "Per-step loss on the global batch.")]
+    marks = {label: float(step) for step, label in restarts}
+    note = (f" Dashed lines: the {len(restarts)} restart(s); a step run again after a restart is drawn once "
+            "(its last run)." if restarts else "")
+    series = {"train loss": (xs, [float(r["loss"]) for r in steps])}
     evals = [r for r in rows if "val_loss" in r]
     if evals:
-        figs[0] = plots.lines("run_loss", f"Training loss of {run_dir.name}", "step", "cross-entropy (nats/token)",
-                              {"train loss": (xs, [float(r["loss"]) for r in steps]),
-                               "held-out loss": ([float(r["step"]) for r in evals],
-                                                 [float(r["val_loss"]) for r in evals])}, out)
+        series["held-out loss"] = ([float(r["step"]) for r in evals], [float(r["val_loss"]) for r in evals])
+    figs = [plots.lines("run_loss", f"Training loss of {run_dir.name}", "step", "cross-entropy (nats/token)",
+                        series, out, "Per-step loss on the global batch." + note, marks=marks)]
     if all("tokens_per_s" in r for r in steps):
         figs.append(plots.lines("run_throughput", "Throughput", "step", "tokens per second",
-                                {"tokens/s": (xs, [float(r["tokens_per_s"]) for r in steps])}, out))
+                                {"tokens/s": (xs, [float(r["tokens_per_s"]) for r in steps])}, out, note.strip(),
+                                marks=marks))
     if all("mfu" in r for r in steps):
         figs.append(plots.lines("run_mfu", "Model FLOPs utilization", "step", "MFU (fraction of peak)",
-                                {"MFU": (xs, [float(r["mfu"]) for r in steps])}, out))
+                                {"MFU": (xs, [float(r["mfu"]) for r in steps])}, out, marks=marks))
     summary = [("run", str(run_dir)), ("steps", str(len(steps))), ("final loss", f"{float(steps[-1]['loss']):.4f}")]
     for r in rows:
         if "goodput" in r:

@@ -8,8 +8,9 @@ Spec: ``KIND@step=N[,rank=R][,seconds=S]`` joined by ``;`` — e.g. ``crash@step
   slow              the rank sleeps S seconds (default 2) at step N: a straggler, no failure
   kill-during-save  rank 0 dies after the step-N checkpoint is written but before it is committed
 
-A fault fires once per job: the restarted job (torchrun sets TORCHELASTIC_RESTART_COUNT) sees
-that its restart count is above the fault's attempt (0, unless ``attempt=`` says otherwise).
+A fault fires once per job: the restarted job (torchrun sets TORCHELASTIC_RESTART_COUNT, Slurm sets
+SLURM_RESTART_COUNT on a requeue) sees that its restart count is above the fault's attempt (0, unless
+``attempt=`` says otherwise).
 """
 
 from __future__ import annotations
@@ -63,11 +64,20 @@ def parse_faults(text: str | None) -> list[Fault]:
 
 
 def restart_count() -> int:
+    """torchrun's restarts of this job's workers inside one launch (one Slurm allocation)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def requeue_count() -> int:
+    """Slurm's requeues of the batch job (SLURM_RESTART_COUNT, set by Slurm on a requeued job's start)."""
+    try:
+        return max(0, int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
+
+
 def _active(f: Fault, step: int, rank: int) -> bool:
-    return f.step == step and f.rank == rank and restart_count() == f.attempt
+    return f.step == step and f.rank == rank and restart_count() + requeue_count() == f.attempt
 
 
 def at_step(faults: list[Fault], step: int, rank: int, log=print) -> None:

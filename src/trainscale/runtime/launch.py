@@ -1,12 +1,11 @@
-"""Starting a training job: the torchrun command for this machine (or a multi-node rendezvous), the
-sbatch script for a Slurm cluster, and the layout to use when asked to plan one.
+"""Starting a training job: the torchrun command for this machine (or a multi-node rendezvous) and the
+layout to use when asked to plan one (the Slurm batch script is runtime/slurm.py).
 
 Imports no torch at module level: ``trainscale train --help`` and ``launch --slurm`` stay fast.
 """
 
 from __future__ import annotations
 
-import shlex
 import sys
 from pathlib import Path
 
@@ -15,23 +14,39 @@ from trainscale.runtime.config import TrainConfig, check_layout
 from trainscale.specs import Layout
 
 
+def parse_nnodes(nnodes: int | str) -> tuple[int, int]:
+    """``N`` or torchrun's elastic range ``MIN:MAX`` -> (min, max)."""
+    text = str(nnodes).strip()
+    lo, _, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise TrainscaleError(f"--nnodes must be N or MIN:MAX (an elastic range), not {text!r}") from None
+    if not 0 < a <= b <= 4096:
+        raise TrainscaleError(f"--nnodes {text}: need 1 <= MIN <= MAX <= 4096")
+    return a, b
+
+
 def torchrun_command(config: str | Path, layout: str, out: str | Path, world: int, steps: int | None = None,
-                     nnodes: int = 1, rdzv_endpoint: str | None = None, rdzv_id: str = "trainscale",
+                     nnodes: int | str = 1, rdzv_endpoint: str | None = None, rdzv_id: str = "trainscale",
                      python: str = sys.executable, max_restarts: int = 0, inject: str | None = None,
-                     resume: bool = False) -> list[str]:
+                     resume: bool = False, fallback_layout: str | None = None) -> list[str]:
     """``python -m torch.distributed.run ... -m trainscale.runtime.train ...``: standalone on one machine,
-    c10d rendezvous at ``rdzv_endpoint`` across ``nnodes`` machines (run the same command on each)."""
-    if world % nnodes:
-        raise TrainscaleError(f"the layout's {world} processes do not split evenly over {nnodes} nodes")
+    c10d rendezvous at ``rdzv_endpoint`` across ``nnodes`` machines (run the same command on each).
+    ``nnodes = "MIN:MAX"`` makes the job elastic: it goes on with as few as MIN machines after one is lost
+    (each re-formed job re-plans its layout for the processes left, runtime/elastic.py)."""
+    lo, hi = parse_nnodes(nnodes)
+    if world % hi:
+        raise TrainscaleError(f"the layout's {world} processes do not split evenly over {hi} nodes")
     cmd = [python, "-m", "torch.distributed.run"]
-    if nnodes == 1 and rdzv_endpoint is None:
+    if hi == 1 and rdzv_endpoint is None:
         cmd += ["--standalone"]
     else:
         if rdzv_endpoint is None:
             raise TrainscaleError("a multi-node run needs --rdzv-endpoint HOST:PORT (the first node's address)")
-        cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
-                "--rdzv-id", rdzv_id]
-    cmd += ["--nproc-per-node", str(world // nnodes), "--max-restarts", str(max_restarts),
+        cmd += ["--nnodes", f"{lo}:{hi}" if lo != hi else str(hi), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+    cmd += ["--nproc-per-node", str(world // hi), "--max-restarts", str(max_restarts),
             "-m", "trainscale.runtime.train", "--config", str(config), "--layout", layout, "--out", str(out)]
     if steps is not None:
         cmd += ["--steps", str(steps)]
@@ -39,49 +54,9 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
         cmd += ["--inject", inject]
     if resume:
         cmd += ["--resume"]
+    if fallback_layout:
+        cmd += ["--fallback-layout", fallback_layout]
     return cmd
-
-
-def sbatch_script(config: str | Path, layout: str, out: str | Path, nodes: int, gpus_per_node: int,
-                  job_name: str = "trainscale", partition: str | None = None, time_limit: str = "24:00:00",
-                  steps: int | None = None, cpus_per_gpu: int = 8, port: int = 29500) -> str:
-    """A Slurm batch script: one task per node, each running torchrun with a c10d rendezvous on the
-    first node of the allocation (torchrun's documented multi-node pattern)."""
-    world = Layout.parse(layout).world_size
-    if nodes * gpus_per_node != world:
-        raise TrainscaleError(f"layout {layout} needs {world} processes, but {nodes} nodes x {gpus_per_node} GPUs "
-                              f"= {nodes * gpus_per_node}")
-    train = ["-m", "trainscale.runtime.train", "--config", str(config), "--layout", layout, "--out", str(out)]
-    if steps is not None:
-        train += ["--steps", str(steps)]
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={gpus_per_node}",
-        f"#SBATCH --cpus-per-task={cpus_per_gpu * gpus_per_node}",
-        f"#SBATCH --time={time_limit}",
-        f"#SBATCH --output={out}/slurm-%j.out",
-    ]
-    if partition:
-        lines.append(f"#SBATCH --partition={partition}")
-    lines += [
-        "",
-        "# written by `trainscale launch --slurm`",
-        "set -euo pipefail",
-        f"mkdir -p {shlex.quote(str(out))}",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"export OMP_NUM_THREADS={cpus_per_gpu}",
-        "srun torchrun \\",
-        '  --nnodes "$SLURM_NNODES" \\',
-        f"  --nproc-per-node {gpus_per_node} \\",
-        '  --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d \\',
-        f'  --rdzv-endpoint "$head:{port}" \\',
-        "  " + " ".join(shlex.quote(a) for a in train),
-        "",
-    ]
-    return "\n".join(lines)
 
 
 def plan_layout(cfg: TrainConfig) -> tuple[str, str]:

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -44,11 +45,12 @@ from trainscale.runtime.checkpoint import CheckpointManager, step_dir_name
 from trainscale.runtime.config import TrainConfig, check_layout, load_config, micro_batch
 from trainscale.runtime.context import local_positions, shard_sequence
 from trainscale.runtime.data import TokenLoader, corpus_for, eval_windows, unigram_loss
-from trainscale.runtime.faults import Fault, restart_count
+from trainscale.runtime.faults import Fault, requeue_count, restart_count
 from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed, rank_main
 from trainscale.runtime.model import Transformer, build_model, lm_loss
 from trainscale.runtime.parallelize import allreduce_gradients, clip_grad_norm, gradient_group, parallelize, uses_fsdp
 from trainscale.runtime.pipeline import Pipeline, split_model
+from trainscale.runtime.slurm import SAVE_REQUEST_ENV
 from trainscale.specs import Layout
 
 
@@ -87,7 +89,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, layout: Layout, out: Path | None = None, log: Callable[[str], None] = print,
                  resume: bool = False, faults: list[Fault] | None = None):
         self.cfg, self.layout, self.out = cfg, layout, out
-        self.resume = resume or restart_count() > 0  # torchrun restarted us after a failure: continue
+        # torchrun restarted us after a failure, or Slurm requeued the job: continue
+        self.resume = resume or restart_count() > 0 or requeue_count() > 0
         self.faults = faults or []
         check_layout(cfg, layout)
         self.device = init_distributed(cfg.checkpoint.collective_timeout_s)
@@ -292,6 +295,7 @@ class Trainer:
             row = self.train_step()
             row["time"] = time.perf_counter() - start
             row["attempt"] = restart_count()
+            row["requeue"] = requeue_count()
             losses.append(row["loss"])
             rows.append(row)
             if metrics_file is not None:
@@ -305,6 +309,9 @@ class Trainer:
                 c = self.cfg.checkpoint
                 due = (c.every_steps and self.step % c.every_steps == 0) or (
                     c.every_seconds and time.perf_counter() - last_save >= c.every_seconds)
+                if self._save_requested():
+                    self.log(f"[signal] checkpoint requested (Slurm's early signal): saving at step {self.step}")
+                    due = True
                 if due:
                     t0 = time.perf_counter()
                     mgr.save(self.step, self.state_dict(), self.extras())
@@ -325,6 +332,21 @@ class Trainer:
                 self._goodput()
         return result
 
+    def _save_requested(self) -> bool:
+        """True on every rank when the batch script asked for a checkpoint (runtime/slurm.py touches the
+        request file on the signal before the time limit): rank 0 looks, everyone agrees (one all-reduce)."""
+        path = os.environ.get(SAVE_REQUEST_ENV)
+        if not path:
+            return False
+        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        if self.rank == 0 and os.path.exists(path):
+            flag += 1
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def _goodput(self) -> dict[str, Any]:
         """Useful step time / wall time over the whole job, restarts included, from metrics.jsonl:
         a step that was run again after a restart counts once; the earlier runs are lost work."""
@@ -340,11 +362,11 @@ class Trainer:
         g = {"goodput": useful / wall, "useful_step_s": useful, "wall_s": wall, "lost_steps": len(steps) - len(last),
              "lost_step_s": ran - useful, "checkpoint_s": save, "checkpoints": sum(r.get("event") == "checkpoint"
                                                                                    for r in rows),
-             "restarts": restart_count(), "restart_and_startup_s": max(0.0, wall - ran - save)}
+             "restarts": _restarts(steps), "restart_and_startup_s": max(0.0, wall - ran - save)}
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(g) + "\n")
         info = json.loads((self.out / "run.json").read_text())
-        (self.out / "run.json").write_text(json.dumps({**info, **g}, indent=2))
+        _write_atomic(self.out / "run.json", json.dumps({**info, **g}, indent=2))
         self.log(f"goodput {g['goodput']:.1%}: {useful:.1f} s of useful steps in {wall:.1f} s wall; "
                  f"{g['restarts']} restart(s), {g['lost_steps']} step(s) recomputed, {g['checkpoints']} checkpoint(s) "
                  f"taking {save:.1f} s, {g['restart_and_startup_s']:.1f} s starting and restarting")
@@ -422,7 +444,21 @@ class Trainer:
                 "flops_per_token": self.flops_per_token,
                 "peak_flops": self.peak, "peak_source": self.peak_source, "micro_batch": self.micro,
                 "microbatches": self.n_micro, "config": self.cfg.model_dump(mode="json", exclude={"model"}), **extra}
-        (self.out / "run.json").write_text(json.dumps(info, indent=2))
+        _write_atomic(self.out / "run.json", json.dumps(info, indent=2))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Readers on other nodes (a shared run folder) see the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _restarts(step_rows: list[dict[str, Any]]) -> int:
+    """Restarts of the whole job: every (Slurm requeue, torchrun attempt) that ran steps, and this one, less 1."""
+    seen = {(int(r.get("requeue", 0)), int(r.get("attempt", 0))) for r in step_rows}
+    seen.add((requeue_count(), restart_count()))
+    return len(seen) - 1
 
 
 def train(cfg: TrainConfig, layout: Layout | str | None = None, steps: int | None = None,
@@ -444,12 +480,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="run folder (default: the config's run.out)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
     ap.add_argument("--inject", default=None, help="faults, e.g. crash@step=7,rank=1 (runtime/faults.py)")
+    ap.add_argument("--fallback-layout", default=None, help="the layout to use if an elastic job re-forms with a "
+                    "world size the layout's own rule cannot serve (runtime/elastic.py)")
     args = ap.parse_args(argv)
 
     def body() -> None:
         cfg = load_config(args.config, {"train": {"steps": args.steps}} if args.steps else None)
         out = args.out or cfg.run.out
-        train(cfg, args.layout, out=out, log=lambda m: print(m, flush=True), resume=args.resume, inject=args.inject)
+        layout = Layout.parse(args.layout or cfg.run.layout or "")
+        world = int(os.environ.get("WORLD_SIZE", layout.world_size))
+        if world != layout.world_size:  # torchrun re-formed an elastic job with another number of processes
+            from trainscale.runtime.elastic import layout_for_world
+
+            fallback = Layout.parse(args.fallback_layout) if args.fallback_layout else None
+            layout, why = layout_for_world(cfg, layout, world, fallback)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"[elastic] layout {layout}: {why}", flush=True)
+        train(cfg, layout, out=out, log=lambda m: print(m, flush=True), resume=args.resume, inject=args.inject)
 
     return rank_main(body)
 

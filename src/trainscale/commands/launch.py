@@ -1,0 +1,82 @@
+"""`trainscale launch --slurm`: the training job as a Slurm batch script (runtime/slurm.py)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import typer
+
+from trainscale.commands._common import console, emit_json
+from trainscale.errors import TrainscaleError
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(launch)
+
+
+def launch(
+    config: Path = typer.Option(..., "--config", help="training config TOML"),
+    layout: str = typer.Option(None, help="parallel layout; its world size must equal nodes x GPUs per node "
+                                          "(default: the config's run.layout)"),
+    slurm: bool = typer.Option(False, "--slurm", help="write a Slurm sbatch script"),
+    nodes: int = typer.Option(..., help="machines"),
+    gpus_per_node: int = typer.Option(8, help="GPUs (training processes) per machine"),
+    cpu: bool = typer.Option(False, "--cpu", help="CPU processes: request no GPUs (--gpus-per-node counts processes)"),
+    cpus_per_gpu: int = typer.Option(8, help="CPU cores per training process (srun --cpus-per-task, OMP threads)"),
+    mem: str = typer.Option(None, help="memory per node in Slurm syntax, e.g. 480G (default: the partition's)"),
+    partition: str = typer.Option(None, help="Slurm partition"),
+    account: str = typer.Option(None, help="Slurm account"),
+    time_limit: str = typer.Option("24:00:00", "--time", help="Slurm time limit"),
+    signal_before: int = typer.Option(120, help="seconds before the time limit to write a checkpoint (0: off)"),
+    setup: str = typer.Option(None, help="a shell line run first on the node, e.g. 'source ~/venv/bin/activate'"),
+    python: str = typer.Option(None, help="the Python on the cluster that has trainscale (default: this one)"),
+    max_restarts: int = typer.Option(3, help="torchrun restarts after a failure inside one allocation"),
+    steps: int = typer.Option(None, help="optimizer steps (default: the config's)"),
+    inject: str = typer.Option(None, help="faults to inject, as for `trainscale train --inject`"),
+    out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out)"),
+    script: Path = typer.Option(None, help="where to write the script (default: stdout); the Slurm log goes beside "
+                                           "it"),
+    as_json: bool = typer.Option(False, "--json", help="print the script and its settings as JSON"),
+) -> None:
+    """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous); it is
+    requeueable (always --resume) and checkpoints before the time limit."""
+    from trainscale.runtime.config import check_layout, load_config
+    from trainscale.runtime.slurm import SlurmJob, sbatch_script
+    from trainscale.specs import Layout
+
+    if not slurm:
+        raise TrainscaleError("say which scheduler: --slurm (the only one supported)")
+    if steps is not None and steps <= 0:
+        raise TrainscaleError(f"--steps must be positive, not {steps}")
+    cfg = load_config(config, {"train": {"steps": steps}} if steps else None)
+    layout_text = layout if layout is not None else cfg.run.layout
+    lay = Layout.parse(layout_text)
+    check_layout(cfg, lay)
+    if script is not None and script.is_dir():
+        raise TrainscaleError(f"--script {script} is a folder; give the file to write")
+    job_name = re.sub(r"[^A-Za-z0-9._-]", "-", cfg.name)[:64] or "trainscale"  # Slurm's name syntax, one line
+    log_dir = str(script.parent.resolve()) if script is not None else "."
+    job = SlurmJob(config=str(Path(config).resolve()), layout=str(lay), out=str(out or cfg.run.out), nodes=nodes,
+                   procs_per_node=gpus_per_node, gpus=not cpu, job_name=job_name, partition=partition,
+                   account=account, time_limit=time_limit, cpus_per_proc=cpus_per_gpu, mem=mem, setup=setup,
+                   python=python or sys.executable, steps=steps, inject=inject, max_restarts=max_restarts,
+                   signal_before_s=signal_before, log_dir=log_dir)
+    text = sbatch_script(job)
+    if script is not None:
+        try:
+            script.write_text(text)
+            script.chmod(0o755)
+        except OSError as e:
+            raise TrainscaleError(f"cannot write the script {script}: {e.strerror or e}") from None
+    if as_json:
+        emit_json({"script": text, "path": str(script) if script else None, "layout": str(lay),
+                   "processes": lay.world_size, "nodes": nodes, "procs_per_node": gpus_per_node, "gpus": not cpu,
+                   "log": f"{log_dir}/{job_name}-%j.out", "out": job.out})
+        return
+    if script is None:
+        sys.stdout.write(text)
+        return
+    console.print(f"wrote {script}: sbatch {script}  ({lay.world_size} processes, layout {lay}; "
+                  f"log {log_dir}/{job_name}-<job id>.out)")

@@ -1,0 +1,177 @@
+"""Issue 15: the script `trainscale launch --slurm` writes, run by a real Slurm (slurm-wlm 22.05 + munge on
+localhost, tests/slurm_cluster.py): it is accepted, logs, trains and writes final/; a requeue mid-run resumes
+from the newest good checkpoint, appends to the metrics and reproduces the uninterrupted run's losses, and
+counts the restart in goodput; the early signal before the time limit makes the trainer checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmCluster, slurm_missing
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+STEPS = 24
+
+
+def ts(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainscale", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    why = slurm_missing()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+def _config(tmp: Path, every_steps: int) -> Path:
+    cfg = tmp / "tiny-slurm.toml"
+    text = TINY.read_text().replace("log_every = 5", "log_every = 1")
+    cfg.write_text(text + f"\n[checkpoint]\nevery_steps = {every_steps}\nkeep = 2\n")
+    return cfg
+
+
+def _script(tmp: Path, name: str, every_steps: int = 4, *extra: str) -> tuple[Path, Path]:
+    """The script `launch --slurm` writes for tiny.toml under dp2 on 2 CPU processes (checkpoints every N steps)."""
+    run, script = tmp / name, tmp / f"{name}.sbatch"
+    p = ts("launch", "--slurm", "--cpu", "--config", str(_config(tmp, every_steps)), "--layout", "dp2",
+           "--nodes", "1", "--gpus-per-node", "2", "--cpus-per-gpu", "1", "--steps", str(STEPS), "--time", "10",
+           "--out", str(run), "--script", str(script), *extra)
+    assert p.returncode == 0, p.stderr
+    return run, script
+
+
+def _steps(run: Path) -> list[dict]:
+    f = run / "metrics.jsonl"
+    if not f.exists():
+        return []
+    return [r for r in (json.loads(x) for x in f.read_text().splitlines() if x.strip()) if "loss" in r]
+
+
+def _log(script: Path, job: int) -> str:
+    return (script.parent / f"tiny-{job}.out").read_text()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory):
+    """One job run to the end: the reference for the others."""
+    tmp = tmp_path_factory.mktemp("plain")
+    run, script = _script(tmp, "run")
+    job = slurm.sbatch(script, cwd=tmp)
+    state = slurm.wait(job, timeout=300)
+    return run, script, job, state
+
+
+def test_the_generated_script_runs_under_slurm(slurm, uninterrupted):
+    run, script, job, state = uninterrupted
+    text = script.read_text()
+    # the failures a new user met: log folder, srun CPUs, always --resume, requeueable, early signal
+    assert f"#SBATCH --output={script.parent}/tiny-%j.out" in text and "#SBATCH --open-mode=append" in text
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:USR1@120" in text and "--resume" in text
+    assert "srun --ntasks-per-node=1 --cpus-per-task=2" in text and "gpus-per-node" not in text
+    assert state == "COMPLETED", _log(script, job) + slurm.logs()
+    log = _log(script, job)
+    assert f"[slurm] job {job}" in log and "no complete checkpoint to resume from: starting at step 0" in log
+    assert "[slurm] training ended with exit code 0" in log
+    assert [r["step"] for r in _steps(run)] == list(range(1, STEPS + 1))
+    assert (run / "final" / "model.safetensors").exists() or any((run / "final").iterdir())
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "done" and info["restarts"] == 0 and info["world_size"] == 2
+
+
+def _wait_for_step(slurm, job: int, run: Path, script: Path, step: int) -> None:
+    deadline = time.time() + 240
+    while not any(r["step"] >= step for r in _steps(run)):
+        assert time.time() < deadline and slurm.state(job) in ("PENDING", "RUNNING", "CONFIGURING"), \
+            _log(script, job) if (script.parent / f"tiny-{job}.out").exists() else slurm.logs()
+        time.sleep(0.1)
+
+
+def test_a_requeued_job_resumes_and_matches_the_uninterrupted_run(slurm, uninterrupted, tmp_path):
+    ref_run = uninterrupted[0]
+    # rank 0 stalls 60 s before step 11 (once per job: not again after the requeue), so the requeue lands
+    # after step 10, with step 8's checkpoint the newest committed one
+    run, script = _script(tmp_path, "run", 4, "--inject", "slow@step=11,rank=0,seconds=60")
+    job = slurm.sbatch(script, cwd=tmp_path)
+    _wait_for_step(slurm, job, run, script, 10)
+    slurm.requeue(job)
+    state = slurm.wait(job, timeout=300)
+    log = _log(script, job)
+    assert state == "COMPLETED", log + slurm.logs()
+    assert "restart 1" in log and "DUE TO JOB REQUEUE" in log
+    after = log.split("restart 1", 1)[1]
+    assert "checkpoints/step-00000008 at step 8" in after and "at step 0" not in after
+    rows = _steps(run)
+    assert rows[0]["step"] == 1 and rows[0]["requeue"] == 0  # appended to, not overwritten
+    assert [r["step"] for r in rows] == list(range(1, 11)) + list(range(9, STEPS + 1))
+    assert [r["requeue"] for r in rows] == [0] * 10 + [1] * (STEPS - 8)
+    # the requeued job reproduces the uninterrupted run (same sequences, same state)
+    last = {r["step"]: r["loss"] for r in rows}
+    ref = {r["step"]: r["loss"] for r in _steps(ref_run)}
+    for s in range(1, STEPS + 1):
+        assert last[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-6), s
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "done" and info["restarts"] == 1 and info["lost_steps"] == 2
+    assert 0 < info["goodput"] < 1 and info["restart_and_startup_s"] > 0
+    # the report draws the restart and each step once
+    from trainscale.report.build import run_timeline
+
+    steps, restarts = run_timeline([json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()])
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert restarts == [(9, "restart 1 (resumed after step 8)")]
+
+
+def test_the_early_signal_writes_a_checkpoint(slurm, tmp_path):
+    # no periodic checkpoints: only the signal makes one; rank 0 pauses 5 s before step 4 so the signal
+    # lands in step 4
+    run, script = _script(tmp_path, "run", 0, "--inject", "slow@step=4,rank=0,seconds=5")
+    job = slurm.sbatch(script, cwd=tmp_path)
+    _wait_for_step(slurm, job, run, script, 3)
+    # what `#SBATCH --signal=B:USR1@120` does before the time limit: USR1 to the batch shell
+    slurm.run("scancel", "--signal=USR1", "--batch", str(job))
+    assert slurm.wait(job, timeout=300) == "COMPLETED", _log(script, job)
+    log = _log(script, job)
+    assert "[slurm] time limit near: asking for a checkpoint" in log
+    assert "[signal] checkpoint requested (Slurm's early signal): saving at step 4" in log
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"checkpoint"' in x]
+    assert [e["step"] for e in events] == [4]
+    assert (run / "checkpoints" / "step-00000004").is_dir()
+
+
+def test_launch_refuses_what_would_break_the_script(tmp_path):
+    base = ("launch", "--slurm", "--config", str(TINY), "--layout", "dp2", "--nodes", "1", "--gpus-per-node", "2")
+    for extra, msg in (((), None),
+                       (("--partition", "gpu;rm -rf /"), "is not a Slurm name"),
+                       (("--partition", "a\nb"), "is not a Slurm name"),
+                       (("--time", "1:00\n#SBATCH --x"), "is not a Slurm time limit"),
+                       (("--mem", "lots"), "is not a Slurm memory size"),
+                       (("--setup", "source x\nrm y"), "line break"),
+                       (("--out", "runs/a\nb"), "line break"),
+                       (("--nodes", "2"), "needs 2 processes")):
+        p = ts(*base, *extra)
+        if msg is None:
+            assert p.returncode == 0 and p.stdout.startswith("#!/bin/bash"), p.stderr
+        else:
+            assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1, (extra, p.stderr)
+    p = ts(*base, "--layout", "dp4,tp2,pp2", "--nodes", "2", "--gpus-per-node", "8", "--partition", "gpu",
+           "--account", "proj1", "--mem", "480G", "--setup", "source /shared/venv/bin/activate", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    text = out["script"]
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=8" in text and "--nproc-per-node 8" in text
+    assert "#SBATCH --cpus-per-task=64" in text and "#SBATCH --partition=gpu" in text
+    assert "#SBATCH --account=proj1" in text and "#SBATCH --mem=480G" in text
+    assert "source /shared/venv/bin/activate" in text and '--nnodes "$SLURM_NNODES"' in text
+    assert out["processes"] == 16 and out["nodes"] == 2
