@@ -294,6 +294,7 @@ class Trainer:
             faults.at_step(self.faults, self.step + 1, self.rank, _say)
             row = self.train_step()
             row["time"] = time.perf_counter() - start
+            row["wall"] = time.time()  # seconds since the epoch: restarts and requeues line up across attempts
             row["attempt"] = restart_count()
             row["requeue"] = requeue_count()
             losses.append(row["loss"])
