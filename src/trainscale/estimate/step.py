@@ -48,6 +48,7 @@ class Efficiencies:
     attention_seq_half: float
     hbm_efficiency: float
     launch_gap_s: float
+    sustained_clock_fraction: float
     scale_up_bus_efficiency: float
     network_bus_efficiency: float
     scale_up_latency_s: float
@@ -161,7 +162,7 @@ def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
         if overrides and k in overrides:
             sources[k] = "set on the command line"
     for k in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency", "scale_up_bus_efficiency",
-              "network_bus_efficiency"):
+              "network_bus_efficiency", "sustained_clock_fraction"):
         if not 0 < vals[k] <= 1:
             raise TrainscaleError(f"planner setting {k} must be in (0, 1], not {vals[k]}")
     return Efficiencies(**vals, sources=sources)
@@ -280,7 +281,8 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     place = layer_placement(L, pp, ve)
     tokens = mb * S / cp  # tokens of its sequence shard a rank computes per micro-batch
     peak = gpu.peak_bf16_flops
-    f_mm = peak * eff.matmul_efficiency
+    peak_run = peak * eff.sustained_clock_fraction  # tensor-core clock held through a long run, not a burst
+    f_mm = peak_run * eff.matmul_efficiency
     hbm = gpu.hbm_bandwidth * eff.hbm_efficiency
     sms, gap = gpu.sm_count, eff.launch_gap_s
     flash = sw.attention == "flash"
@@ -296,7 +298,7 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     heads = m.n_heads / tp
     if flash:
         attn_train = flops.attention_flops_per_token(m, S, causal=True) / L * tokens / tp
-        t_attn = attn_train / attention_rate(m, S, peak, eff)
+        t_attn = attn_train / attention_rate(m, S, peak_run, eff)
         t_attn_f = t_attn / 3  # the forward is a third of forward + backward
         t_scores_f = 0.0
     else:
