@@ -55,6 +55,11 @@ def plan(
     top: int = typer.Option(5, help="layouts to show"),
     profile: str = typer.Option(None, help="TOML/JSON of measured efficiencies replacing the catalog defaults"),
     set_: list[str] = typer.Option(None, "--set", help="override one planner setting, key=value (repeatable)"),
+    software: str = typer.Option("megatron-core", help="software preset (catalog/software.toml) or a TOML file: "
+                                 "kernels, grad dtypes, overlaps and what the search may use"),
+    fix: str = typer.Option(None, help="search only layouts with these choices, e.g. tp=8,pp=16"),
+    forbid: str = typer.Option(None, help="search without these, e.g. cp,zero3,interleaved,rc=full"),
+    max_v: int = typer.Option(None, "--max-v", help="at most this many virtual stages per GPU"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days."""
@@ -70,7 +75,8 @@ def plan(
     lay = Layout.parse(layout) if layout is not None else None
     if gpus is None:
         gpus = lay.world_size if lay is not None else 16384
-    p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_))
+    p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_), software,
+                        fix, forbid, max_v)
     head = _header(p)
     if lay is not None:
         row = p.evaluate_layout(lay)
@@ -117,8 +123,11 @@ def plan(
 
 
 def _header(p: Any) -> dict[str, Any]:
+    from trainscale.estimate import plan as planner
+
     return {"inputs": p.inputs(), "topology": p.topo.as_dict(), "efficiencies": p.eff.as_dict(),
-            "efficiency_sources": p.eff.sources}
+            "efficiency_sources": p.eff.sources, "software": p.software.as_dict(),
+            "software_sources": p.software.sources, "flop_convention": planner.FLOP_CONVENTION}
 
 
 def _gb(x: float) -> str:
@@ -131,13 +140,13 @@ def _print_header(p: Any) -> None:
     console.print(f"[bold]{p.model.name}[/bold] on {p.n_gpus:,} x {p.gpu.name} ({t.name}: {t.scale_up_domain}-GPU "
                   f"NVLink domains at {t.scale_up_bandwidth / 1e9:,.0f} GB/s, {t.network_bandwidth / 1e9:,.0f} GB/s "
                   f"per GPU between them{pods}); seq {p.seq:,}, {p.global_batch_tokens:,} tokens "
-                  f"({p.global_seqs:,} sequences) per step")
+                  f"({p.global_seqs:,} sequences) per step; software {p.software.name}")
 
 
 def _print_rows(rows: list[dict[str, Any]], title: str, breakdown: bool = True) -> None:
     t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("#", "layout", "memory/GPU", "fits", "step", "MFU", "HFU", "TFLOP/s/GPU", "tokens/s", "days",
-                "GPU-hours"):
+    for col in ("#", "layout", "memory/GPU", "fits", "step", "MFU", "HFU", "model TFLOP/s/GPU", "tokens/s",
+                "days", "GPU-hours"):
         t.add_column(col, justify="left" if col == "layout" else "right")
     for k, r in enumerate(rows, 1):
         t.add_row(str(k), r["layout"], _gb(r["memory_per_gpu_bytes"]["total"]), "yes" if r["fits"] else "no",
@@ -157,13 +166,15 @@ def _print_rows(rows: list[dict[str, Any]], title: str, breakdown: bool = True) 
         st.add_row(str(k), *(f"{r['step_time_parts_s'][n]:.2f}" for n in parts), f"{r['bubble_fraction']:.1%}")
     console.print(st)
     mem = [k for k in rows[0]["memory_per_gpu_bytes"] if k != "total"]
-    mt = Table(title="Memory per GPU (GB, decimal), first pipeline stage", title_justify="left", show_edge=False,
-               pad_edge=False)
+    mt = Table(title="Memory per GPU (GB, decimal), heaviest pipeline stage", title_justify="left",
+               show_edge=False, pad_edge=False)
     mt.add_column("#")
+    mt.add_column("stage", justify="right")
     for name in mem:
         mt.add_column(name, justify="right")
     mt.add_column("headroom", justify="right")
     for k, r in enumerate(rows, 1):
-        mt.add_row(str(k), *(f"{r['memory_per_gpu_bytes'][n] / 1e9:,.2f}" for n in mem),
+        mt.add_row(str(k), str(r.get("heaviest_stage", 0)),
+                   *(f"{r['memory_per_gpu_bytes'][n] / 1e9:,.2f}" for n in mem),
                    f"{r['headroom_bytes'] / 1e9:,.2f}")
     console.print(mt)

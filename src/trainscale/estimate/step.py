@@ -26,7 +26,7 @@ import numpy as np
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import comms, flops, memory
 from trainscale.estimate.params import embedding_params, head_params, layer_params, param_count
-from trainscale.estimate.pipeline import bubble_fraction, fill_drain_hops, layer_placement, pipeline_time
+from trainscale.estimate.pipeline import bubble_fraction, layer_placement, pipeline_time
 from trainscale.estimate.software import Software, load_software
 from trainscale.specs import ClusterSpec, GPUSpec, ModelSpec, load_gpu
 
@@ -119,7 +119,8 @@ def _generation(gpu: str | None) -> str:
 def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
                       overrides: dict[str, float] | None = None, peak_flops: float | None = None,
                       hbm_bandwidth: float | None = None, scale_up_bandwidth: float | None = None) -> Efficiencies:
-    """Catalog defaults, then the GPU generation's constants, then the GPU's overrides, then a measured profile (TOML/JSON), then ``overrides``.
+    """Catalog defaults, then the GPU generation's constants, then the GPU's overrides, then a measured profile
+    (TOML/JSON), then ``overrides``.
 
     A profile is either flat planner settings (the keys of catalog/planner.toml [defaults]; ``matmul_flops``
     may stand for ``matmul_efficiency`` and is divided by the GPU's peak) or a hardware profile written by

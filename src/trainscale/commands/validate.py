@@ -1,0 +1,42 @@
+"""`trainscale validate`: the planner's predictions against published training runs, with the errors."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from trainscale.commands._common import console, emit_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(validate)
+
+
+def validate(
+    runs: str = typer.Option(None, help="TOML file of [[run]] tables (default: the catalog's published runs)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Predict published training runs from their own layouts and software; show predicted vs published."""
+    from trainscale.estimate.validate import validate as run_validation
+
+    out = run_validation(runs)
+    if as_json:
+        emit_json(out)
+        return
+    t = Table(title="Predicted vs published (error on throughput; + = predicted faster)",
+              title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("run", "figure", "published", "predicted", "error"):
+        t.add_column(col, justify="left" if col in ("run", "figure") else "right")
+    unit = {"tokens_per_s_per_gpu": "tok/s/GPU", "step_time_s": "s/step", "tflops_per_gpu": "TFLOP/s",
+            "tflops_narayanan": "TFLOP/s*"}
+    for r in out["runs"]:
+        err = r["error"]
+        style = "green" if abs(err) <= 0.05 else "yellow" if abs(err) <= 0.10 else "red"
+        t.add_row(r["id"], unit[r["figure"]], f"{r['published']:,.0f}",
+                  f"{r['predicted']:,.0f}", f"[{style}]{err:+.1%}[/{style}]")
+    console.print(t)
+    console.print(f"mean |error| {out['mean_abs_error']:.1%}, worst {out['worst_abs_error']:.1%} "
+                  f"({out['worst_run']}); {len(out['runs'])} runs.")
+    console.print("TFLOP/s = model FLOPs (6N with LM head + causal attention); TFLOP/s* = Narayanan et al. 2021 "
+                  "Eq. 3 (counts recompute). Constants: catalog/planner.toml per GPU generation; software: "
+                  "catalog/software.toml; sources per run: --json.")
