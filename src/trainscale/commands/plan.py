@@ -113,7 +113,7 @@ def plan(
         console.print(f"  - {line}")
     if runners:
         t = Table(title="Why the runners-up lose", title_justify="left", show_edge=False, pad_edge=False)
-        t.add_column("layout")
+        t.add_column("layout", no_wrap=True, min_width=max(len(r["layout"]) for r in runners))
         t.add_column("differs in")
         t.add_column("reason")
         for r in runners:
@@ -145,14 +145,27 @@ def _print_header(p: Any) -> None:
 
 def _print_rows(rows: list[dict[str, Any]], title: str, breakdown: bool = True) -> None:
     t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("#", "layout", "memory/GPU", "fits", "step", "MFU", "HFU", "model TFLOP/s/GPU", "tokens/s",
-                "days", "GPU-hours"):
-        t.add_column(col, justify="left" if col == "layout" else "right")
+    width = max(len(r["layout"]) for r in rows)
+    cells = {
+        "#": lambda k, r: str(k), "layout": lambda k, r: r["layout"],
+        "memory/GPU": lambda k, r: _gb(r["memory_per_gpu_bytes"]["total"]),
+        "fits": lambda k, r: "yes" if r["fits"] else "no", "step": lambda k, r: f"{r['step_time_s']:.2f} s",
+        "MFU": lambda k, r: f"{r['mfu']:.1%}", "HFU": lambda k, r: f"{r['hfu']:.1%}",
+        "model TFLOP/s/GPU": lambda k, r: f"{r['tflops_per_gpu']:.0f}",
+        "tokens/s": lambda k, r: f"{r['tokens_per_s']:,.0f}",
+        "days": lambda k, r: "-" if r["days"] is None else f"{r['days']:,.1f}",
+        "GPU-hours": lambda k, r: "-" if r["gpu_hours"] is None else f"{r['gpu_hours'] / 1e6:,.2f}M",
+    }
+    cols = list(cells)
+    if console.width < width + 90:  # narrow terminal: the answer first, the details in --json
+        cols = ["#", "layout", "memory/GPU", "step", "MFU"]
+    for col in cols:
+        if col == "layout":  # the answer is never truncated
+            t.add_column(col, no_wrap=True, min_width=width)
+        else:
+            t.add_column(col, justify="right", no_wrap=True)
     for k, r in enumerate(rows, 1):
-        t.add_row(str(k), r["layout"], _gb(r["memory_per_gpu_bytes"]["total"]), "yes" if r["fits"] else "no",
-                  f"{r['step_time_s']:.2f} s", f"{r['mfu']:.1%}", f"{r['hfu']:.1%}", f"{r['tflops_per_gpu']:.0f}",
-                  f"{r['tokens_per_s']:,.0f}", "-" if r["days"] is None else f"{r['days']:,.1f}",
-                  "-" if r["gpu_hours"] is None else f"{r['gpu_hours'] / 1e6:,.2f}M")
+        t.add_row(*(cells[c](k, r) for c in cols))
     console.print(t)
     if not breakdown:
         return
