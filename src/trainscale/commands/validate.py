@@ -14,12 +14,15 @@ def register(app: typer.Typer) -> None:
 
 def validate(
     runs: str = typer.Option(None, help="TOML file of [[run]] tables (default: the catalog's published runs)"),
+    set_: list[str] = typer.Option(None, "--set", help="override one planner constant for every run, key=value "
+                                   "(e.g. sustained_clock_fraction=1 for the unfitted model)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Predict published training runs from their own layouts and software; show predicted vs published."""
+    from trainscale.commands.plan import _settings
     from trainscale.estimate.validate import validate as run_validation
 
-    out = run_validation(runs)
+    out = run_validation(runs, _settings(set_) or None)
     if as_json:
         emit_json(out)
         return

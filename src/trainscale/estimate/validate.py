@@ -72,10 +72,11 @@ def load_runs(path: str | Path | None = None) -> list[Run]:
     return runs
 
 
-def predict(run: Run) -> dict[str, Any]:
-    """One run predicted from its own layout and software: the figure it published, and ours."""
+def predict(run: Run, overrides: dict[str, float] | None = None) -> dict[str, Any]:
+    """One run predicted from its own layout and software: the figure it published, and ours. ``overrides``
+    replaces planner constants (``--set``), e.g. sustained_clock_fraction=1 for the unfitted model."""
     p = plan.problem(run.model, None, run.gpus, run.seq, run.global_batch_tokens, cluster=run.cluster,
-                     software=run.software)
+                     software=run.software, overrides=overrides)
     row = p.evaluate_layout(Layout.parse(run.layout))
     tps_gpu = row["tokens_per_s"] / run.gpus
     m = p.model
@@ -97,13 +98,13 @@ def predict(run: Run) -> dict[str, Any]:
     }
 
 
-def validate(path: str | Path | None = None) -> dict[str, Any]:
+def validate(path: str | Path | None = None, overrides: dict[str, float] | None = None) -> dict[str, Any]:
     """Every run predicted, with the mean and worst |error| (error = predicted / published throughput - 1)."""
-    rows = [predict(r) for r in load_runs(path)]
+    rows = [predict(r, overrides) for r in load_runs(path)]
     errs = [abs(r["error"]) for r in rows]
     worst = max(range(len(rows)), key=lambda i: errs[i])
     return {"runs": rows, "mean_abs_error": sum(errs) / len(errs), "worst_abs_error": errs[worst],
-            "worst_run": rows[worst]["id"],
+            "worst_run": rows[worst]["id"], "overrides": overrides or {},
             "fitted": "one constant per GPU generation, sustained_clock_fraction, fitted once over this whole public "
                       "set; every other constant from datasheets and published microbenchmarks (catalog/planner.toml); "
                       "software knobs from the frameworks (catalog/software.toml)",
