@@ -40,6 +40,11 @@ def validate(
     console.print(t)
     console.print(f"mean |error| {out['mean_abs_error']:.1%}, worst {out['worst_abs_error']:.1%} "
                   f"({out['worst_run']}); {len(out['runs'])} runs.")
+    mem = [r for r in out["runs"] if r["memory_error"] is not None]
+    if mem:
+        console.print("Peak memory per GPU where published: " + ", ".join(
+            f"{r['id']} {r['memory_per_gpu_bytes'] / 2**30:.1f} vs {r['published_memory_gib']:.1f} GiB "
+            f"({r['memory_error']:+.0%})" for r in mem) + ".")
     console.print("TFLOP/s = model FLOPs (6N with LM head + causal attention); TFLOP/s* = Narayanan et al. 2021 "
                   "Eq. 3 (counts recompute). Constants: catalog/planner.toml per GPU generation; software: "
                   "catalog/software.toml; sources per run: --json.")

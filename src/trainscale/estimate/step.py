@@ -422,6 +422,10 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
 
     # flash keeps no s x s scores, whatever the recompute mode: Korthikanti's "selective" is exactly that
     per_layer = _per_mode(lambda mode: acts("selective" if flash and mode == "none" else mode), rc, RECOMPUTE)
+    # a selective policy that recomputes GEMMs (torchtitan: every second one) does not keep their outputs
+    # (bf16, tokens x out width, sharded like the GEMM)
+    dropped = sum(n_out for name, (_, n_out) in layer_gemm_shapes(m, tp).items() if name in sw.selective_gemms)
+    per_layer = per_layer - np.where(rc == 1, ACT_BYTES * (S // cp) * mb * dropped, 0.0)
     rc_one = np.where(sp, memory.activation_bytes_per_layer(S // cp, mb, h, m.n_heads, tp, True,
                                                             "selective" if flash else "none"),
                       memory.activation_bytes_per_layer(S // cp, mb, h, m.n_heads, tp, False,

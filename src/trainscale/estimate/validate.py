@@ -48,6 +48,7 @@ class Run:
     figure: str
     published: float
     note: str = ""
+    published_memory_gib: float | None = None  # peak memory per GPU the source reports, GiB
 
 
 def load_runs(path: str | Path | None = None) -> list[Run]:
@@ -95,6 +96,9 @@ def predict(run: Run, overrides: dict[str, float] | None = None) -> dict[str, An
         "error": run.published / value - 1 if run.figure == "step_time_s" else value / run.published - 1,
         "mfu": row["mfu"], "hfu": row["hfu"], "fits": row["fits"],
         "memory_per_gpu_bytes": row["memory_per_gpu_bytes"]["total"], "note": run.note,
+        "published_memory_gib": run.published_memory_gib,
+        "memory_error": (row["memory_per_gpu_bytes"]["total"] / 2**30 / run.published_memory_gib - 1
+                         if run.published_memory_gib else None),
     }
 
 
@@ -103,8 +107,10 @@ def validate(path: str | Path | None = None, overrides: dict[str, float] | None 
     rows = [predict(r, overrides) for r in load_runs(path)]
     errs = [abs(r["error"]) for r in rows]
     worst = max(range(len(rows)), key=lambda i: errs[i])
+    mem = [abs(r["memory_error"]) for r in rows if r["memory_error"] is not None]
     return {"runs": rows, "mean_abs_error": sum(errs) / len(errs), "worst_abs_error": errs[worst],
             "worst_run": rows[worst]["id"], "overrides": overrides or {},
+            "memory_mean_abs_error": sum(mem) / len(mem) if mem else None,
             "fitted": "one constant per GPU generation, sustained_clock_fraction, fitted once over this whole public "
                       "set; every other constant from datasheets and published microbenchmarks (catalog/planner.toml); "
                       "software knobs from the frameworks (catalog/software.toml)",
