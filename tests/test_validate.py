@@ -91,10 +91,15 @@ def test_flash_without_recompute_keeps_no_score_matrices():
     assert un["compute_parts_s"]["attention"] > 2 * fa["compute_parts_s"]["attention"]
 
 
-def test_tied_embeddings_count_their_lm_head_gemm():
+def test_tied_embeddings_count_their_lm_head_gemm_and_conventions_are_named():
     m = load_model("mpt-7b")
     assert m.tied_embeddings
-    assert step.matmul_params(m) == param_count(m) - m.vocab_size * m.d_model + m.vocab_size * m.d_model
+    assert step.matmul_params(m) == param_count(m)  # the embedding lookup is not counted, its GEMM as head is
+    p = plan.problem("mpt-7b", "h100-sxm", 8, 2048, 48 * 2048, cluster="dgx-h100", software="llm-foundry")
+    r = p.evaluate_layout(Layout.parse("dp8,zero3,mb6"))
+    conv = r["mfu_by_convention"]
+    assert conv["6N+attention causal"] == pytest.approx(r["mfu"])
+    assert conv["6N"] < conv["6N+attention causal"] < conv["6N+attention full"]
 
 
 # ------------------------------------------------------------------ software and the search
@@ -143,6 +148,9 @@ def test_validation_set_is_public_sourced_and_predicted():
     assert out["mean_abs_error"] < 0.08 and out["worst_abs_error"] < 0.25
     gens = {r["generation"] for r in out["runs"]}
     assert gens == {"hopper", "ampere"}
+    # peak memory where the source publishes it (torchtitan's H100 tables): the heaviest stage within 6%
+    mem = [r for r in out["runs"] if r["published_memory_gib"]]
+    assert len(mem) == 4 and all(abs(r["memory_error"]) < 0.06 for r in mem)
 
 
 def test_cli_validate_json_and_bad_input():

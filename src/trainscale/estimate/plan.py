@@ -30,6 +30,7 @@ from trainscale.estimate.step import (
     load_efficiencies,
     planner_catalog,
 )
+from trainscale.estimate.step import matmul_params as step_matmul_params
 from trainscale.specs import (
     ClusterSpec,
     GPUSpec,
@@ -238,6 +239,7 @@ class Problem:
             "step_time_s": float(res["step_time_s"][i]),
             "step_time_parts_s": {name: float(res[k][i]) for k, name in STEP_PARTS.items()},
             "mfu": float(res["mfu"][i]), "hfu": float(res["hfu"][i]),
+            "mfu_by_convention": self.mfu_conventions(tps),
             "tflops_per_gpu": float(res["tflops_per_gpu"][i]),
             "tokens_per_s": tps,
             "memory_per_gpu_bytes": {"total": float(res["mem_total"][i]),
@@ -264,6 +266,15 @@ class Problem:
             out["days"] = secs / flops.SECONDS_PER_DAY
             out["gpu_hours"] = secs / flops.SECONDS_PER_HOUR * self.n_gpus
         return out
+
+    def mfu_conventions(self, tokens_per_s: float) -> dict[str, float]:
+        """The same throughput under the MFU conventions in use: 6N + attention with and without causal halving
+        (PaLM App. B counts the full 12·L·H·Q·T; FlashAttention skips the masked half), and 6N alone."""
+        m, n = self.model, step_matmul_params(self.model)
+        per = {"6N+attention causal": flops.model_flops_per_token(m, n, self.seq, causal=True),
+               "6N+attention full": flops.model_flops_per_token(m, n, self.seq, causal=False),
+               "6N": 6.0 * n}
+        return {k: flops.mfu(tokens_per_s, v, self.n_gpus, self.gpu.peak_bf16_flops) for k, v in per.items()}
 
     def inputs(self) -> dict[str, Any]:
         return {"model": self.model.name, "gpu": self.gpu.name, "gpus": self.n_gpus, "seq": self.seq,
