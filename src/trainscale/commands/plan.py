@@ -55,7 +55,7 @@ def plan(
     top: int = typer.Option(5, help="layouts to show"),
     profile: str = typer.Option(None, help="TOML/JSON of measured efficiencies replacing the catalog defaults"),
     set_: list[str] = typer.Option(None, "--set", help="override one planner setting, key=value (repeatable)"),
-    software: str = typer.Option("megatron-core", help="software preset (catalog/software.toml) or a TOML file: "
+    software: str = typer.Option("trainscale", help="software preset (catalog/software.toml) or a TOML file: "
                                  "kernels, grad dtypes, overlaps and what the search may use"),
     fix: str = typer.Option(None, help="search only layouts with these choices, e.g. tp=8,pp=16"),
     forbid: str = typer.Option(None, help="search without these, e.g. cp,zero3,interleaved,rc=full"),
@@ -157,8 +157,15 @@ def _print_rows(rows: list[dict[str, Any]], title: str, breakdown: bool = True) 
         "GPU-hours": lambda k, r: "-" if r["gpu_hours"] is None else f"{r['gpu_hours'] / 1e6:,.2f}M",
     }
     cols = list(cells)
-    if console.width < width + 90:  # narrow terminal: the answer first, the details in --json
-        cols = ["#", "layout", "memory/GPU", "step", "MFU"]
+
+    def need(cs: list[str]) -> int:
+        return sum(max(len(c), *(len(cells[c](k, r)) for k, r in enumerate(rows, 1))) + 3 for c in cs)
+
+    # a narrow terminal drops detail columns (all are in --json), never the layout
+    for drop in ("GPU-hours", "HFU", "tokens/s", "fits", "days", "model TFLOP/s/GPU"):
+        if need(cols) <= console.width:
+            break
+        cols.remove(drop)
     for col in cols:
         if col == "layout":  # the answer is never truncated
             t.add_column(col, no_wrap=True, min_width=width)

@@ -18,7 +18,7 @@ from typing import Any
 from trainscale.errors import TrainscaleError
 
 GEMM_NAMES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")  # runtime/model.py's Linear names (params.py)
-DEFAULT = "megatron-core"
+DEFAULT = "trainscale"  # the runtime this project ships; launch.py plans for it
 
 
 @dataclass(frozen=True)
