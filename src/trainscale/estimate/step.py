@@ -53,8 +53,6 @@ class Efficiencies:
     network_bus_efficiency: float
     scale_up_latency_s: float
     optimizer_bytes_per_param: float
-    dp_overlap: float
-    tp_overlap: float
     cp_overlap: float
     p2p_overlap: float
     memory_reserve_bytes: float
@@ -342,7 +340,7 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     # element-wise ops between them (only saved ops are kept)
     sel_ew = ew_f if sw.selective_gemms else 0.0
     t_rc = np.select([rc == 2, rc == 1], [t_mm_f + t_attn_f + ew_f, t_attn_f + t_sel + sel_ew], 0.0)
-    tp_x = (1 - eff.tp_overlap * sw.tp_overlap) * (2 + (rc == 2)) * tp_one_way
+    tp_x = (1 - sw.tp_overlap) * (2 + (rc == 2)) * tp_one_way
     cp_x = (1 - eff.cp_overlap) * (cp_fwd + cp_bwd + (rc == 2) * cp_fwd)
 
     # the slowest stage: the fullest one, or the last one if the output head tips it over; each chunk pass of
@@ -387,7 +385,7 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     ag = comms.all_gather_time(wb, n_shard, bw_s, lat_s)
     ar_rep = comms.all_reduce_time(gb / n_shard, hsdp, bw_r, lat_r)
     ar = comms.all_reduce_time(gb, cp * dp, bw_d, lat_d)
-    ov = eff.dp_overlap * sw.dp_overlap
+    ov = sw.dp_overlap
 
     def hidden(t: Any, window: Any, once: bool = False) -> Any:
         # a collective overlaps the compute it follows; one that runs once per step also leaves one layer's
