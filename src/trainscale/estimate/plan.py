@@ -309,9 +309,14 @@ class Problem:
                             continue
                         if c != lay and self.why_invalid(c) is None:
                             cands.append(c)
+        cands = list({str(c): c for c in cands}.values())  # one of each
         if not cands:
             return []
         cfg = _cfg(cands)
+        keep = self.allowed(cfg)  # what the software supports and the user allowed
+        cfg = {k: a[keep] for k, a in cfg.items()}
+        if not cfg["tp"].size:
+            return []
         res = self.score(cfg)
         idx = [int(i) for i in np.lexsort((-res["headroom"], -res["tokens_per_s"])) if res["fits"][i]]
         return [self.row(cfg, res, i) for i in idx[:limit]]
