@@ -185,9 +185,14 @@ def test_topology_nvlink_inside_network_outside_and_pods(p405):
     t = p405.topo
     assert t.scale_up_bandwidth == 450e9  # 900 GB/s both directions
     bw_in, _ = comms.link(t, 8, 8)
-    bw_out, lat_out = comms.link(t, 16, 16)
+    bw_out, lat_out = comms.link(t, 16, 128)  # one member per server (stride 8): one NIC each
     assert bw_in == pytest.approx(450e9 * 0.8) and bw_out == pytest.approx(50e9 * 0.8)
     assert lat_out == t.network_latency_s
+    # two whole servers: the ring leaves each server on its 8 members' 8 NICs at once, capped by NVLink
+    assert comms.nics_per_server(t, 16, 16) == 8
+    assert comms.link(t, 16, 16)[0] == pytest.approx(min(450e9 * 0.8, 8 * 50e9 * 0.8))
+    assert comms.link(t, 32, 128)[0] == pytest.approx(2 * 50e9 * 0.8)  # stride 4: 2 members per server
+    assert comms.link(t, 16, 16, collective=False)[0] == pytest.approx(50e9 * 0.8)  # a p2p send: one NIC
     # a ring of 8 with one member per 2,048-GPU block spans 6 pods: 1-2 members per pod share 1:7 uplinks
     assert comms.pod_share(t, 8, 16384) == pytest.approx(min(1, 8 / 6 / 7))
     assert comms.pod_share(t, 128, 16384) == 1.0

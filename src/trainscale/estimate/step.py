@@ -359,7 +359,7 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     # pipeline point to point: activations sharded over TP (sequence parallel / scatter-gather, Narayanan
     # 2021 Sec. 4.1), async in steady state, exposed in fill and drain: a micro-batch crosses p x v - 1 chunk
     # boundaries to fill the pipeline and as many to drain it
-    bw_pp, lat_pp = comms.link(topo, pp, tp * cp * pp)
+    bw_pp, lat_pp = comms.link(topo, pp, tp * cp * pp, collective=False)
     t_p2p = comms.p2p_time(act / tp, bw_pp, lat_pp)
     hops = 2 * (pp * ve - 1)
     p2p_x = np.where(pp > 1, (hops + (1 - eff.p2p_overlap) * 2 * micro * ve) * t_p2p, 0.0)
