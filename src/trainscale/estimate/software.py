@@ -38,6 +38,7 @@ class Software:
     schedules: tuple[str, ...]
     cp: bool
     max_v: int
+    attention_speed: float = 1.0  # the fused kernel's rate relative to FlashAttention-2's (planner.toml), 1 = FA2
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -51,6 +52,7 @@ class Software:
 
 
 _KNOBS = tuple(f.name for f in fields(Software) if f.name not in ("name", "source", "sources"))
+_OPTIONAL = {"attention_speed": 1.0}  # knobs a preset may leave out, with their default
 
 
 @cache
@@ -63,6 +65,7 @@ def software_names() -> list[str]:
 
 
 def _build(name: str, data: dict[str, Any], where: str) -> Software:
+    data = {**_OPTIONAL, **data}
     missing = [k for k in _KNOBS if k not in data]
     if missing:
         raise TrainscaleError(f"software {where} lacks {', '.join(missing)}")
@@ -82,6 +85,8 @@ def _build(name: str, data: dict[str, Any], where: str) -> Software:
     for k in ("dp_overlap", "tp_overlap"):
         if not 0 <= float(vals[k]) <= 1:
             raise TrainscaleError(f"software {where}: {k} must be in [0, 1]")
+    if not 0 < float(vals["attention_speed"]) <= 4:
+        raise TrainscaleError(f"software {where}: attention_speed must be in (0, 4]")
     sources = {k: str(data.get(f"{k}_source", "")) for k in _KNOBS}
     return Software(name=name, source=str(data.get("source", "")), sources=sources, **vals)
 

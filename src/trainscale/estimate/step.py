@@ -297,7 +297,7 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     heads = m.n_heads / tp
     if flash:
         attn_train = flops.attention_flops_per_token(m, S, causal=True) / L * tokens / tp
-        t_attn = attn_train / attention_rate(m, S, peak_run, eff)
+        t_attn = attn_train / (attention_rate(m, S, peak_run, eff) * sw.attention_speed)
         t_attn_f = t_attn / 3  # the forward is a third of forward + backward
         t_scores_f = 0.0
     else:
