@@ -26,6 +26,10 @@ FIGURES = {
     "tflops_per_gpu": "TFLOP/s per GPU (in the row's flop_convention)",
 }
 
+# short labels for the 80-column table
+CONVENTION_LABELS = {"trainscale": "ours", "torchtitan-2024-04": "titan-24", "torchtitan": "titan",
+                     "llm-foundry": "foundry", "narayanan-eq3": "eq3"}
+
 # The FLOP count per trained token each source's own code or paper divides by: a published TFLOP/s or MFU is
 # converted back to tokens/s with ITS formula, never with trainscale's (issue 12 item 6). name -> (formula, source)
 CONVENTIONS = {
