@@ -5,6 +5,8 @@ framework's software preset) with the catalog's per-GPU-generation constants, an
 against the figure the source reported. One constant per GPU generation (sustained_clock_fraction) was fitted
 once over this whole public set; every other constant comes from datasheets and published microbenchmarks
 (catalog/planner.toml, catalog/gpus.toml), the knobs from the frameworks' code and papers (catalog/software.toml).
+A published TFLOP/s or MFU is read with the FLOP count of the source that published it (``CONVENTIONS``, named on
+each row as ``flop_convention``), never with trainscale's own, and the source's MFU is recomputed as a check.
 """
 
 from __future__ import annotations
@@ -179,4 +181,5 @@ def validate(path: str | Path | None = None, overrides: dict[str, float] | None 
             "fitted": "one constant per GPU generation, sustained_clock_fraction, fitted once over this whole public "
                       "set; every other constant from datasheets and published microbenchmarks (catalog/planner.toml); "
                       "software knobs from the frameworks (catalog/software.toml)",
-            "flop_convention": plan.FLOP_CONVENTION}
+            "flop_convention": plan.FLOP_CONVENTION,  # of the "mfu"/"hfu" fields; each row's figure: its own
+            "conventions": {k: {"formula": f, "source": src} for k, (f, src) in CONVENTIONS.items()}}
