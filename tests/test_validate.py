@@ -144,17 +144,18 @@ def test_validation_set_is_public_sourced_and_predicted():
     errs = [abs(r["error"]) for r in out["runs"]]
     assert out["mean_abs_error"] == pytest.approx(sum(errs) / len(errs))
     assert out["worst_abs_error"] == pytest.approx(max(errs))
-    # recorded in benchmarks/RESULTS.md: mean 2.6%, worst 11.6% (MPT-13B on 128 H100s); the target is 5% / 10%
-    assert out["mean_abs_error"] == pytest.approx(0.026, abs=0.002)
-    assert out["worst_run"] == "mpt-13b-h100x128" and out["worst_abs_error"] == pytest.approx(0.116, abs=0.003)
+    # recorded in benchmarks/RESULTS.md: mean 3.7%, worst 9.4% (MPT-13B on 128 H100s); the target is 5% / 10%
+    assert out["mean_abs_error"] == pytest.approx(0.037, abs=0.002) and out["mean_abs_error"] <= 0.05
+    assert out["worst_run"] == "mpt-13b-h100x128" and out["worst_abs_error"] == pytest.approx(0.094, abs=0.003)
+    assert out["worst_abs_error"] <= 0.10
     by_id = {r["id"]: r for r in out["runs"]}
-    assert all(abs(by_id[i]["error"]) < 0.03 for i in ("titan-8b-a100x64", "titan-70b-a100x64", "mpt-7b-h100x8",
+    assert all(abs(by_id[i]["error"]) < 0.05 for i in ("titan-8b-a100x64", "titan-70b-a100x64", "mpt-7b-h100x8",
                                                        "llama3-405b-8k-8192", "llama3-405b-8k-16384"))
-    # Llama 3 Table 4 at 128K: +5.8% read with torchtitan's convention, -24.5% with causal halving
+    # Llama 3 Table 4 at 128K: +8.3% read with torchtitan's convention, -22.7% with causal halving
     l128 = by_id["llama3-405b-128k-16384"]
-    assert l128["error"] == pytest.approx(0.058, abs=0.005)
+    assert l128["error"] == pytest.approx(0.083, abs=0.005)
     assert l128["alt_convention"]["flop_convention"] == "trainscale"
-    assert l128["alt_convention"]["error"] == pytest.approx(-0.245, abs=0.005)
+    assert l128["alt_convention"]["error"] == pytest.approx(-0.227, abs=0.005)
     gens = {r["generation"] for r in out["runs"]}
     assert gens == {"hopper", "ampere"}
     # peak memory where the source publishes it (torchtitan's H100 tables): the heaviest stage within 6%
