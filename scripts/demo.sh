@@ -16,6 +16,9 @@ $TS plan --model llama3.1-405b --gpu h100-sxm --gpus 16384 --seq 8192 --global-b
 $TS plan --model llama3.1-405b --gpu h100-sxm --gpus 16384 --seq 8192 --global-batch-tokens 16777216 \
   --json > runs/plan-405b.json
 
+step "2b. Validate: the planner against published training runs (Llama 3, torchtitan, llm-foundry, BLOOM, OPT)"
+$TS validate
+
 step "3. Failures and checkpoints: the Llama 3-like run"
 $TS reliability --trials 300
 

@@ -38,7 +38,7 @@ def test_exact_parameter_counts():
 def test_hf_config_json_gives_catalog_count(tmp_path):
     # Fields as in HF meta-llama/Llama-3.1-8B config.json.
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "hidden_size": 4096,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 4096,
         "intermediate_size": 14336, "max_position_embeddings": 131072, "num_attention_heads": 32,
         "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
         "tie_word_embeddings": False, "vocab_size": 128256, "head_dim": 128, "attention_bias": False,

@@ -21,12 +21,14 @@ from typer.testing import CliRunner
 from trainscale.cli import app
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import comms, memory, pipeline, plan, step
+from trainscale.estimate.validate import convention_flops_per_token
 from trainscale.specs import Layout, load_model
 
-# Meta's layout in the planner's terms: FSDP that does not reshard after the forward keeps full bf16
-# weights through the step and shards gradients + optimizer (zero2); interleaved with one layer per
-# virtual stage (128 slots = 126 layers + embedding + head); FlashAttention = Korthikanti's selective.
-META = "mb1,v8,zero2,rc=selective"
+# Meta's layout in the planner's terms, under the meta-llama3 software preset (catalog/software.toml): FP32
+# gradients accumulated over micro-batches and reduce-scattered once, optimizer sharded (zero1); interleaved
+# with one layer per virtual stage (128 slots = 126 layers + embedding + head); FlashAttention, and no
+# activation checkpointing at 8K (Llama 3 Sec. 3.3.2).
+META = "mb1,v8,zero1"
 TABLE4 = [  # (gpus, tp, cp, pp, dp, seq, batch/DP, TFLOP/s, MFU)
     (8192, 8, 1, 16, 64, 8192, 32, 430, 0.43),
     (16384, 8, 1, 16, 128, 8192, 16, 400, 0.41),
@@ -51,20 +53,27 @@ def search405(p405):
 def test_llama3_table4_mfu_within_4_points(gpus, tp, cp, pp, dp, seq, bdp, tflops, mfu):
     batch = dp * bdp * seq
     assert batch == 2**24  # "16M" tokens per batch in every row
-    p = plan.problem("llama3.1-405b", "h100-sxm", gpus, seq, batch, cluster="meta-h100")
+    p = plan.problem("llama3.1-405b", "h100-sxm", gpus, seq, batch, cluster="meta-h100", software="meta-llama3")
     r = p.evaluate_layout(Layout.parse(f"tp{tp},cp{cp},pp{pp},dp{dp},{META}"))
     assert r["micro_batches"] == bdp
-    assert abs(r["mfu"] - mfu) < 0.04, (r["mfu"], mfu)
-    assert abs(r["tflops_per_gpu"] - tflops) < 0.04 * 989
-    assert r["fits"]
-    assert r["hfu"] > r["mfu"]  # FlashAttention's recomputed attention core counts in HFU only
+    assert r["hfu"] == pytest.approx(r["mfu"])  # nothing recomputed
+    # the paper's TFLOP/s and MFU agree with each other on a 989 TFLOP/s peak, so they share one FLOP count; the
+    # paper does not give it, and the row is read with Meta's torchtitan convention (6N + 12·L·H·Q·T, no causal
+    # halving; catalog/runs.toml, benchmarks/RESULTS.md shows the other reading)
+    assert tflops / 989 == pytest.approx(mfu, abs=0.006)
+    fpt = convention_flops_per_token("torchtitan", p.model, seq)
+    ours = r["tokens_per_s"] / gpus * fpt / 989e12
+    assert abs(ours - mfu) < 0.04, (ours, mfu)
+    if cp > 1:
+        # read with causal halving instead (trainscale's own MFU) the 128K row would miss by ~9 points
+        assert 0.06 < mfu - r["mfu"] < 0.12, r["mfu"]
 
 
 def test_table4_trends_hold():
     # Fewer micro-batches per pipeline (16 vs 32) cost bubble; 128K context costs CP traffic + attention recompute.
     rows = []
     for gpus, tp, cp, pp, dp, seq, _bdp, _t, _m in TABLE4:
-        p = plan.problem("llama3.1-405b", "h100-sxm", gpus, seq, 2**24, cluster="meta-h100")
+        p = plan.problem("llama3.1-405b", "h100-sxm", gpus, seq, 2**24, cluster="meta-h100", software="meta-llama3")
         rows.append(p.evaluate_layout(Layout.parse(f"tp{tp},cp{cp},pp{pp},dp{dp},{META}")))
     assert rows[0]["mfu"] > rows[1]["mfu"] > rows[2]["mfu"]
     assert rows[2]["step_time_parts_s"]["cp_comm"] > 0 == rows[1]["step_time_parts_s"]["cp_comm"]
@@ -92,18 +101,27 @@ def test_search_405b_best_layout_tp_in_server_and_fits(p405, search405):
     assert 100_000 < search405.generated and search405.n_fit > 1000
 
 
-def test_meta_layout_fits_and_is_near_the_best(p405, search405):
-    meta = p405.evaluate_layout(Layout.parse(f"tp8,cp1,pp16,dp128,{META}"))
-    assert meta["fits"] and meta["memory_per_gpu_bytes"]["total"] < 80e9
-    best = search405.res["tokens_per_s"][search405.best()]
-    assert 0.85 < meta["tokens_per_s"] / best <= 1.0
-    # the parts add up
-    assert sum(meta["step_time_parts_s"].values()) == pytest.approx(meta["step_time_s"])
-    mem = meta["memory_per_gpu_bytes"]
+def test_search_restricted_to_meta_software_picks_table4_layout():
+    # what Meta's stack supports (zero stages, schedules, at most v8), TP and PP fixed as a user would, no CP at 8K
+    p = plan.problem("llama3.1-405b", "h100-sxm", 16384, 8192, 2**24, cluster="meta-h100", software="meta-llama3",
+                     fix="tp=8,pp=16", forbid="cp")
+    s = p.search()
+    best = p.row(s.cfg, s.res, s.best())
+    lay = Layout.parse(best["layout"])
+    assert (lay.tp, lay.cp, lay.pp, lay.dp, lay.mb) == (8, 1, 16, 128, 1)  # Table 4 row 2
+    assert set(s.cfg["tp"]) == {8} and set(s.cfg["pp"]) == {16} and set(s.cfg["cp"]) == {1}
+    assert s.cfg["v"][s.cfg["schedule"] == 2].max() <= 8
+    # the parts add up, and the placement gives the end stages one layer fewer
+    assert sum(best["step_time_parts_s"].values()) == pytest.approx(best["step_time_s"])
+    mem = best["memory_per_gpu_bytes"]
     assert sum(v for k, v in mem.items() if k != "total") == pytest.approx(mem["total"])
-    assert meta["layers_first_stage"] == 7 and meta["layers_max_stage"] == 8
-    assert meta["days"] == pytest.approx(15.6e12 / meta["tokens_per_s"] / 86400)
-    assert meta["gpu_hours"] == pytest.approx(meta["days"] * 24 * 16384)
+    assert best["layers_first_stage"] == 7 and best["layers_max_stage"] == 8
+
+
+def test_days_and_gpu_hours(p405):
+    r = p405.evaluate_layout(Layout.parse("tp8,cp1,pp16,dp128,mb1,v8,zero1,rc=full"))
+    assert r["days"] == pytest.approx(15.6e12 / r["tokens_per_s"] / 86400)
+    assert r["gpu_hours"] == pytest.approx(r["days"] * 24 * 16384)
 
 
 def test_vectorised_equals_one_at_a_time(p405, search405):
@@ -171,9 +189,14 @@ def test_topology_nvlink_inside_network_outside_and_pods(p405):
     t = p405.topo
     assert t.scale_up_bandwidth == 450e9  # 900 GB/s both directions
     bw_in, _ = comms.link(t, 8, 8)
-    bw_out, lat_out = comms.link(t, 16, 16)
+    bw_out, lat_out = comms.link(t, 16, 128)  # one member per server (stride 8): one NIC each
     assert bw_in == pytest.approx(450e9 * 0.8) and bw_out == pytest.approx(50e9 * 0.8)
     assert lat_out == t.network_latency_s
+    # two whole servers: the ring leaves each server on its 8 members' 8 NICs at once, capped by NVLink
+    assert comms.nics_per_server(t, 16, 16) == 8
+    assert comms.link(t, 16, 16)[0] == pytest.approx(min(450e9 * 0.8, 8 * 50e9 * 0.8))
+    assert comms.link(t, 32, 128)[0] == pytest.approx(2 * 50e9 * 0.8)  # stride 4: 2 members per server
+    assert comms.link(t, 16, 16, collective=False)[0] == pytest.approx(50e9 * 0.8)  # a p2p send: one NIC
     # a ring of 8 with one member per 2,048-GPU block spans 6 pods: 1-2 members per pod share 1:7 uplinks
     assert comms.pod_share(t, 8, 16384) == pytest.approx(min(1, 8 / 6 / 7))
     assert comms.pod_share(t, 128, 16384) == 1.0
@@ -220,7 +243,8 @@ REQUIRED = ("layout", "step_time_s", "mfu", "hfu", "tflops_per_gpu", "memory_per
 
 
 def test_cli_layout_json_keys():
-    res = CliRunner().invoke(app, ["plan", "--layout", f"tp8,cp1,pp16,dp128,{META}", "--tokens", "15.6T", "--json"])
+    res = CliRunner().invoke(app, ["plan", "--layout", "tp8,cp1,pp16,dp128,mb1,v8,zero2", "--software", "meta-llama3",
+                                   "--tokens", "15.6T", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert all(k in out for k in REQUIRED)

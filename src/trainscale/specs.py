@@ -76,6 +76,8 @@ class GPUSpec(_Spec):
     tdp_watts: float = Field(gt=0)
     scale_up: str = ""
     scale_up_bandwidth: float = Field(gt=0)
+    sm_count: int = Field(default=0, ge=0, description="streaming multiprocessors (0: unknown, no wave quantization)")
+    generation: str = Field(default="", description="architecture whose constants catalog/planner.toml holds")
 
 
 class ClusterSpec(_Spec):
@@ -90,6 +92,9 @@ class ClusterSpec(_Spec):
     network_latency_s: float = Field(default=5e-6, ge=0)
     host_link: str = ""
     host_link_bandwidth: float | None = None
+    pod_gpus: int = Field(default=0, ge=0, description="GPUs per full-bisection pod (0: one flat network)")
+    oversubscription: float = Field(default=1.0, ge=1.0, description="uplink oversubscription above a pod")
+    pods_source: str = ""
 
     @property
     def gpus_per_rack(self) -> int:
@@ -322,36 +327,73 @@ def load_model(ref: str | Path | dict[str, Any]) -> ModelSpec:
     return _load("models", ModelSpec, ref, "model")
 
 
+# How each Hugging Face ``model_type`` names the fields a ModelSpec needs (transformers' configuration_*.py).
+_HF_FIELDS: dict[str, dict[str, Any]] = {
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "mixtral": {},
+    "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
+             "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
+    "gpt_neox": {"norm_eps": "layer_norm_eps", "rope_pct": "rotary_pct"},
+    "opt": {"d_ff": "ffn_dim", "norm_eps": None},
+    "bloom": {"n_layers": "n_layer", "n_heads": "n_head", "norm_eps": "layer_norm_epsilon"},
+    "mpt": {"n_layers": "n_layers", "d_model": "d_model", "n_heads": "n_heads", "max_seq_len": "max_seq_len"},
+}
+_LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
+               "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
+
+
 def model_from_hf_config(path: Path) -> ModelSpec:
-    """Read the Llama-family fields of a Hugging Face ``config.json``."""
+    """A Hugging Face ``config.json`` read by its ``model_type``: Llama-style (llama, mistral, qwen2, qwen3,
+    mixtral's dense shape), GPT-style (gpt2, gpt_neox, opt, bloom, mpt). An unknown type is refused."""
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise TrainscaleError(f"model file {path} cannot be read as JSON: {e}") from None
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if k not in cfg]
-    if missing:
-        raise TrainscaleError(f"model file {path} lacks the Llama config fields {', '.join(missing)}")
-    act = cfg.get("hidden_act", "silu")
+    if not isinstance(cfg, dict):
+        raise TrainscaleError(f"model file {path} is not a JSON object")
+    mt = cfg.get("model_type")
+    if mt not in _HF_FIELDS:
+        raise TrainscaleError(f"model file {path} has model_type {mt!r}, which trainscale does not read; known: "
+                              f"{', '.join(sorted(_HF_FIELDS))}")
+    if mt == "mixtral" or cfg.get("num_local_experts", 1) > 1:
+        raise TrainscaleError(f"model file {path} is a mixture of experts, which trainscale does not model yet")
+    llama = mt in ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+    keys = {**_LLAMA_KEYS, **_HF_FIELDS[mt]}
+    if mt == "mpt":
+        cfg = {**cfg, "d_ff": cfg.get("d_model", 0) * cfg.get("expansion_ratio", 4)}
+        keys["d_ff"] = "d_ff"
+    if mt in ("gpt2", "bloom") and not cfg.get(keys.get("d_ff", "")):
+        keys["d_ff"] = "_d_ff"
+        cfg = {**cfg, "_d_ff": 4 * cfg.get(keys["d_model"], 0)}  # GPT-2 and BLOOM: n_inner = 4 x hidden
+    need = ("n_layers", "d_model", "n_heads", "d_ff")
+    missing = [keys[k] for k in need if keys.get(k) not in cfg]
+    if missing or "vocab_size" not in cfg:
+        raise TrainscaleError(f"model file {path} ({mt}) lacks the fields {', '.join(missing or ['vocab_size'])}")
+    if mt == "gpt_neox" and cfg.get("rotary_pct", 1.0) != 1.0:
+        pass  # partial rotary changes no parameter or GEMM shape
+    act = str(cfg.get("hidden_act") or cfg.get("activation_function") or ("silu" if llama else "gelu"))
+    heads = cfg[keys["n_heads"]]
+    eps_key = keys.get("norm_eps")
     data = {
         "name": cfg.get("_name_or_path") or Path(path).parent.name or "hf-model",
-        "source": f"Hugging Face config.json ({path})",
-        "n_layers": cfg["num_hidden_layers"],
-        "d_model": cfg["hidden_size"],
-        "n_heads": cfg["num_attention_heads"],
-        "n_kv_heads": cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        "d_ff": cfg["intermediate_size"],
+        "source": f"Hugging Face config.json, model_type {mt} ({path})",
+        "n_layers": cfg[keys["n_layers"]],
+        "d_model": cfg[keys["d_model"]],
+        "n_heads": heads,
+        "n_kv_heads": (cfg.get("num_key_value_heads") or heads) if llama else heads,
+        "d_ff": cfg[keys["d_ff"]],
         "vocab_size": cfg["vocab_size"],
-        "max_seq_len": cfg.get("max_position_embeddings", 2048),
+        "max_seq_len": cfg.get(keys.get("max_seq_len") or "", 2048) or 2048,
         "mlp": "swiglu" if act in ("silu", "swish") else "gelu",
-        "norm": "rmsnorm",
-        "positions": "rope",
+        "norm": "rmsnorm" if llama else "layernorm",
+        # GPT-2 and OPT learn absolute positions; NeoX rotates; BLOOM and MPT use ALiBi, which has no
+        # parameters and no GEMM, like RoPE (trainscale's runtime would build RoPE for them)
+        "positions": "learned" if mt in ("gpt2", "opt") else "rope",
         "rope_theta": cfg.get("rope_theta", 10000.0),
-        "tied_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "bias": bool(cfg.get("attention_bias", False)),
-        "norm_eps": cfg.get("rms_norm_eps", 1e-5),
+        "tied_embeddings": bool(cfg.get("tie_word_embeddings", mt in ("gpt2", "bloom", "mpt", "opt"))),
+        "bias": bool(cfg.get("attention_bias", False)) if llama else not cfg.get("no_bias", False),
+        "norm_eps": (cfg.get(eps_key) if eps_key else None) or 1e-5,
     }
-    if cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // cfg["num_attention_heads"]:
+    if llama and cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // heads:
         data["head_dim"] = cfg["head_dim"]
     return _build(ModelSpec, data, f"model file {path}")
 

@@ -55,6 +55,11 @@ def plan(
     top: int = typer.Option(5, help="layouts to show"),
     profile: str = typer.Option(None, help="TOML/JSON of measured efficiencies replacing the catalog defaults"),
     set_: list[str] = typer.Option(None, "--set", help="override one planner setting, key=value (repeatable)"),
+    software: str = typer.Option("trainscale", help="software preset (catalog/software.toml) or a TOML file: "
+                                 "kernels, grad dtypes, overlaps and what the search may use"),
+    fix: str = typer.Option(None, help="search only layouts with these choices, e.g. tp=8,pp=16"),
+    forbid: str = typer.Option(None, help="search without these, e.g. cp,zero3,interleaved,rc=full"),
+    max_v: int = typer.Option(None, "--max-v", help="at most this many virtual stages per GPU"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days."""
@@ -70,7 +75,8 @@ def plan(
     lay = Layout.parse(layout) if layout is not None else None
     if gpus is None:
         gpus = lay.world_size if lay is not None else 16384
-    p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_))
+    p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_), software,
+                        fix, forbid, max_v)
     head = _header(p)
     if lay is not None:
         row = p.evaluate_layout(lay)
@@ -107,7 +113,7 @@ def plan(
         console.print(f"  - {line}")
     if runners:
         t = Table(title="Why the runners-up lose", title_justify="left", show_edge=False, pad_edge=False)
-        t.add_column("layout")
+        t.add_column("layout", no_wrap=True, min_width=max(len(r["layout"]) for r in runners))
         t.add_column("differs in")
         t.add_column("reason")
         for r in runners:
@@ -117,8 +123,11 @@ def plan(
 
 
 def _header(p: Any) -> dict[str, Any]:
+    from trainscale.estimate import plan as planner
+
     return {"inputs": p.inputs(), "topology": p.topo.as_dict(), "efficiencies": p.eff.as_dict(),
-            "efficiency_sources": p.eff.sources}
+            "efficiency_sources": p.eff.sources, "software": p.software.as_dict(),
+            "software_sources": p.software.sources, "flop_convention": planner.FLOP_CONVENTION}
 
 
 def _gb(x: float) -> str:
@@ -131,19 +140,39 @@ def _print_header(p: Any) -> None:
     console.print(f"[bold]{p.model.name}[/bold] on {p.n_gpus:,} x {p.gpu.name} ({t.name}: {t.scale_up_domain}-GPU "
                   f"NVLink domains at {t.scale_up_bandwidth / 1e9:,.0f} GB/s, {t.network_bandwidth / 1e9:,.0f} GB/s "
                   f"per GPU between them{pods}); seq {p.seq:,}, {p.global_batch_tokens:,} tokens "
-                  f"({p.global_seqs:,} sequences) per step")
+                  f"({p.global_seqs:,} sequences) per step; software {p.software.name}")
 
 
 def _print_rows(rows: list[dict[str, Any]], title: str, breakdown: bool = True) -> None:
     t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("#", "layout", "memory/GPU", "fits", "step", "MFU", "HFU", "TFLOP/s/GPU", "tokens/s", "days",
-                "GPU-hours"):
-        t.add_column(col, justify="left" if col == "layout" else "right")
+    width = max(len(r["layout"]) for r in rows)
+    cells = {
+        "#": lambda k, r: str(k), "layout": lambda k, r: r["layout"],
+        "memory/GPU": lambda k, r: _gb(r["memory_per_gpu_bytes"]["total"]),
+        "fits": lambda k, r: "yes" if r["fits"] else "no", "step": lambda k, r: f"{r['step_time_s']:.2f} s",
+        "MFU": lambda k, r: f"{r['mfu']:.1%}", "HFU": lambda k, r: f"{r['hfu']:.1%}",
+        "model TFLOP/s/GPU": lambda k, r: f"{r['tflops_per_gpu']:.0f}",
+        "tokens/s": lambda k, r: f"{r['tokens_per_s']:,.0f}",
+        "days": lambda k, r: "-" if r["days"] is None else f"{r['days']:,.1f}",
+        "GPU-hours": lambda k, r: "-" if r["gpu_hours"] is None else f"{r['gpu_hours'] / 1e6:,.2f}M",
+    }
+    cols = list(cells)
+
+    def need(cs: list[str]) -> int:
+        return sum(max(len(c), *(len(cells[c](k, r)) for k, r in enumerate(rows, 1))) + 3 for c in cs)
+
+    # a narrow terminal drops detail columns (all are in --json), never the layout
+    for drop in ("GPU-hours", "HFU", "tokens/s", "fits", "days", "model TFLOP/s/GPU"):
+        if need(cols) <= console.width:
+            break
+        cols.remove(drop)
+    for col in cols:
+        if col == "layout":  # the answer is never truncated
+            t.add_column(col, no_wrap=True, min_width=width)
+        else:
+            t.add_column(col, justify="right", no_wrap=True)
     for k, r in enumerate(rows, 1):
-        t.add_row(str(k), r["layout"], _gb(r["memory_per_gpu_bytes"]["total"]), "yes" if r["fits"] else "no",
-                  f"{r['step_time_s']:.2f} s", f"{r['mfu']:.1%}", f"{r['hfu']:.1%}", f"{r['tflops_per_gpu']:.0f}",
-                  f"{r['tokens_per_s']:,.0f}", "-" if r["days"] is None else f"{r['days']:,.1f}",
-                  "-" if r["gpu_hours"] is None else f"{r['gpu_hours'] / 1e6:,.2f}M")
+        t.add_row(*(cells[c](k, r) for c in cols))
     console.print(t)
     if not breakdown:
         return
@@ -157,13 +186,15 @@ def _print_rows(rows: list[dict[str, Any]], title: str, breakdown: bool = True) 
         st.add_row(str(k), *(f"{r['step_time_parts_s'][n]:.2f}" for n in parts), f"{r['bubble_fraction']:.1%}")
     console.print(st)
     mem = [k for k in rows[0]["memory_per_gpu_bytes"] if k != "total"]
-    mt = Table(title="Memory per GPU (GB, decimal), first pipeline stage", title_justify="left", show_edge=False,
-               pad_edge=False)
+    mt = Table(title="Memory per GPU (GB, decimal), heaviest pipeline stage", title_justify="left",
+               show_edge=False, pad_edge=False)
     mt.add_column("#")
+    mt.add_column("stage", justify="right")
     for name in mem:
         mt.add_column(name, justify="right")
     mt.add_column("headroom", justify="right")
     for k, r in enumerate(rows, 1):
-        mt.add_row(str(k), *(f"{r['memory_per_gpu_bytes'][n] / 1e9:,.2f}" for n in mem),
+        mt.add_row(str(k), str(r.get("heaviest_stage", 0)),
+                   *(f"{r['memory_per_gpu_bytes'][n] / 1e9:,.2f}" for n in mem),
                    f"{r['headroom_bytes'] / 1e9:,.2f}")
     console.print(mt)

@@ -3,8 +3,9 @@
 Ranks are laid out [TP, CP, PP, DP] from inner to outer (Llama 3, arXiv 2407.21783 Sec. 3.3.2):
 a group of size n whose members are ``stride`` ranks apart spans ``extent`` = n x stride
 consecutive ranks. A group that fits in one scale-up domain (NVLink) runs at its bandwidth; one
-that leaves it runs at each GPU's scale-out link, and one that leaves a pod may share the
-oversubscribed uplinks. Every function takes scalars or numpy arrays (the planner's search).
+that leaves it runs on the scale-out NICs its members drive on each server (one per member there), and one
+that leaves a pod may share the oversubscribed uplinks. Every function takes scalars or numpy
+arrays (the planner's search).
 
 Bandwidths are per GPU and per direction; collectives are bandwidth-optimal rings
 (Patarasuk & Yuan 2009; NCCL-tests PERFORMANCE.md "bus bandwidth"), so time = factor x bytes /
@@ -75,11 +76,27 @@ def pod_share(topo: Topology, n: Any, extent: Any) -> Any:
     return np.where(pods > 1, np.minimum(1.0, members / topo.oversubscription), 1.0)
 
 
-def link(topo: Topology, n: Any, extent: Any) -> tuple[Any, Any]:
-    """(bus bandwidth bytes/s, latency s per step) of a group of n ranks spanning ``extent`` ranks."""
+def nics_per_server(topo: Topology, n: Any, extent: Any) -> Any:
+    """Scale-out NICs a collective of n ranks spanning ``extent`` ranks drives on each server at once: its members
+    per server, k = n x gpus_per_server / extent (1 to gpus_per_server). NCCL builds one ring (or tree) per channel
+    and leaves each server through the NIC nearest the channel's GPU, so the members of a server share the data
+    crossing servers over k NICs while their own copies move on NVLink: a server ingests each byte once, not once
+    per GPU (nccl-tests all_reduce_perf on 2 x 8 H100 with 8 x 200 Gb/s NICs per server reaches 339 GB/s bus
+    bandwidth, far above one NIC's 25 GB/s: github.com/lessizzmore/create-a3mega-ztan-fork ztan-NCCL-test-result)."""
+    n, extent = np.asarray(n, dtype=float), np.asarray(extent, dtype=float)
+    k = n * topo.gpus_per_server / np.maximum(extent, 1)
+    return np.clip(np.floor(k), 1, min(topo.gpus_per_server, topo.scale_up_domain))
+
+
+def link(topo: Topology, n: Any, extent: Any, collective: bool = True) -> tuple[Any, Any]:
+    """(bus bandwidth bytes/s, latency s per step) of a group of n ranks spanning ``extent`` ranks. A collective
+    that leaves the scale-up domain runs on the NICs its members drive together (``nics_per_server``), never
+    faster than their NVLink; a point-to-point send (``collective=False``) on one GPU's NIC."""
     inside = in_scale_up(topo, extent)
-    bw = np.where(inside, topo.scale_up_bandwidth * topo.scale_up_efficiency,
-                  topo.network_bandwidth * topo.network_efficiency * pod_share(topo, n, extent))
+    nics = nics_per_server(topo, n, extent) if collective else 1.0
+    up = topo.scale_up_bandwidth * topo.scale_up_efficiency
+    bw = np.where(inside, up, np.minimum(up, nics * topo.network_bandwidth * topo.network_efficiency
+                                         * pod_share(topo, n, extent)))
     lat = np.where(inside, topo.scale_up_latency_s, topo.network_latency_s)
     return bw, lat
 

@@ -46,7 +46,7 @@ def training_state_bytes(n_params: float, weight_bytes: float = WEIGHT_BYTES, gr
     return StateBytes(weight_bytes * n_params, grad_bytes * n_params, optimizer_bytes * n_params)
 
 
-def zero_state_bytes_per_gpu(n_params: float, dp: int, zero: int, weight_bytes: float = WEIGHT_BYTES,
+def zero_state_bytes_per_gpu(n_params: Any, dp: Any, zero: Any, weight_bytes: float = WEIGHT_BYTES,
                              grad_bytes: float = GRAD_BYTES, optimizer_bytes: float = ADAM_BYTES) -> StateBytes:
     """Per-GPU model state under ZeRO stage 0-3 over ``dp`` ranks (ZeRO Sec. 5, Fig. 1):
 

@@ -20,6 +20,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.comms import Topology
 from trainscale.estimate.pipeline import layer_placement
+from trainscale.estimate.software import Software, load_software
 from trainscale.estimate.step import (
     RECOMPUTE,
     SCHEDULE,
@@ -29,6 +30,7 @@ from trainscale.estimate.step import (
     load_efficiencies,
     planner_catalog,
 )
+from trainscale.estimate.step import matmul_params as step_matmul_params
 from trainscale.specs import (
     ClusterSpec,
     GPUSpec,
@@ -85,6 +87,10 @@ class Problem:
     seq: int
     global_batch_tokens: int
     train_tokens: float | None = None
+    software: Software | None = None
+    fix: dict[str, Any] = field(default_factory=dict)
+    forbid: tuple[str, ...] = ()
+    max_v: int | None = None
     global_seqs: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +106,9 @@ class Problem:
         if self.train_tokens is not None and self.train_tokens <= 0:
             raise TrainscaleError(f"--tokens must be positive, not {self.train_tokens}")
         self.global_seqs = self.global_batch_tokens // self.seq
+        self.software = load_software(self.software)
+        self.fix = parse_fix(self.fix) if isinstance(self.fix, str) else dict(self.fix)
+        self.forbid = parse_forbid(self.forbid) if isinstance(self.forbid, str) else tuple(self.forbid)
 
     # ------------------------------------------------------------------ validity
 
@@ -178,10 +187,31 @@ class Problem:
         ok = np.logical_and.reduce(list(self.constraints(cfg).values()))
         # ZeRO over a single replica is ZeRO 0; keep one of each
         ok &= (cfg["zero"] == 0) | (cfg["cp"] * cfg["dp"] > 1)
+        ok &= self.allowed(cfg)
         return {k: a[ok] for k, a in cfg.items()}, int(generated)
 
+    def allowed(self, cfg: dict[str, np.ndarray]) -> np.ndarray:
+        """What the software supports (its ZeRO stages, schedules, CP, virtual stages) and what the user fixed
+        (--fix), forbade (--forbid) or capped (--max-v). ZeRO over one replica counts as any stage."""
+        sw = self.software
+        assert sw is not None
+        zero, sched, cp, v = cfg["zero"], cfg["schedule"], cfg["cp"], cfg["v"]
+        single = cfg["cp"] * cfg["dp"] == 1
+        ok = np.isin(zero, list(sw.zero)) | single
+        ok &= np.isin(sched, [SCHEDULE.index(x) for x in sw.schedules]) | (cfg["pp"] == 1)
+        if not sw.cp:
+            ok &= cp == 1
+        max_v = min(sw.max_v, self.max_v) if self.max_v else sw.max_v
+        ok &= np.where(sched == 2, v, 1) <= max_v
+        for k, val in self.fix.items():
+            ok &= cfg[k] == val
+        for tok in self.forbid:
+            key, val = FORBID[tok]
+            ok &= (cfg[key] <= 1) if val is None else (cfg[key] != val)
+        return ok
+
     def score(self, cfg: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return evaluate(self.model, self.gpu, self.topo, self.eff, self.seq, self.global_seqs, cfg)
+        return evaluate(self.model, self.gpu, self.topo, self.eff, self.seq, self.global_seqs, cfg, self.software)
 
     def search(self) -> SearchResult:
         t0 = time.perf_counter()
@@ -209,6 +239,7 @@ class Problem:
             "step_time_s": float(res["step_time_s"][i]),
             "step_time_parts_s": {name: float(res[k][i]) for k, name in STEP_PARTS.items()},
             "mfu": float(res["mfu"][i]), "hfu": float(res["hfu"][i]),
+            "mfu_by_convention": self.mfu_conventions(tps),
             "tflops_per_gpu": float(res["tflops_per_gpu"][i]),
             "tokens_per_s": tps,
             "memory_per_gpu_bytes": {"total": float(res["mem_total"][i]),
@@ -220,6 +251,13 @@ class Problem:
             "bubble_fraction": float(res["bubble_fraction"][i]),
             "layers_first_stage": int(res["layers_first_stage"][i]),
             "layers_max_stage": int(res["layers_max_stage"][i]),
+            "heaviest_stage": int(res["heaviest_stage"][i]),
+            "memory_first_stage_bytes": float(res["mem_first_stage"][i]),
+            "hw_tflops_per_gpu": float(res["hw_tflops_per_gpu"][i]),
+            "compute_parts_s": {"gemm": float(res["t_gemm"][i]), "attention": float(res["t_attention"][i]),
+                                "elementwise": float(res["t_elementwise"][i])},
+            "flop_convention": FLOP_CONVENTION,
+            "software": self.software.name if self.software else None,
             "tp_in_scale_up": bool(res["tp_in_scale_up"][i]),
             "days": None, "gpu_hours": None,
         }
@@ -229,11 +267,22 @@ class Problem:
             out["gpu_hours"] = secs / flops.SECONDS_PER_HOUR * self.n_gpus
         return out
 
+    def mfu_conventions(self, tokens_per_s: float) -> dict[str, float]:
+        """The same throughput under the MFU conventions in use: 6N + attention with and without causal halving
+        (PaLM App. B counts the full 12·L·H·Q·T; FlashAttention skips the masked half), and 6N alone."""
+        m, n = self.model, step_matmul_params(self.model)
+        per = {"6N+attention causal": flops.model_flops_per_token(m, n, self.seq, causal=True),
+               "6N+attention full": flops.model_flops_per_token(m, n, self.seq, causal=False),
+               "6N": 6.0 * n}
+        return {k: flops.mfu(tokens_per_s, v, self.n_gpus, self.gpu.peak_bf16_flops) for k, v in per.items()}
+
     def inputs(self) -> dict[str, Any]:
         return {"model": self.model.name, "gpu": self.gpu.name, "gpus": self.n_gpus, "seq": self.seq,
                 "global_batch_tokens": self.global_batch_tokens, "global_batch_sequences": self.global_seqs,
                 "train_tokens": self.train_tokens, "cluster": self.cluster.name,
-                "peak_flops": self.gpu.peak_bf16_flops, "memory_bytes": self.gpu.memory_bytes}
+                "peak_flops": self.gpu.peak_bf16_flops, "memory_bytes": self.gpu.memory_bytes,
+                "software": self.software.name if self.software else None, "fix": self.fix,
+                "forbid": list(self.forbid), "max_v": self.max_v}
 
     def suggestions(self, lay: Layout, limit: int = 3) -> list[dict[str, Any]]:
         """Nearby layouts that fit when ``lay`` does not, fastest first: other recompute modes and ZeRO stages,
@@ -260,9 +309,14 @@ class Problem:
                             continue
                         if c != lay and self.why_invalid(c) is None:
                             cands.append(c)
+        cands = list({str(c): c for c in cands}.values())  # one of each
         if not cands:
             return []
         cfg = _cfg(cands)
+        keep = self.allowed(cfg)  # what the software supports and the user allowed
+        cfg = {k: a[keep] for k, a in cfg.items()}
+        if not cfg["tp"].size:
+            return []
         res = self.score(cfg)
         idx = [int(i) for i in np.lexsort((-res["headroom"], -res["tokens_per_s"])) if res["fits"][i]]
         return [self.row(cfg, res, i) for i in idx[:limit]]
@@ -394,7 +448,8 @@ class SearchResult:
         p = self.problem
         f = 2
         while f <= max_factor:
-            q = Problem(p.model, p.gpu, p.cluster, p.topo, p.eff, p.n_gpus * f, p.seq, p.global_batch_tokens)
+            q = Problem(p.model, p.gpu, p.cluster, p.topo, p.eff, p.n_gpus * f, p.seq, p.global_batch_tokens,
+                        software=p.software, forbid=p.forbid, max_v=p.max_v)
             s = q.search()
             b = s.best()
             if b is not None:
@@ -440,9 +495,52 @@ def layout_at(cfg: dict[str, np.ndarray], i: int) -> Layout:
 
 def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: int = 16384, seq: int = 8192,
             global_batch_tokens: int = 2**24, tokens: float | None = None, cluster: str | None = None,
-            profile: str | None = None, overrides: dict[str, float] | None = None) -> Problem:
+            profile: str | None = None, overrides: dict[str, float] | None = None,
+            software: str | Software | None = None, fix: str | dict[str, Any] | None = None,
+            forbid: str | tuple[str, ...] | None = None, max_v: int | None = None) -> Problem:
     """Build a planning problem from catalog names (or files), with the catalog's default efficiencies."""
     m = load_model(model)
     cl, g = pick_cluster(gpu, gpus, cluster)
     eff = load_efficiencies(g.name, profile, overrides, g.peak_bf16_flops, g.hbm_bandwidth, g.scale_up_bandwidth)
-    return Problem(m, g, cl, cluster_topology(cl, g, eff), eff, gpus, seq, global_batch_tokens, tokens)
+    if max_v is not None and max_v < 1:
+        raise TrainscaleError(f"--max-v must be at least 1, not {max_v}")
+    return Problem(m, g, cl, cluster_topology(cl, g, eff), eff, gpus, seq, global_batch_tokens, tokens,
+                   load_software(software), fix or {}, forbid or (), max_v)
+
+
+FLOP_CONVENTION = ("MFU = model FLOPs (6N, N with the LM head, + 12·L·H·Q·T attention halved for causal masking) / "
+                   "peak; HFU adds the recomputed FLOPs")
+FIXABLE = {"tp": int, "cp": int, "pp": int, "dp": int, "mb": int, "v": int, "zero": int, "hsdp": int,
+           "schedule": SCHEDULE.index, "recompute": RECOMPUTE.index, "rc": RECOMPUTE.index}
+# --forbid tokens: a dimension (forbids degrees > 1) or one choice
+FORBID: dict[str, tuple[str, int | None]] = {
+    "tp": ("tp", None), "cp": ("cp", None), "pp": ("pp", None),
+    **{f"zero{z}": ("zero", z) for z in range(4)}, "fsdp": ("zero", 3),
+    **{name: ("schedule", i) for i, name in enumerate(SCHEDULE)},
+    **{f"rc={name}": ("recompute", i) for i, name in enumerate(RECOMPUTE)},
+    **{name: ("recompute", i) for i, name in enumerate(RECOMPUTE) if name != "none"},
+}
+
+
+def parse_fix(text: str) -> dict[str, int]:
+    """``tp=8,pp=16,schedule=interleaved`` -> {"tp": 8, "pp": 16, "schedule": 2}."""
+    out: dict[str, int] = {}
+    for raw in text.replace(" ", "").lower().split(","):
+        if not raw:
+            continue
+        key, sep, val = raw.partition("=")
+        if not sep or key not in FIXABLE:
+            raise TrainscaleError(f"--fix takes key=value with key in {', '.join(FIXABLE)}, not '{raw}'")
+        try:
+            out["recompute" if key == "rc" else key] = int(FIXABLE[key](val))
+        except ValueError:
+            raise TrainscaleError(f"--fix {key}={val} is not a valid value") from None
+    return out
+
+
+def parse_forbid(text: str) -> tuple[str, ...]:
+    toks = tuple(t for t in text.replace(" ", "").lower().split(",") if t)
+    bad = [t for t in toks if t not in FORBID]
+    if bad:
+        raise TrainscaleError(f"--forbid does not know {', '.join(bad)}; use {', '.join(FORBID)}")
+    return toks

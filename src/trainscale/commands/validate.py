@@ -1,0 +1,60 @@
+"""`trainscale validate`: the planner's predictions against published training runs, with the errors."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from trainscale.commands._common import console, emit_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(validate)
+
+
+def validate(
+    runs: str = typer.Option(None, help="TOML file of [[run]] tables (default: the catalog's published runs)"),
+    set_: list[str] = typer.Option(None, "--set", help="override one planner constant for every run, key=value "
+                                   "(e.g. sustained_clock_fraction=1 for the unfitted model)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Predict published training runs from their own layouts and software; show predicted vs published."""
+    from trainscale.commands.plan import _settings
+    from trainscale.estimate.validate import CONVENTION_LABELS, CONVENTIONS
+    from trainscale.estimate.validate import validate as run_validation
+
+    out = run_validation(runs, _settings(set_) or None)
+    if as_json:
+        emit_json(out)
+        return
+    t = Table(title="Predicted vs published (error on throughput; + = predicted faster)",
+              title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("run", "figure", "FLOPs", "reported", "predicted", "error"):
+        t.add_column(col, justify="left" if col in ("run", "figure", "FLOPs") else "right", no_wrap=True)
+    unit = {"tokens_per_s_per_gpu": "tok/s/GPU", "step_time_s": "s/step", "tflops_per_gpu": "TFLOP/s"}
+    for r in out["runs"]:
+        err = r["error"]
+        style = "green" if abs(err) <= 0.05 else "yellow" if abs(err) <= 0.10 else "red"
+        conv = CONVENTION_LABELS[r["flop_convention"]] + ("?" if r["flop_convention_source"].startswith("ASSUMED")
+                                                          else "")
+        t.add_row(r["id"], unit[r["figure"]], conv, f"{r['published']:,.0f}",
+                  f"{r['predicted']:,.0f}", f"[{style}]{err:+.1%}[/{style}]")
+    console.print(t)
+    console.print(f"mean |error| {out['mean_abs_error']:.1%}, worst {out['worst_abs_error']:.1%} "
+                  f"({out['worst_run']}); {len(out['runs'])} runs.")
+    mem = [r for r in out["runs"] if r["memory_error"] is not None]
+    if mem:
+        console.print("Peak memory per GPU where published: " + ", ".join(
+            f"{r['id']} {r['memory_per_gpu_bytes'] / 2**30:.1f} vs {r['published_memory_gib']:.1f} GiB "
+            f"({r['memory_error']:+.0%})" for r in mem) + ".")
+    alt = [r for r in out["runs"] if r["alt_convention"]]
+    if alt:
+        console.print("Read with another FLOP convention: " + ", ".join(
+            f"{r['id']} ({r['alt_convention']['flop_convention']}) {r['alt_convention']['error']:+.1%}" for r in alt)
+            + ".")
+    console.print("FLOPs = the source's own FLOP count, used to read its TFLOP/s and checked against its MFU "
+                  "(? = assumed, the source does not say): "
+                  + "; ".join(f"{CONVENTION_LABELS[k]} ({k}) = {v[0]}" for k, v in CONVENTIONS.items() if k in
+                              {r["flop_convention"] for r in out["runs"]})
+                  + ". Constants: catalog/planner.toml per GPU generation; software: catalog/software.toml; sources "
+                    "per run: --json.")

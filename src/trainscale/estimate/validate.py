@@ -1,0 +1,185 @@
+"""`trainscale validate`: the step-time model predicts published training runs it was never fitted to.
+
+Each run in catalog/runs.toml is evaluated as the run itself was laid out (its own layout string and its
+framework's software preset) with the catalog's per-GPU-generation constants, and its prediction is set
+against the figure the source reported. One constant per GPU generation (sustained_clock_fraction) was fitted
+once over this whole public set; every other constant comes from datasheets and published microbenchmarks
+(catalog/planner.toml, catalog/gpus.toml), the knobs from the frameworks' code and papers (catalog/software.toml).
+A published TFLOP/s or MFU is read with the FLOP count of the source that published it (``CONVENTIONS``, named on
+each row as ``flop_convention``), never with trainscale's own, and the source's MFU is recomputed as a check.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from trainscale.errors import TrainscaleError
+from trainscale.estimate import flops, plan, step
+from trainscale.estimate.params import embedding_params, param_count
+from trainscale.specs import Layout, ModelSpec
+
+FIGURES = {
+    "tokens_per_s_per_gpu": "tokens/s per GPU",
+    "step_time_s": "seconds per step",
+    "tflops_per_gpu": "TFLOP/s per GPU (in the row's flop_convention)",
+}
+
+# short labels for the 80-column table
+CONVENTION_LABELS = {"trainscale": "ours", "torchtitan-2024-04": "titan-24", "torchtitan": "titan",
+                     "llm-foundry": "foundry", "narayanan-eq3": "eq3"}
+
+# The FLOP count per trained token each source's own code or paper divides by: a published TFLOP/s or MFU is
+# converted back to tokens/s with ITS formula, never with trainscale's (issue 12 item 6). name -> (formula, source)
+CONVENTIONS = {
+    "trainscale": ("6N (N: matmul weights, LM head included, input embedding not) + 6·L·H·Q·T (causal halving)",
+                   "trainscale estimate/flops.py model_flops_per_token(causal=True)"),
+    "torchtitan-2024-04": ("6N (N: every parameter, embeddings included) + 12·L·H·Q·T (no causal halving)",
+                           "pytorch/torchtitan @157a12c5 (2024-04-24, the commit of docs/performance.md's A100 table)"
+                           ": train.py get_num_params(model), utils.get_num_flop_per_token"),
+    "torchtitan": ("6N (N: every parameter but the input embedding) + 12·L·H·Q·T (no causal halving)",
+                   "pytorch/torchtitan from 2024-06: train.py get_num_params(model, exclude_embedding=True), "
+                   "utils.get_num_flop_per_token = 6 * num_params + 12 * l * h * q * t"),
+    "llm-foundry": ("6N (N: the n_params the run logs, every parameter) + 12·L·d·s (no causal halving)",
+                    "mosaicml/llm-foundry scripts/train/benchmarking/collect_results.py: flops_per_token = 2 * "
+                    "n_params, attn_flops_per_seq = n_layers * 2 * 2 * d_model * seq_len**2, MFU = 3 * (both)"),
+    "narayanan-eq3": ("96·l·h²·(1 + s/6h + V/16lh) per token: 6N + full (unhalved) attention + LM head, and the "
+                      "recomputed forward (x4/3)",
+                      "Narayanan et al. 2021 (arXiv 2104.04473) Eq. 3; Megatron-LM / Megatron-DeepSpeed report "
+                      "TFLOP/s with it"),
+}
+
+
+def narayanan_flops_per_token(n_layers: int, d_model: int, seq: int, vocab: int) -> float:
+    """Narayanan et al. 2021 (arXiv 2104.04473) Eq. 3 divided by B·s tokens: 96·l·h²·(1 + s/6h + V/16lh), the
+    FLOPs per token Megatron-family codebases report, counting the recomputed forward (full recompute)."""
+    h, l_ = d_model, n_layers
+    return 96.0 * l_ * h * h * (1 + seq / (6 * h) + vocab / (16 * l_ * h))
+
+
+def convention_flops_per_token(convention: str, m: ModelSpec, seq: int, n_params: float | None = None) -> float:
+    """FLOPs per trained token under a named convention (CONVENTIONS). ``n_params`` replaces the parameter
+    count where the source logged its own (llm-foundry's NumParams column)."""
+    attn_full = flops.attention_flops_per_token(m, seq, causal=False)  # 12·L·H·Q·T
+    if convention == "trainscale":
+        return flops.model_flops_per_token(m, step.matmul_params(m), seq, causal=True)
+    if convention == "torchtitan-2024-04":
+        return 6.0 * (n_params or param_count(m)) + attn_full
+    if convention == "torchtitan":
+        return 6.0 * (n_params or param_count(m) - embedding_params(m)) + attn_full
+    if convention == "llm-foundry":
+        return 6.0 * (n_params or param_count(m)) + 12.0 * m.n_layers * m.d_model * seq
+    if convention == "narayanan-eq3":
+        return narayanan_flops_per_token(m.n_layers, m.d_model, seq, m.vocab_size)
+    raise TrainscaleError(f"unknown flop_convention {convention!r}; known: {', '.join(CONVENTIONS)}")
+
+
+@dataclass
+class Run:
+    id: str
+    source: str
+    model: str
+    cluster: str
+    gpus: int
+    layout: str
+    software: str
+    seq: int
+    global_batch_tokens: int
+    figure: str
+    published: float
+    flop_convention: str  # how the source counts FLOPs (CONVENTIONS), whatever its figure
+    flop_convention_source: str = ""
+    convention_params: float | None = None  # the parameter count the source's formula used, where it printed it
+    alt_flop_convention: str | None = None  # a second reading, where the source does not say which it used
+    published_mfu: float | None = None  # the source's own MFU (0-1), checked against its throughput + convention
+    note: str = ""
+    published_memory_gib: float | None = None  # peak memory per GPU the source reports, GiB
+
+
+def load_runs(path: str | Path | None = None) -> list[Run]:
+    """The published runs: catalog/runs.toml, or a TOML file of [[run]] tables with the same keys."""
+    try:
+        text = Path(path).read_text() if path else \
+            resources.files("trainscale.catalog").joinpath("runs.toml").read_text()
+        data = tomllib.loads(text)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise TrainscaleError(f"runs file {path} cannot be read: {e}") from None
+    runs = []
+    for i, r in enumerate(data.get("run", [])):
+        try:
+            run = Run(**r)
+        except TypeError as e:
+            raise TrainscaleError(f"run {i + 1} in {path or 'catalog/runs.toml'} is malformed: {e}") from None
+        if run.figure not in FIGURES:
+            raise TrainscaleError(f"run {run.id}: figure must be one of {', '.join(FIGURES)}, not {run.figure!r}")
+        for conv in (run.flop_convention, run.alt_flop_convention):
+            if conv is not None and conv not in CONVENTIONS:
+                raise TrainscaleError(f"run {run.id}: flop_convention must be one of {', '.join(CONVENTIONS)}, "
+                                      f"not {conv!r}")
+        runs.append(run)
+    if not runs:
+        raise TrainscaleError(f"no [[run]] tables in {path or 'catalog/runs.toml'}")
+    return runs
+
+
+def predict(run: Run, overrides: dict[str, float] | None = None) -> dict[str, Any]:
+    """One run predicted from its own layout and software: the figure it published, and ours. ``overrides``
+    replaces planner constants (``--set``), e.g. sustained_clock_fraction=1 for the unfitted model."""
+    p = plan.problem(run.model, None, run.gpus, run.seq, run.global_batch_tokens, cluster=run.cluster,
+                     software=run.software, overrides=overrides)
+    row = p.evaluate_layout(Layout.parse(run.layout))
+    tps_gpu = row["tokens_per_s"] / run.gpus
+    m = p.model
+    fpt = convention_flops_per_token(run.flop_convention, m, run.seq, run.convention_params)
+    value = {"tokens_per_s_per_gpu": tps_gpu, "step_time_s": row["step_time_s"],
+             "tflops_per_gpu": tps_gpu * fpt / 1e12}[run.figure]
+    # what the published figure says in tokens/s per GPU, read with the source's own convention
+    published_tps = {"tokens_per_s_per_gpu": run.published,
+                     "step_time_s": run.global_batch_tokens / run.published / run.gpus,
+                     "tflops_per_gpu": run.published * 1e12 / fpt}[run.figure]
+    # the source's own MFU recomputed from its throughput and its formula: a check that the convention is read right
+    mfu_check = published_tps * fpt / p.gpu.peak_bf16_flops
+    alt = None
+    if run.alt_flop_convention and run.figure == "tflops_per_gpu":
+        fpt_alt = convention_flops_per_token(run.alt_flop_convention, m, run.seq, run.convention_params)
+        alt_tps = run.published * 1e12 / fpt_alt
+        alt = {"flop_convention": run.alt_flop_convention, "published_tokens_per_s_per_gpu": alt_tps,
+               "predicted": tps_gpu * fpt_alt / 1e12, "error": tps_gpu / alt_tps - 1,
+               "predicted_mfu": tps_gpu * fpt_alt / p.gpu.peak_bf16_flops}
+    return {
+        "id": run.id, "source": run.source, "model": run.model, "gpu": p.gpu.name,
+        "generation": p.gpu.generation, "gpus": run.gpus, "cluster": run.cluster, "layout": run.layout,
+        "software": run.software, "figure": run.figure, "unit": FIGURES[run.figure],
+        "published": run.published, "predicted": value, "flop_convention": run.flop_convention,
+        "flop_convention_formula": CONVENTIONS[run.flop_convention][0],
+        "flop_convention_source": run.flop_convention_source or CONVENTIONS[run.flop_convention][1],
+        "published_tokens_per_s_per_gpu": published_tps, "predicted_tokens_per_s_per_gpu": tps_gpu,
+        "published_mfu": run.published_mfu, "mfu_from_convention": mfu_check,
+        "predicted_mfu_in_convention": tps_gpu * fpt / p.gpu.peak_bf16_flops, "alt_convention": alt,
+        # as a throughput error for every figure: + means predicted faster than published
+        "error": run.published / value - 1 if run.figure == "step_time_s" else value / run.published - 1,
+        "mfu": row["mfu"], "hfu": row["hfu"], "fits": row["fits"],
+        "memory_per_gpu_bytes": row["memory_per_gpu_bytes"]["total"], "note": run.note,
+        "published_memory_gib": run.published_memory_gib,
+        "memory_error": (row["memory_per_gpu_bytes"]["total"] / 2**30 / run.published_memory_gib - 1
+                         if run.published_memory_gib else None),
+    }
+
+
+def validate(path: str | Path | None = None, overrides: dict[str, float] | None = None) -> dict[str, Any]:
+    """Every run predicted, with the mean and worst |error| (error = predicted / published throughput - 1)."""
+    rows = [predict(r, overrides) for r in load_runs(path)]
+    errs = [abs(r["error"]) for r in rows]
+    worst = max(range(len(rows)), key=lambda i: errs[i])
+    mem = [abs(r["memory_error"]) for r in rows if r["memory_error"] is not None]
+    return {"runs": rows, "mean_abs_error": sum(errs) / len(errs), "worst_abs_error": errs[worst],
+            "worst_run": rows[worst]["id"], "overrides": overrides or {},
+            "memory_mean_abs_error": sum(mem) / len(mem) if mem else None,
+            "fitted": "one constant per GPU generation, sustained_clock_fraction, fitted once over this whole public "
+                      "set; every other constant from datasheets and published microbenchmarks (catalog/planner.toml); "
+                      "software knobs from the frameworks (catalog/software.toml)",
+            "flop_convention": plan.FLOP_CONVENTION,  # of the "mfu"/"hfu" fields; each row's figure: its own
+            "conventions": {k: {"formula": f, "source": src} for k, (f, src) in CONVENTIONS.items()}}

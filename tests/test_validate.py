@@ -1,0 +1,220 @@
+"""Issue 12: the step-time/memory model from shapes, software as an input, and `trainscale validate`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from trainscale.cli import app
+from trainscale.errors import TrainscaleError
+from trainscale.estimate import memory, plan, step
+from trainscale.estimate.params import param_count
+from trainscale.estimate.software import load_software, software_names
+from trainscale.estimate.validate import convention_flops_per_token, load_runs, validate
+from trainscale.specs import Layout, load_gpu, load_model
+
+# ------------------------------------------------------------------ the GEMM roofline
+
+
+def test_gemm_rate_rises_with_shape_toward_the_roofline():
+    g = load_gpu("h100-sxm")
+    eff = step.load_efficiencies("h100-sxm")
+    f_mm, hbm = g.peak_bf16_flops * eff.matmul_efficiency, g.hbm_bandwidth * eff.hbm_efficiency
+    sizes = np.array([64, 256, 1024, 4096, 16384])
+    t = step.gemm_time(sizes, sizes, sizes, f_mm, hbm, g.sm_count, eff.launch_gap_s)
+    rate = 2.0 * sizes**3 / t
+    assert np.all(np.diff(rate) > 0)  # achieved FLOP/s grows with the shape...
+    assert rate[-1] == pytest.approx(f_mm, rel=0.02) and rate[-1] <= f_mm  # ...up to the sustained ceiling
+    assert rate[0] < 0.05 * f_mm  # a tiny GEMM is launch- and memory-bound
+    # a partial wave idles SMs: 12 x 11 = 132 tiles fill 132 SMs once; one more column makes 144 tiles, two waves
+    one = step.gemm_time(128 * 12, 8192, 128 * 11, f_mm, hbm, 132)
+    two = step.gemm_time(128 * 12, 8192, 128 * 11 + 1, f_mm, hbm, 132)
+    assert two / one == pytest.approx(2.0, rel=0.05)
+
+
+# ------------------------------------------------------------------ memory on every stage
+
+
+def test_405b_pp16_llama3_placement_is_judged_by_its_heaviest_stage():
+    # 126 layers + embedding + head = 128 slots: stage 0 holds 7 layers, stages 1-14 hold 8. Under 1F1B stage 0
+    # keeps 16 micro-batches (7 x 16 = 112 layer-loads), stage 1 keeps 15 (8 x 15 = 120): stage 1 is heavier.
+    p = plan.problem("llama3.1-405b", "h100-sxm", 16384, 8192, 2**24, cluster="meta-h100", software="megatron-core")
+    r = p.evaluate_layout(Layout.parse("tp8,cp1,pp16,dp128,mb1,zero1"))
+    assert r["layers_first_stage"] == 7 and r["layers_max_stage"] == 8
+    assert r["heaviest_stage"] == 1
+    assert r["memory_per_gpu_bytes"]["total"] > r["memory_first_stage_bytes"]
+    assert r["fits"] == (r["memory_per_gpu_bytes"]["total"] <= r["memory_capacity_bytes"])
+    per_layer = memory.activation_bytes_per_layer(8192, 1, 16384, 128, 8, True, "selective")
+    assert r["memory_per_gpu_bytes"]["activations"] == pytest.approx(8 * 15 * per_layer)
+
+
+def test_in_flight_micro_batches_per_schedule():
+    # 1F1B: p - r on stage r; interleaved: Megatron's warm-up (p - r - 1) x 2 + (v - 1) x p, + 1, in chunks of 1/v
+    assert step.in_flight(1, 16, 1, 32, np.array([0, 1, 15])).tolist() == [16, 15, 1]
+    assert step.in_flight(2, 16, 8, 32, 0) == pytest.approx((15 * 2 + 7 * 16 + 1) / 8)
+    assert step.in_flight(0, 16, 1, 32, 3) == 32  # GPipe keeps every micro-batch
+
+
+def test_fp32_main_grads_give_18_bytes_per_param():
+    mc = load_software("megatron-core")
+    assert mc.grad_bytes == 4 and mc.state_bytes_per_param == 18
+    for d in (1, 8, 64):
+        # Megatron's distributed optimizer (zero1) shards only Adam's 12 bytes: 6 + 12/d
+        st = memory.zero_state_bytes_per_gpu(1.0, d, 1 if d > 1 else 0, grad_bytes=mc.grad_bytes)
+        assert st.total == pytest.approx(6 + 12 / d if d > 1 else 18)
+    # and the planner charges it: one GPU, no sharding
+    m = load_model("llama3.1-8b")
+    p = plan.problem("llama3.1-8b", "h200", 1, 2048, 2048, software="megatron-core")
+    r = p.evaluate_layout(Layout.parse("tp1,dp1,mb1,rc=full"))
+    state = sum(r["memory_per_gpu_bytes"][k] for k in ("weights", "gradients", "optimizer"))
+    assert state == pytest.approx(18 * param_count(m))
+
+
+def test_flash_without_recompute_keeps_no_score_matrices():
+    m = load_model("llama3.1-8b")
+    s, b, h, a = 8192, 1, m.d_model, m.n_heads
+    flash = plan.problem("llama3.1-8b", "h100-sxm", 8, s, 8 * s, software="torchtitan")
+    unfused = plan.problem("llama3.1-8b", "h100-sxm", 8, s, 8 * s, software="megatron-lm-2021")
+    lay = Layout.parse("tp8,dp1,mb1")
+    fa, un = flash.evaluate_layout(lay), unfused.evaluate_layout(lay)
+    no_scores = memory.activation_bytes_per_layer(s, b, h, a, 8, True, "selective")
+    with_scores = memory.activation_bytes_per_layer(s, b, h, a, 8, True, "none")
+    assert fa["memory_per_gpu_bytes"]["activations"] == pytest.approx(m.n_layers * no_scores)
+    assert un["memory_per_gpu_bytes"]["activations"] == pytest.approx(m.n_layers * with_scores)
+    assert with_scores - no_scores == pytest.approx(5 * a * s * s * b / 8)  # Korthikanti's 5as/h term, over t
+    # and the unfused kernel is slower: its scores cross HBM and it computes the masked half
+    assert un["compute_parts_s"]["attention"] > 2 * fa["compute_parts_s"]["attention"]
+
+
+def test_tied_embeddings_count_their_lm_head_gemm_and_conventions_are_named():
+    m = load_model("mpt-7b")
+    assert m.tied_embeddings
+    assert step.matmul_params(m) == param_count(m)  # the embedding lookup is not counted, its GEMM as head is
+    p = plan.problem("mpt-7b", "h100-sxm", 8, 2048, 48 * 2048, cluster="dgx-h100", software="llm-foundry")
+    r = p.evaluate_layout(Layout.parse("dp8,zero3,mb6"))
+    conv = r["mfu_by_convention"]
+    assert conv["6N+attention causal"] == pytest.approx(r["mfu"])
+    assert conv["6N"] < conv["6N+attention causal"] < conv["6N+attention full"]
+
+
+# ------------------------------------------------------------------ software and the search
+
+
+def test_software_presets_are_sourced_and_limit_the_search():
+    for name in software_names():
+        sw = load_software(name)
+        assert sw.source and all(sw.sources[k] for k in ("attention", "grad_bytes", "dp_overlap", "zero"))
+    p = plan.problem("llama3.1-8b", "h100-sxm", 64, 4096, 2**22, software="llm-foundry", forbid="zero2",
+                     max_v=1)
+    s = p.search()
+    assert set(s.cfg["zero"][s.cfg["cp"] * s.cfg["dp"] > 1]) == {3}  # FSDP FULL_SHARD only
+    assert set(s.cfg["cp"]) == {1} and set(s.cfg["v"]) == {1}
+    with pytest.raises(TrainscaleError, match="--forbid does not know"):
+        plan.problem("llama3.1-8b", "h100-sxm", 64, 4096, 2**22, forbid="nope")
+    with pytest.raises(TrainscaleError, match="--fix takes"):
+        plan.problem("llama3.1-8b", "h100-sxm", 64, 4096, 2**22, fix="warp=2")
+
+
+def test_no_dp_overlap_exposes_the_whole_reduction():
+    lay = Layout.parse("tp1,dp64,mb1,zero1,rc=full")
+    a = plan.problem("llama3.1-8b", "a100-sxm-80gb", 64, 4096, 64 * 4096, cluster="dgx-a100",
+                     software="megatron-lm-2021").evaluate_layout(lay.model_copy(update={"zero": 0}))
+    b = plan.problem("llama3.1-8b", "a100-sxm-80gb", 64, 4096, 64 * 4096, cluster="dgx-a100",
+                     software="megatron-core").evaluate_layout(lay)
+    assert a["step_time_parts_s"]["dp_comm"] > 2 * b["step_time_parts_s"]["dp_comm"]
+
+
+# ------------------------------------------------------------------ validate
+
+
+def test_validation_set_is_public_sourced_and_predicted():
+    runs = load_runs()
+    assert len(runs) >= 12
+    held_out = ("2104.04473 Table 1", "Korthikanti", "MT-NLG", "DGX Cloud", "Megatron-Core benchmark")
+    for r in runs:
+        assert r.source and ("Table" in r.source or "Sec." in r.source or ".md" in r.source or "README" in r.source)
+        assert not any(h in r.source for h in held_out)
+        load_software(r.software)
+    out = validate()
+    errs = [abs(r["error"]) for r in out["runs"]]
+    assert out["mean_abs_error"] == pytest.approx(sum(errs) / len(errs))
+    assert out["worst_abs_error"] == pytest.approx(max(errs))
+    # recorded in benchmarks/RESULTS.md: mean 3.7%, worst 9.4% (MPT-13B on 128 H100s); the target is 5% / 10%
+    assert out["mean_abs_error"] == pytest.approx(0.037, abs=0.002) and out["mean_abs_error"] <= 0.05
+    assert out["worst_run"] == "mpt-13b-h100x128" and out["worst_abs_error"] == pytest.approx(0.094, abs=0.003)
+    assert out["worst_abs_error"] <= 0.10
+    by_id = {r["id"]: r for r in out["runs"]}
+    assert all(abs(by_id[i]["error"]) < 0.05 for i in ("titan-8b-a100x64", "titan-70b-a100x64", "mpt-7b-h100x8",
+                                                       "llama3-405b-8k-8192", "llama3-405b-8k-16384"))
+    # Llama 3 Table 4 at 128K: +8.3% read with torchtitan's convention, -22.7% with causal halving
+    l128 = by_id["llama3-405b-128k-16384"]
+    assert l128["error"] == pytest.approx(0.083, abs=0.005)
+    assert l128["alt_convention"]["flop_convention"] == "trainscale"
+    assert l128["alt_convention"]["error"] == pytest.approx(-0.227, abs=0.005)
+    gens = {r["generation"] for r in out["runs"]}
+    assert gens == {"hopper", "ampere"}
+    # peak memory where the source publishes it (torchtitan's H100 tables): the heaviest stage within 6%
+    mem = [r for r in out["runs"] if r["published_memory_gib"]]
+    assert len(mem) == 4 and all(abs(r["memory_error"]) < 0.06 for r in mem)
+
+
+def test_each_source_flop_convention_reproduces_its_own_mfu():
+    # a published MFU recomputed from the published throughput with the source's own formula: torchtitan's A100
+    # table (6N with embeddings + 12·L·H·Q·T: 58.2%, 51.7%), llm-foundry's (6·NumParams + 12·L·d·s: 46.44%, 42.18%,
+    # 41.25%), BLOOM's 150 TFLOP/s (Narayanan Eq. 3 at 105 s per iteration), Llama 3's TFLOP/s vs MFU
+    out = validate()
+    checked = [r for r in out["runs"] if r["published_mfu"] is not None]
+    assert len(checked) == 9
+    for r in checked:
+        assert r["mfu_from_convention"] == pytest.approx(r["published_mfu"], abs=0.006), r["id"]
+    by_id = {r["id"]: r for r in out["runs"]}
+    assert by_id["titan-8b-a100x64"]["mfu_from_convention"] == pytest.approx(0.582, abs=0.0005)
+    assert by_id["mpt-7b-h100x8"]["mfu_from_convention"] == pytest.approx(0.4644, abs=0.0005)
+    # the conventions differ where they should: no causal halving makes 128K attention count twice
+    m = load_model("llama3.1-405b")
+    tt, ts = (convention_flops_per_token(c, m, 131072) for c in ("torchtitan", "trainscale"))
+    assert tt / ts == pytest.approx(1.40, abs=0.01)
+    with pytest.raises(TrainscaleError, match="unknown flop_convention"):
+        convention_flops_per_token("nope", m, 8192)
+
+
+def test_kernel_and_norm_knobs_come_from_the_rows_software():
+    # llm-foundry's attn_impl triton (FA1-era Triton kernel) runs attention at half FA2's rate
+    fa2, tri = (plan.problem("mpt-7b", "h100-sxm", 8, 2048, 48 * 2048, cluster="dgx-h100", software=s)
+                .evaluate_layout(Layout.parse("dp8,zero3,mb6")) for s in ("llm-foundry", "llm-foundry-triton"))
+    assert tri["compute_parts_s"]["attention"] == pytest.approx(2 * fa2["compute_parts_s"]["attention"])
+    assert tri["compute_parts_s"]["gemm"] == pytest.approx(fa2["compute_parts_s"]["gemm"])
+    # torchtitan's April 2024 configs ran the Triton fused RMSNorm: 28 element-wise passes per layer, not 60
+    assert load_software("torchtitan-2024-04").elementwise_passes == 28
+    assert load_software("torchtitan").elementwise_passes == 60
+
+
+def test_cli_validate_json_and_bad_input():
+    res = CliRunner().invoke(app, ["validate", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert {"runs", "mean_abs_error", "worst_abs_error", "fitted"} <= set(out)
+    r = subprocess.run([sys.executable, "-m", "trainscale", "plan", "--model", "llama3.1-8b", "--gpus", "8",
+                        "--forbid", "warp"], capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------ models from their own files
+
+
+def test_hf_config_read_by_model_type(tmp_path):
+    gpt2 = {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12, "n_inner": None, "vocab_size": 50257,
+            "n_positions": 1024, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}
+    (tmp_path / "config.json").write_text(json.dumps(gpt2))
+    m = load_model(tmp_path / "config.json")
+    assert (m.mlp, m.norm, m.positions, m.tied_embeddings, m.bias, m.d_ff) == ("gelu", "layernorm", "learned",
+                                                                              True, True, 3072)
+    assert param_count(m) == 124_439_808  # GPT-2 small, as transformers counts it
+    (tmp_path / "config.json").write_text(json.dumps({**gpt2, "model_type": "t5"}))
+    with pytest.raises(TrainscaleError, match="model_type 't5'"):
+        load_model(tmp_path / "config.json")
