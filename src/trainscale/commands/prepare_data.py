@@ -1,0 +1,72 @@
+"""`trainscale prepare-data`: tokenise a config's corpus once into memory-mapped token shards
+(runtime/shards.py), in several processes, with a progress bar; training then reads the shards."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from trainscale.commands._common import console, emit_json
+from trainscale.errors import TrainscaleError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("prepare-data")(prepare_data)
+
+
+def prepare_data(
+    config: Path = typer.Option(..., "--config", help="training config TOML whose [data] names the corpus"),
+    workers: int = typer.Option(None, help="tokenising processes (default: the config's data.workers, 0: one "
+                                "per CPU)"),
+    as_json: bool = typer.Option(False, "--json", help="no progress bar; print the shard index as JSON"),
+) -> None:
+    """Tokenise [data] files (text, JSONL, Parquet) into token shards with a train/held-out split.
+
+    Resumable (finished shards are kept if interrupted); a no-op when the inputs, tokenizer and settings
+    have not changed."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from trainscale.runtime.config import load_config
+    from trainscale.runtime.data import corpus_for
+
+    if workers is not None and workers < 0:
+        raise TrainscaleError(f"--workers must be >= 0, not {workers}")
+    cfg = load_config(config, {"data": {"workers": workers}} if workers is not None else None)
+    if cfg.data.request() is None:
+        raise TrainscaleError(f"config {config} names no corpus: add [data] files = [\"...\"] (text, JSONL or "
+                              "Parquet); the default Shakespeare plays need no preparing")
+    t0 = time.perf_counter()
+    if as_json:
+        corpus = corpus_for(cfg)
+    else:
+        with Progress(TextColumn("{task.description:<24}"), BarColumn(), DownloadColumn(),
+                      TimeRemainingColumn(), console=console, transient=False) as bar:
+            tasks: dict[str, int] = {}
+
+            def progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:
+                    tasks[stage] = bar.add_task(stage, total=max(total, 1))
+                bar.update(tasks[stage], completed=done, total=max(total, 1))
+
+            corpus = corpus_for(cfg, progress=progress, log=console.print)
+    seconds = time.perf_counter() - t0
+    index = corpus.index
+    if as_json:
+        emit_json({"folder": str(corpus.folder), "seconds": seconds, **index})
+        return
+    from rich.table import Table
+
+    t = Table(title=f"prepared corpus {corpus.folder}")
+    for col in ("split", "documents", "tokens", "shards"):
+        t.add_column(col, justify="left" if col == "split" else "right")
+    for split in ("train", "val"):
+        s = index["splits"][split]
+        t.add_row("held-out" if split == "val" else split, f"{s['documents']:,}", f"{s['tokens']:,}",
+                  str(len(s["shards"])))
+    console.print(t)
+    tokens = sum(index["splits"][s]["tokens"] for s in ("train", "val"))
+    console.print(f"tokenizer: {index['vocab_size']:,} tokens, end-of-text {index['eot']!r} (id {index['eot_id']}); "
+                  f"{index['dtype']} shards; content hash {index['hash'][:12]}; {seconds:.1f} s "
+                  f"({tokens / max(seconds, 1e-9):,.0f} tokens/s)")
