@@ -38,8 +38,9 @@ def prepare_data(
         raise TrainscaleError(f"config {config} names no corpus: add [data] files = [\"...\"] (text, JSONL or "
                               "Parquet); the default Shakespeare plays need no preparing")
     t0 = time.perf_counter()
+    said: list[str] = []
     if as_json:
-        corpus = corpus_for(cfg)
+        corpus = corpus_for(cfg, log=said.append)
     else:
         with Progress(TextColumn("{task.description:<24}"), BarColumn(), DownloadColumn(),
                       TimeRemainingColumn(), console=console, transient=False) as bar:
@@ -50,15 +51,20 @@ def prepare_data(
                     tasks[stage] = bar.add_task(stage, total=max(total, 1))
                 bar.update(tasks[stage], completed=done, total=max(total, 1))
 
-            corpus = corpus_for(cfg, progress=progress, log=console.print)
+            def log(msg: str) -> None:
+                said.append(msg)
+                console.print(msg)
+
+            corpus = corpus_for(cfg, progress=progress, log=log)
     seconds = time.perf_counter() - t0
     index = corpus.index
+    noop = any("already prepared" in m for m in said)
     if as_json:
-        emit_json({"folder": str(corpus.folder), "seconds": seconds, **index})
+        emit_json({"folder": str(corpus.folder), "seconds": seconds, "already_prepared": noop, **index})
         return
     from rich.table import Table
 
-    t = Table(title=f"prepared corpus {corpus.folder}")
+    t = Table(title="prepared corpus")
     for col in ("split", "documents", "tokens", "shards"):
         t.add_column(col, justify="left" if col == "split" else "right")
     for split in ("train", "val"):
@@ -67,6 +73,8 @@ def prepare_data(
                   str(len(s["shards"])))
     console.print(t)
     tokens = sum(index["splits"][s]["tokens"] for s in ("train", "val"))
+    console.print(f"folder: {corpus.folder}")
     console.print(f"tokenizer: {index['vocab_size']:,} tokens, end-of-text {index['eot']!r} (id {index['eot_id']}); "
-                  f"{index['dtype']} shards; content hash {index['hash'][:12]}; {seconds:.1f} s "
-                  f"({tokens / max(seconds, 1e-9):,.0f} tokens/s)")
+                  f"{index['dtype']} shards; content hash {index['hash'][:12]}")
+    if not noop:
+        console.print(f"{seconds:.1f} s, {tokens / max(seconds, 1e-9):,.0f} tokens/s")

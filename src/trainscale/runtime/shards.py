@@ -579,9 +579,12 @@ def _build(req: DataRequest, sources: list[Source], hashes: list[str], digest: s
     if tok is None and not tok_path.exists():
         if progress:
             progress("training the tokenizer", 0, 1)
-        tok = train_bpe(_train_texts(sources, units, s, req.max_chars), vocab, eot)
-        if tok.get_vocab_size() < 257:
-            raise TrainscaleError(f"the corpus is empty: {', '.join(req.files)} hold no training text")
+        seen = {"train": 0, "val": 0}
+        tok = train_bpe(_train_texts(sources, units, s, req.max_chars, seen), vocab, eot)
+        if progress:
+            progress("training the tokenizer", 1, 1)
+        if not seen["train"]:
+            _no_train(req, seen["val"])
         log(f"trained a byte-level BPE of {tok.get_vocab_size():,} tokens")
     if tok is not None:
         _atomic_write(tok_path, tok.to_str())
@@ -636,13 +639,24 @@ def _unit_bytes(sources: list[Source], u: Unit) -> int:
     return u.end - u.start
 
 
-def _train_texts(sources: list[Source], units: list[Unit], s: Settings, max_chars: int | None) -> Iterator[str]:
-    """The train split's documents, in order, up to ``max_chars`` characters: what the BPE learns from."""
+def _no_train(req: DataRequest, held_out_docs: int) -> None:
+    if held_out_docs:
+        raise TrainscaleError(f"all {held_out_docs} document(s) went to the held-out split; give more documents "
+                              "or a smaller data.held_out")
+    raise TrainscaleError(f"the corpus is empty: {', '.join(req.files)} hold no text")
+
+
+def _train_texts(sources: list[Source], units: list[Unit], s: Settings, max_chars: int | None,
+                 seen: dict[str, int]) -> Iterator[str]:
+    """The train split's documents, in order, up to ``max_chars`` characters: what the BPE learns from.
+    ``seen`` counts the documents met per split."""
     left = max_chars if max_chars is not None else float("inf")
     for u in units:
-        for key, text, _end in documents(sources[u.source], u.source, u, s, sources[u.source].size):
+        for key, text, end in documents(sources[u.source], u.source, u, s, sources[u.source].size):
             if s.is_held_out(key):
+                seen["val"] += int(end)
                 continue
+            seen["train"] += int(end)
             yield text[: int(min(left, len(text)))]
             left -= len(text)
             if left <= 0:
@@ -660,7 +674,7 @@ def _finish(req: DataRequest, sources: list[Source], hashes: list[str], units: l
                                                                                       for m in metas),
                          "shards": shards}
     if splits["train"]["tokens"] == 0:
-        raise TrainscaleError(f"the corpus is empty: {', '.join(req.files)} hold no text")
+        _no_train(req, splits["val"]["documents"])
     if splits["val"]["tokens"] == 0:
         raise TrainscaleError(f"no document of the {splits['train']['documents']} went to the held-out split; "
                               "give more documents or a larger data.held_out")
