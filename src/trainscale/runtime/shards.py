@@ -341,11 +341,6 @@ def train_bpe(texts: Iterator[str], vocab_size: int, eot: str = "<|endoftext|>")
 _TOKENIZER: tuple[str, Any] | None = None  # (path, Tokenizer): loaded once per worker process
 
 
-def _worker_init() -> None:
-    os.environ["RAYON_NUM_THREADS"] = "1"  # one thread per worker process: the pool is the parallelism
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
 def _tokenizer(path: str):
     global _TOKENIZER
     if _TOKENIZER is None or _TOKENIZER[0] != path:
@@ -604,32 +599,85 @@ def _build(req: DataRequest, sources: list[Source], hashes: list[str], digest: s
     progress_done = sum(unit_size[i] for i in done)
     workers = min(req.workers or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                   else os.cpu_count() or 1), len(todo))
-    args = [(str(work), sources[u.source], u.source, u, s, str(tok_path), eot_id, dtype) for u in todo]
     if progress:
         progress("tokenizing", progress_done, total)
     if workers <= 1:
-        for a in args:
-            tokenize_unit(*a)
-            progress_done += unit_size[a[3].index]
+        for u in todo:
+            tokenize_unit(str(work), sources[u.source], u.source, u, s, str(tok_path), eot_id, dtype)
+            progress_done += unit_size[u.index]
             if progress:
                 progress("tokenizing", progress_done, total)
     else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        _atomic_write(work / "jobs.json", json.dumps({
+            "sources": [src.__dict__ for src in sources], "todo": [u.__dict__ for u in todo],
+            "settings": s.__dict__, "tokenizer": str(tok_path), "eot_id": eot_id, "dtype": dtype}))
 
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) as pool:
-            futures = {pool.submit(tokenize_unit, *a): a[3].index for a in args}
-            try:
-                for fut in as_completed(futures):
-                    fut.result()
-                    progress_done += unit_size[futures[fut]]
-                    if progress:
-                        progress("tokenizing", progress_done, total)
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+        shown = [len(done)]
+
+        def tick(finished: set[int]) -> None:
+            if progress and len(finished) != shown[0]:
+                shown[0] = len(finished)
+                progress("tokenizing", sum(unit_size[i] for i in finished), total)
+
+        _run_workers(work, workers, {u.index for u in units}, tick)
     return _finish(req, sources, hashes, units, digest, folder, work, vocab_size, eot, eot_id, dtype)
+
+
+def _run_workers(work: Path, n: int, units: set[int], tick: Callable[[set[int]], None]) -> None:
+    """``n`` worker processes (``python -m trainscale.runtime.shards``: plain interpreters that import only
+    numpy and tokenizers, not the caller's modules), each taking every n-th unit of jobs.json; progress is
+    read from the unit markers they write. A worker's bad-input sentence becomes this process's error."""
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    src_root = str(Path(__file__).resolve().parents[2])  # the folder holding the trainscale package
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
+    logs = [open(work / f"worker-{w}.log", "w+") for w in range(n)]  # noqa: SIM115 (closed below)
+    procs = [subprocess.Popen([sys.executable, "-m", "trainscale.runtime.shards", str(work), str(w), str(n)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=logs[w]) for w in range(n)]
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            tick({i for i in units if (work / f"unit-{i:05d}.json").exists()})
+            bad = next((w for w, c in enumerate(codes) if c not in (None, 0)), None)
+            if bad is not None:
+                logs[bad].seek(0)
+                lines = [x for x in logs[bad].read().splitlines() if x.strip()]
+                if codes[bad] == 2 and lines:
+                    raise TrainscaleError(lines[-1])
+                raise RuntimeError(f"prepare-data worker {bad} failed (exit {codes[bad]}): "
+                                   + "\n".join(lines[-20:]))
+            if all(c == 0 for c in codes):
+                return
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+
+
+def _worker_main(argv: list[str]) -> int:
+    """A worker process: ``python -m trainscale.runtime.shards WORK INDEX COUNT``."""
+    import sys
+
+    work, w, n = argv[0], int(argv[1]), int(argv[2])
+    job = json.loads((Path(work) / "jobs.json").read_text())
+    sources = [Source(**x) for x in job["sources"]]
+    settings = Settings(**job["settings"])
+    try:
+        for i, u in enumerate(Unit(**x) for x in job["todo"]):
+            if i % n == w:
+                tokenize_unit(work, sources[u.source], u.source, u, settings, job["tokenizer"], job["eot_id"],
+                              job["dtype"])
+    except TrainscaleError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return 0
 
 
 def _unit_bytes(sources: list[Source], u: Unit) -> int:
@@ -697,3 +745,9 @@ def _finish(req: DataRequest, sources: list[Source], hashes: list[str], units: l
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return ShardCorpus(folder)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_worker_main(sys.argv[1:]))
