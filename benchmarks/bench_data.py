@@ -1,0 +1,162 @@
+"""Your own data, measured: what `prepare-data` costs over tokenising alone, and what reading the shards
+costs a training step.
+
+1. Throughput. A JSONL corpus (the Shakespeare plays' paragraphs, repeated with a line number to reach
+   ``--mb`` megabytes) and a byte-level BPE loaded from a file (trained once, beforehand: tokenizer
+   training is not part of either figure). The baseline is the tokenizer's own batch encode alone
+   (``encode_batch_fast`` on every document, already in memory, with as many threads as the pipeline
+   has worker processes); the pipeline is ``prepare`` from scratch with that many workers: hashing the
+   inputs, reading and parsing the JSONL, splitting by document, encoding, packing, writing the shards,
+   counting unigrams, the index. Best of ``--repeats`` each; the pipeline's overhead is
+   time(pipeline) / time(encode alone) - 1 (target <= 20 %).
+2. The loader's share of a step. configs/small.toml's model trained single-process on those shards: the
+   median step time (train_step, loader included) against the median time of the loader's
+   ``next_batch`` alone for the same batches (target <= 1 %).
+
+    .venv/bin/python benchmarks/bench_data.py [--mb 32] [--workers 2] [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_corpus(folder: Path, mb: float) -> tuple[Path, list[str]]:
+    from trainscale.runtime.data import corpus_text
+
+    paragraphs = [p for split in ("train", "val") for p in corpus_text(split).split("\n\n") if p.strip()]
+    docs, size, i = [], 0, 0
+    while size < mb * 1e6:
+        doc = f"{i}. {paragraphs[i % len(paragraphs)]}"
+        docs.append(doc)
+        size += len(doc.encode()) + 12
+        i += 1
+    path = folder / "corpus.jsonl"
+    with open(path, "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    return path, docs
+
+
+def encode_alone(tok_path: Path, docs: list[str], threads: int, repeats: int) -> tuple[float, int]:
+    """Best time of the tokenizer's batch encode over all documents, in a fresh process with ``threads``
+    rayon threads (the setting is read once per process)."""
+    import subprocess
+
+    code = (f"import json,sys,time\nfrom tokenizers import Tokenizer\ntok=Tokenizer.from_file({str(tok_path)!r})\n"
+            f"docs=[json.loads(x)['text'] for x in open(sys.argv[1])]\nbest=1e9\n"
+            f"for _ in range({repeats}):\n t=time.perf_counter(); encs=tok.encode_batch_fast(docs,"
+            f" add_special_tokens=False); best=min(best,time.perf_counter()-t)\n"
+            f"print(json.dumps([best, sum(len(e.ids) for e in encs)]))")
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
+    docs_file = tok_path.parent / "docs.jsonl"
+    with open(docs_file, "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    out = subprocess.run([sys.executable, "-c", code, str(docs_file)], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    best, tokens = json.loads(out)
+    return best, tokens
+
+
+def pipeline(jsonl: Path, tok_path: Path, workers: int, folder: Path, repeats: int) -> tuple[float, dict]:
+    from trainscale.runtime import shards
+
+    best, index = float("inf"), {}
+    for _ in range(repeats):
+        shutil.rmtree(folder, ignore_errors=True)
+        req = shards.DataRequest(files=(str(jsonl),), tokenizer=str(tok_path), folder=str(folder), workers=workers,
+                                 settings=shards.Settings(unit_bytes=4 << 20))
+        t = time.perf_counter()
+        corpus = shards.prepare(req, 1 << 16, folder.parent)
+        best = min(best, time.perf_counter() - t)
+        index = corpus.index
+    return best, index
+
+
+def loader_share(prepared: Path, steps: int) -> dict:
+    import torch
+
+    from trainscale.runtime.config import load_config
+    from trainscale.runtime.data import TokenLoader
+    from trainscale.runtime.train import Trainer
+    from trainscale.specs import Layout
+
+    index = json.loads((prepared / "index.json").read_text())
+    cfg = load_config(ROOT / "configs" / "small.toml", {
+        "train": {"steps": steps}, "model": {"vocab_size": max(2048, index["vocab_size"])},
+        "data": {"files": [index["sources"][0]["path"]], "tokenizer": str(prepared / "tokenizer.json"),
+                 "prepared": str(prepared), "shard_mb": 4.0}})
+    trainer = Trainer(cfg, Layout(), out=None, log=lambda _m: None)
+    times = [trainer.train_step()["step_time_s"] for _ in range(steps)][2:]
+    loader = TokenLoader(trainer.corpus.tokens("train"), cfg.train.seq_len, cfg.train.global_batch, seed=1)
+    reads = []
+    for _ in range(200):
+        t = time.perf_counter()
+        loader.next_batch()
+        reads.append(time.perf_counter() - t)
+    step, read = statistics.median(times), statistics.median(reads)
+    return {"step_s": step, "loader_s": read, "share": read / step, "threads": torch.get_num_threads(),
+            "tokens_per_step": cfg.train.global_batch * cfg.train.seq_len}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=float, default=32.0, help="corpus size (MB of JSONL)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=12, help="training steps timed for the loader's share")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from trainscale.runtime import shards
+    from trainscale.runtime.data import corpus_text
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-data-"))
+    try:
+        jsonl, docs = make_corpus(tmp, args.mb)
+        tok_path = tmp / "tokenizer.json"
+        shards.train_bpe(iter([corpus_text("train")]), args.vocab).save(str(tok_path))
+        rows = []
+        for w in sorted({1, args.workers}):
+            t_encode, n_tokens = encode_alone(tok_path, docs, w, args.repeats)
+            t_pipe, index = pipeline(jsonl, tok_path, w, tmp / "prepared", args.repeats)
+            tokens = index["splits"]["train"]["tokens"] + index["splits"]["val"]["tokens"]
+            assert tokens == n_tokens + len(docs), (tokens, n_tokens, len(docs))  # + an end-of-text per document
+            rows.append({"workers": w, "encode_alone_s": t_encode, "pipeline_s": t_pipe,
+                         "encode_alone_tokens_per_s": n_tokens / t_encode, "pipeline_tokens_per_s": tokens / t_pipe,
+                         "pipeline_overhead": t_pipe / t_encode - 1})
+        share = loader_share(tmp / "prepared", args.steps)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    res = {"corpus_mb": args.mb, "documents": len(docs), "tokens": tokens, "vocab": args.vocab, "rows": rows,
+           "loader": share, "load_average": load}
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average {load:.1f}; "
+          f"corpus {args.mb:.0f} MB JSONL, {len(docs):,} documents, {tokens:,} tokens, BPE vocab {args.vocab:,}")
+    print(f"| processes / threads | encode alone s (best of {args.repeats}) | encode alone tokens/s | prepare-data s "
+          "| prepare-data tokens/s | pipeline overhead (target <= +20 %) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workers']} | {r['encode_alone_s']:.2f} | {r['encode_alone_tokens_per_s']:,.0f} | "
+              f"{r['pipeline_s']:.2f} | {r['pipeline_tokens_per_s']:,.0f} | {r['pipeline_overhead']:+.1%} |")
+    print(f"loader: {share['loader_s'] * 1e6:,.0f} us per batch of {share['tokens_per_step']:,} tokens against a "
+          f"{share['step_s'] * 1e3:,.1f} ms step (configs/small.toml, 1 process): {share['share']:.3%} of step time "
+          "(target <= 1 %)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
