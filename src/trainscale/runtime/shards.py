@@ -556,6 +556,9 @@ def prepare(req: DataRequest, model_vocab: int, cache: Path, progress: Progress 
         return ShardCorpus(folder)
 
     work = folder.with_name(f".{folder.name}.partial-{digest[:16]}")
+    for stale in folder.parent.glob(f".{folder.name}.partial-*") if folder.parent.exists() else ():
+        if stale != work:  # an interrupted run on inputs that have changed since: of no use now
+            shutil.rmtree(stale, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     try:
         return _build(req, sources, hashes, digest, folder, work, tok, vocab, eot, progress, log)
