@@ -4,10 +4,11 @@ costs a training step.
 1. Throughput. A JSONL corpus (the Shakespeare plays' paragraphs, repeated with a line number to reach
    ``--mb`` megabytes) and a byte-level BPE loaded from a file (trained once, beforehand: tokenizer
    training is not part of either figure). The baseline is the tokenizer's own batch encode alone
-   (``encode_batch_fast`` on every document, already in memory, with as many threads as the pipeline
-   has worker processes); the pipeline is ``prepare`` from scratch with that many workers: hashing the
-   inputs, reading and parsing the JSONL, splitting by document, encoding, packing, writing the shards,
-   counting unigrams, the index. Best of ``--repeats`` each; the pipeline's overhead is
+   (``encode_batch_fast`` on every document, already in memory, in the pipeline's batches, with as many
+   threads as the pipeline has worker processes, reading each encoding's ids); the pipeline is
+   ``prepare`` from scratch with that many workers: hashing the inputs, starting the workers, reading
+   and parsing the JSONL, splitting by document, encoding, packing, writing the shards, counting
+   unigrams, the index. Best of ``--repeats`` each; the pipeline's overhead is
    time(pipeline) / time(encode alone) - 1 (target <= 20 %).
 2. The loader's share of a step. configs/small.toml's model trained single-process on those shards: the
    median step time (train_step, loader included) against the median time of the loader's
@@ -49,16 +50,36 @@ def make_corpus(folder: Path, mb: float) -> tuple[Path, list[str]]:
     return path, docs
 
 
-def encode_alone(tok_path: Path, docs: list[str], threads: int, repeats: int) -> tuple[float, int]:
-    """Best time of the tokenizer's batch encode over all documents, in a fresh process with ``threads``
-    rayon threads (the setting is read once per process)."""
+def encode_alone(tok_path: Path, docs: list[str], threads: int, repeats: int) -> tuple[float, float, int]:
+    """Best time of the tokenizer's batch encode over all documents, in the batches the pipeline uses
+    (runtime/shards.py BATCH_CHARS / BATCH_DOCS), in a fresh process with ``threads`` rayon threads (the
+    setting is read once per process); the documents are in memory before the clock starts."""
     import subprocess
 
-    code = (f"import json,sys,time\nfrom tokenizers import Tokenizer\ntok=Tokenizer.from_file({str(tok_path)!r})\n"
-            f"docs=[json.loads(x)['text'] for x in open(sys.argv[1])]\nbest=1e9\n"
-            f"for _ in range({repeats}):\n t=time.perf_counter(); encs=tok.encode_batch_fast(docs,"
-            f" add_special_tokens=False); best=min(best,time.perf_counter()-t)\n"
-            f"print(json.dumps([best, sum(len(e.ids) for e in encs)]))")
+    from trainscale.runtime.shards import BATCH_CHARS, BATCH_DOCS
+
+    code = f"""
+import json, sys, time
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file({str(tok_path)!r})
+docs = [json.loads(x)["text"] for x in open(sys.argv[1])]
+batches, cur, size = [], [], 0
+for d in docs:
+    cur.append(d)
+    size += len(d)
+    if size >= {BATCH_CHARS} or len(cur) >= {BATCH_DOCS}:
+        batches.append(cur)
+        cur, size = [], 0
+batches.append(cur)
+best, cpu = 1e9, 1e9
+for _ in range({repeats}):
+    t, c = time.perf_counter(), time.process_time()
+    n = 0
+    for b in batches:
+        n += sum(len(e.ids) for e in tok.encode_batch_fast(b, add_special_tokens=False))
+    best, cpu = min(best, time.perf_counter() - t), min(cpu, time.process_time() - c)
+print(json.dumps([best, cpu, n]))
+"""
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
     docs_file = tok_path.parent / "docs.jsonl"
     with open(docs_file, "w") as f:
@@ -66,23 +87,28 @@ def encode_alone(tok_path: Path, docs: list[str], threads: int, repeats: int) ->
             f.write(json.dumps({"text": d}) + "\n")
     out = subprocess.run([sys.executable, "-c", code, str(docs_file)], env=env, capture_output=True, text=True,
                          check=True).stdout
-    best, tokens = json.loads(out)
-    return best, tokens
+    best, cpu, tokens = json.loads(out)
+    return best, cpu, tokens
 
 
-def pipeline(jsonl: Path, tok_path: Path, workers: int, folder: Path, repeats: int) -> tuple[float, dict]:
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the worker processes), all threads."""
+    import resource
+
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def pipeline(jsonl: Path, tok_path: Path, workers: int, folder: Path) -> tuple[float, float, dict]:
+    """One prepare from scratch: -> (wall s, CPU s, index)."""
     from trainscale.runtime import shards
 
-    best, index = float("inf"), {}
-    for _ in range(repeats):
-        shutil.rmtree(folder, ignore_errors=True)
-        req = shards.DataRequest(files=(str(jsonl),), tokenizer=str(tok_path), folder=str(folder), workers=workers,
-                                 settings=shards.Settings(unit_bytes=4 << 20))
-        t = time.perf_counter()
-        corpus = shards.prepare(req, 1 << 16, folder.parent)
-        best = min(best, time.perf_counter() - t)
-        index = corpus.index
-    return best, index
+    shutil.rmtree(folder, ignore_errors=True)
+    req = shards.DataRequest(files=(str(jsonl),), tokenizer=str(tok_path), folder=str(folder), workers=workers,
+                             settings=shards.Settings(unit_bytes=4 << 20))
+    t, c = time.perf_counter(), _cpu()
+    corpus = shards.prepare(req, 1 << 16, folder.parent)
+    return time.perf_counter() - t, _cpu() - c, corpus.index
 
 
 def loader_share(prepared: Path, steps: int) -> dict:
@@ -130,13 +156,19 @@ def main() -> None:
         shards.train_bpe(iter([corpus_text("train")]), args.vocab).save(str(tok_path))
         rows = []
         for w in sorted({1, args.workers}):
-            t_encode, n_tokens = encode_alone(tok_path, docs, w, args.repeats)
-            t_pipe, index = pipeline(jsonl, tok_path, w, tmp / "prepared", args.repeats)
+            # alternately, so that the machine's load hits both alike; the best of each
+            enc, pipe = [], []
+            for _ in range(args.repeats):
+                enc.append(encode_alone(tok_path, docs, w, 1))
+                pipe.append(pipeline(jsonl, tok_path, w, tmp / "prepared"))
+            t_encode, c_encode, n_tokens = min(e[0] for e in enc), min(e[1] for e in enc), enc[0][2]
+            t_pipe, c_pipe, index = min(p[0] for p in pipe), min(p[1] for p in pipe), pipe[0][2]
             tokens = index["splits"]["train"]["tokens"] + index["splits"]["val"]["tokens"]
             assert tokens == n_tokens + len(docs), (tokens, n_tokens, len(docs))  # + an end-of-text per document
             rows.append({"workers": w, "encode_alone_s": t_encode, "pipeline_s": t_pipe,
+                         "encode_alone_cpu_s": c_encode, "pipeline_cpu_s": c_pipe,
                          "encode_alone_tokens_per_s": n_tokens / t_encode, "pipeline_tokens_per_s": tokens / t_pipe,
-                         "pipeline_overhead": t_pipe / t_encode - 1})
+                         "pipeline_overhead": t_pipe / t_encode - 1, "pipeline_cpu_overhead": c_pipe / c_encode - 1})
         share = loader_share(tmp / "prepared", args.steps)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,12 +177,14 @@ def main() -> None:
            "loader": share, "load_average": load}
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average {load:.1f}; "
           f"corpus {args.mb:.0f} MB JSONL, {len(docs):,} documents, {tokens:,} tokens, BPE vocab {args.vocab:,}")
-    print(f"| processes / threads | encode alone s (best of {args.repeats}) | encode alone tokens/s | prepare-data s "
-          "| prepare-data tokens/s | pipeline overhead (target <= +20 %) |")
-    print("|---|---|---|---|---|---|")
+    print(f"| processes / threads | encode alone: wall s, CPU s (best of {args.repeats}) | tokens/s | prepare-data: "
+          "wall s, CPU s | tokens/s | overhead, wall | overhead, CPU (target <= +20 %) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workers']} | {r['encode_alone_s']:.2f} | {r['encode_alone_tokens_per_s']:,.0f} | "
-              f"{r['pipeline_s']:.2f} | {r['pipeline_tokens_per_s']:,.0f} | {r['pipeline_overhead']:+.1%} |")
+        print(f"| {r['workers']} | {r['encode_alone_s']:.2f}, {r['encode_alone_cpu_s']:.2f} | "
+              f"{r['encode_alone_tokens_per_s']:,.0f} | {r['pipeline_s']:.2f}, {r['pipeline_cpu_s']:.2f} | "
+              f"{r['pipeline_tokens_per_s']:,.0f} | {r['pipeline_overhead']:+.1%} | "
+              f"{r['pipeline_cpu_overhead']:+.1%} |")
     print(f"loader: {share['loader_s'] * 1e6:,.0f} us per batch of {share['tokens_per_step']:,} tokens against a "
           f"{share['step_s'] * 1e3:,.1f} ms step (configs/small.toml, 1 process): {share['share']:.3%} of step time "
           "(target <= 1 %)")

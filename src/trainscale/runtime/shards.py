@@ -44,6 +44,7 @@ JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 PARQUET_SUFFIXES = {".parquet", ".pq"}
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
+BATCH_CHARS, BATCH_DOCS = 1 << 20, 4096  # documents go to the tokenizer's batch encode in batches this big
 
 
 # --------------------------------------------------------------------------- inputs
@@ -185,8 +186,29 @@ class Settings:
     unit_bytes: int = 32 << 20
 
     def is_held_out(self, key: str) -> bool:
-        h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-        return h / 2**64 < self.held_out
+        """Whether the document named ``key`` is held out (a whole plain-text file, ``documents = "file"``)."""
+        return bool(self.held_mask(key, 1)[0])
+
+    def held_mask(self, key: str, n: int) -> np.ndarray:
+        """Held out or not, for the ``n`` documents of the unit named ``key``: splitmix64 (Steele, Lea &
+        Flood 2014) of the document's number, seeded by a hash of the key, below ``held_out`` x 2^64."""
+        seed = np.uint64(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little"))
+        with np.errstate(over="ignore"):
+            z = seed + (np.arange(n, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            z = z ^ (z >> np.uint64(31))
+        return z < np.uint64(min(int(self.held_out * 2.0**64), 2**64 - 1))
+
+
+@dataclass
+class Docs:
+    """One unit's documents: texts, held out or not, and whether each ends its document (None: all do;
+    a plain-text file read as one document spans units, and only its last piece ends it)."""
+
+    texts: list[str]
+    held: np.ndarray
+    ends: list[bool] | None = None
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -205,50 +227,72 @@ def _decode(raw: bytes, path: str, start: int) -> str:
                               ) from None
 
 
-def documents(src: Source, si: int, unit: Unit, s: Settings, file_size: int) -> Iterator[tuple[str, str, bool]]:
-    """-> (document key, text, ends the document) for one unit; a document split over units (a plain
-    text file read as one document) yields its pieces with ``ends`` false until the last."""
+def unit_documents(src: Source, si: int, unit: Unit, s: Settings) -> Docs:
+    """The documents of one unit, with their split."""
     if src.format == "parquet":
-        yield from _parquet_documents(src, si, unit, s)
-        return
+        texts = _parquet_texts(src, unit, s)
+        return Docs(texts, s.held_mask(f"{si}:{unit.start}", len(texts)))
     with open(src.path, "rb") as f:
         f.seek(unit.start)
         raw = f.read(unit.end - unit.start)
     if src.format == "jsonl":
-        offset = unit.start
-        for line in raw.split(b"\n"):
-            here, offset = offset, offset + len(line) + 1
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise TrainscaleError(f"data file {src.path} line {_line_number(src.path, here)} is not JSON") from None
-            if not isinstance(obj, dict) or s.text_field not in obj:
-                raise TrainscaleError(f"data file {src.path} line {_line_number(src.path, here)} has no "
-                                      f"'{s.text_field}' field") from None
-            text = obj[s.text_field]
-            if not isinstance(text, str):
-                raise TrainscaleError(f"data file {src.path} line {_line_number(src.path, here)}: "
-                                      f"'{s.text_field}' is not a string")
-            yield f"{si}:{here}", text, True
-        return
+        texts = _jsonl_texts(raw, src.path, unit.start, s.text_field)
+        return Docs(texts, s.held_mask(f"{si}:{unit.start}", len(texts)))
     text = _decode(raw, src.path, unit.start).replace("\r\n", "\n")
     if s.documents == "file":
         # pieces of ~64 KB cut after a newline, so the tokenizer's batch encode can spread them over threads
-        pieces = re.findall(r"(?s).{1,65536}?(?:\n|$)", text) if len(text) > 65536 else [text]
-        last = unit.end >= file_size
-        for i, piece in enumerate(pieces):
-            if piece:
-                yield f"{si}", piece, last and i == len(pieces) - 1
-        return
-    for i, para in enumerate(re.split(r"\n[ \t\f\v]*\n", text)):
-        para = para.strip("\n")
-        if para.strip():
-            yield f"{si}:{unit.start}:{i}", para, True
+        pieces = [p for p in re.findall(r"(?s).{1,65536}?(?:\n|$)", text) if p] if len(text) > 65536 else [text]
+        ends = [False] * len(pieces)
+        ends[-1] = unit.end >= src.size
+        return Docs(pieces, np.full(len(pieces), s.is_held_out(f"{si}")), ends)
+    paragraphs = [p.strip("\n") for p in re.split(r"\n[ \t\f\v]*\n", text)]
+    texts = [p for p in paragraphs if p.strip()]
+    return Docs(texts, s.held_mask(f"{si}:{unit.start}", len(texts)))
 
 
-def _parquet_documents(src: Source, si: int, unit: Unit, s: Settings) -> Iterator[tuple[str, str, bool]]:
+def _jsonl_texts(raw: bytes, path: str, start: int, field: str) -> list[str]:
+    """The ``field`` of each non-blank line: read by pyarrow's JSON reader (C++, only that field), and
+    line by line with the json module only to name the line at fault."""
+    try:
+        import pyarrow as pa
+        import pyarrow.json as pj
+
+        table = pj.read_json(pa.BufferReader(raw), read_options=pj.ReadOptions(use_threads=False,
+                                                                                block_size=max(1 << 20, len(raw) + 1)),
+                             parse_options=pj.ParseOptions(explicit_schema=pa.schema([(field, pa.string())]),
+                                                           unexpected_field_behavior="ignore"))
+        column = table.column(field)
+        if column.null_count == 0:
+            return column.to_pylist()
+    except ImportError:
+        try:
+            lines = [ln for ln in raw.decode("utf-8").split("\n") if ln.strip()]
+            objs = json.loads("[" + ",".join(lines) + "]")
+            texts = [o[field] for o in objs]
+            if len(objs) == len(lines) and all(type(t) is str for t in texts):
+                return texts
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, IndexError):
+            pass
+    except Exception:  # noqa: BLE001 (pyarrow.lib.ArrowInvalid and kin): find the line below
+        pass
+    offset = start
+    for line in raw.split(b"\n"):
+        here, offset = offset, offset + len(line) + 1
+        if not line.strip():
+            continue
+        where = f"data file {path} line {_line_number(path, here)}"
+        try:
+            obj = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise TrainscaleError(f"{where} is not JSON") from None
+        if not isinstance(obj, dict) or field not in obj:
+            raise TrainscaleError(f"{where} has no '{field}' field")
+        if not isinstance(obj[field], str):
+            raise TrainscaleError(f"{where}: '{field}' is not a string")
+    raise TrainscaleError(f"data file {path} has lines that are not one JSON object each")
+
+
+def _parquet_texts(src: Source, unit: Unit, s: Settings) -> list[str]:
     import pyarrow as pa
 
     pf = _parquet(src.path)
@@ -258,14 +302,11 @@ def _parquet_documents(src: Source, si: int, unit: Unit, s: Settings) -> Iterato
     field = pf.schema_arrow.field(s.text_field)
     if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
         raise TrainscaleError(f"data file {src.path}: column '{s.text_field}' holds {field.type}, not text")
-    row0 = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start))
-    for g in range(unit.start, unit.end):
-        texts = pf.read_row_group(g, columns=[s.text_field]).column(0).to_pylist()
-        for i, text in enumerate(texts):
-            if text is None:
-                raise TrainscaleError(f"data file {src.path} row {row0 + i} has no '{s.text_field}' (null)")
-            yield f"{si}:{row0 + i}", text, True
-        row0 += len(texts)
+    column = pf.read_row_groups(list(range(unit.start, unit.end)), columns=[s.text_field]).column(0)
+    if column.null_count:
+        row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start)) + column.is_null().index(True).as_py()
+        raise TrainscaleError(f"data file {src.path} row {row} has no '{s.text_field}' (null)")
+    return column.to_pylist()
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -377,39 +418,44 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _batches(texts: list[str]) -> Iterator[tuple[int, int]]:
+    """[a, b) ranges of ``texts`` of about BATCH_CHARS characters or BATCH_DOCS documents."""
+    a, size = 0, 0
+    for i, t in enumerate(texts):
+        size += len(t)
+        if size >= BATCH_CHARS or i + 1 - a >= BATCH_DOCS:
+            yield a, i + 1
+            a, size = i + 1, 0
+    if a < len(texts):
+        yield a, len(texts)
+
+
 def tokenize_unit(work: str, src: Source, si: int, unit: Unit, s: Settings, tokenizer: str, eot: int,
                   dtype: str) -> dict[str, int]:
     """Tokenise one unit into ``train-NNNNN.npy`` and ``val-NNNNN.npy``; ``unit-NNNNN.json`` last marks it done."""
+    import gc
+
     tok = _tokenizer(tokenizer)
-    out: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    docs = {"train": 0, "val": 0}
-    batch: dict[str, tuple[list[str], list[bool]]] = {"train": ([], []), "val": ([], [])}
-    size = {"train": 0, "val": 0}
-    chars = 0
+    gc.disable()  # millions of short-lived id lists: the cyclic collector would only scan them
+    try:
+        return _tokenize_unit(work, tok, src, si, unit, s, eot, dtype)
+    finally:
+        gc.enable()
 
-    def flush(split: str) -> None:
-        texts, ends = batch[split]
-        if texts:
-            out[split].append(encode(tok, texts, ends, eot, dtype))
-        batch[split] = ([], [])
-        size[split] = 0
 
-    for key, text, end in documents(src, si, unit, s, src.size):
-        split = "val" if s.is_held_out(key) else "train"
-        batch[split][0].append(text)
-        batch[split][1].append(end)
-        docs[split] += int(end)
-        size[split] += len(text)
-        chars += len(text)
-        if size[split] >= 1 << 20 or len(batch[split][0]) >= 4096:
-            flush(split)
-    meta = {"unit": unit.index, "chars": chars}
+def _tokenize_unit(work: str, tok, src: Source, si: int, unit: Unit, s: Settings, eot: int,
+                   dtype: str) -> dict[str, int]:
+    docs = unit_documents(src, si, unit, s)
+    meta = {"unit": unit.index, "chars": sum(map(len, docs.texts))}
     folder = Path(work)
-    for split in ("train", "val"):
-        flush(split)
-        arr = np.concatenate(out[split]) if out[split] else np.zeros(0, dtype=dtype)
+    for split, held in (("train", False), ("val", True)):
+        keep = np.flatnonzero(docs.held == held)
+        texts = docs.texts if len(keep) == len(docs.texts) else [docs.texts[i] for i in keep]
+        ends = [True] * len(texts) if docs.ends is None else [docs.ends[i] for i in keep]
+        pieces = [encode(tok, texts[a:b], ends[a:b], eot, dtype) for a, b in _batches(texts)]
+        arr = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
         _atomic_save(folder / f"{split}-{unit.index:05d}.npy", arr)
-        meta[f"{split}_tokens"], meta[f"{split}_docs"] = int(arr.size), docs[split]
+        meta[f"{split}_tokens"], meta[f"{split}_docs"] = int(arr.size), sum(ends)
     _atomic_write(folder / f"unit-{unit.index:05d}.json", json.dumps(meta))
     return meta
 
@@ -703,8 +749,10 @@ def _train_texts(sources: list[Source], units: list[Unit], s: Settings, max_char
     ``seen`` counts the documents met per split."""
     left = max_chars if max_chars is not None else float("inf")
     for u in units:
-        for key, text, end in documents(sources[u.source], u.source, u, s, sources[u.source].size):
-            if s.is_held_out(key):
+        docs = unit_documents(sources[u.source], u.source, u, s)
+        ends = docs.ends or [True] * len(docs.texts)
+        for text, held, end in zip(docs.texts, docs.held, ends, strict=True):
+            if held:
                 seen["val"] += int(end)
                 continue
             seen["train"] += int(end)
