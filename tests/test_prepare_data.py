@@ -95,15 +95,15 @@ def test_jsonl_corpus_trains_below_the_unigram_baseline(tmp_path, jsonl, docs):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "held-out" in p.stdout and "tokens/s" in p.stdout
     index = json.loads((prepared / "index.json").read_text())
-    train, val = index["splits"]["train"], index["splits"]["val"]
-    assert train["documents"] + val["documents"] == len(docs) and 0 < val["documents"] < len(docs) // 10
-    assert len(train["shards"]) >= 5 and index["dtype"] == "uint16" and index["vocab_size"] == 512
+    tr, val = index["splits"]["train"], index["splits"]["val"]
+    assert tr["documents"] + val["documents"] == len(docs) and 0 < val["documents"] < len(docs) // 10
+    assert len(tr["shards"]) >= 5 and index["dtype"] == "uint16" and index["vocab_size"] == 512
     corpus = corpus_for(load_config(cfg))
     stream = corpus.tokens("train")
     ids = stream[0:len(stream)]
-    assert ids.dtype == np.uint16 and len(ids) == train["tokens"]
+    assert ids.dtype == np.uint16 and len(ids) == tr["tokens"]
     # documents packed, each followed by the end-of-text token: one per document, decoding to the document
-    assert int((ids == index["eot_id"]).sum()) == train["documents"] and ids[-1] == index["eot_id"]
+    assert int((ids == index["eot_id"]).sum()) == tr["documents"] and ids[-1] == index["eot_id"]
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(prepared / "tokenizer.json"))
@@ -115,6 +115,7 @@ def test_jsonl_corpus_trains_below_the_unigram_baseline(tmp_path, jsonl, docs):
     # the run reads the shards; its held-out loss beats the unigram baseline
     out = tmp_path / "run"
     info = train(cfg, out)
+    print(f"JSONL: held-out loss {info['eval_loss']:.4f}, unigram baseline {info['unigram_loss']:.4f}")
     assert info["eval_loss"] < info["unigram_loss"] - 0.2, info
     assert (out / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
 
@@ -136,6 +137,7 @@ def test_parquet_folder_with_a_loaded_tokenizer_trains_below_the_unigram_baselin
     assert index["eot"] == "</s>" and index["vocab_size"] == 384  # the loaded tokenizer, its eos_token
     assert index["splits"]["train"]["documents"] + index["splits"]["val"]["documents"] == len(docs)
     assert len(index["sources"]) == 2 and len(index["splits"]["train"]["shards"]) >= 4  # row groups -> shards
+    print(f"Parquet: held-out loss {info['eval_loss']:.4f}, unigram baseline {info['unigram_loss']:.4f}")
     assert info["eval_loss"] < info["unigram_loss"] - 0.2, info
 
 
