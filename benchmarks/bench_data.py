@@ -8,7 +8,9 @@ costs a training step.
    threads as the pipeline has worker processes, reading each encoding's ids); the pipeline is
    ``prepare`` from scratch with that many workers: hashing the inputs, starting the workers, reading
    and parsing the JSONL, splitting by document, encoding, packing, writing the shards, counting
-   unigrams, the index. Best of ``--repeats`` each; the pipeline's overhead is
+   unigrams, the index. Each runs in a fresh process with as many tokenizer threads as workers. The
+   two alternate ``--repeats`` times, best of each, in wall time and in CPU time (all threads and
+   worker processes: steadier on a shared machine); the pipeline's overhead is
    time(pipeline) / time(encode alone) - 1 (target <= 20 %).
 2. The loader's share of a step. configs/small.toml's model trained single-process on those shards: the
    median step time (train_step, loader included) against the median time of the loader's
@@ -91,24 +93,32 @@ print(json.dumps([best, cpu, n]))
     return best, cpu, tokens
 
 
-def _cpu() -> float:
-    """CPU seconds of this process and its finished children (the worker processes), all threads."""
-    import resource
+def pipeline(jsonl: Path, tok_path: Path, workers: int, folder: Path) -> tuple[float, float, dict]:
+    """One prepare from scratch in a fresh process whose tokenizer gets ``workers`` threads (as the encode
+    alone does; with one worker the work runs in that process): -> (wall s, CPU s of the process, its
+    threads and its worker processes, index)."""
+    import subprocess
 
+    shutil.rmtree(folder, ignore_errors=True)
+    code = f"""
+import json, resource, time
+from pathlib import Path
+from trainscale.runtime import shards
+
+def cpu():
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
-
-def pipeline(jsonl: Path, tok_path: Path, workers: int, folder: Path) -> tuple[float, float, dict]:
-    """One prepare from scratch: -> (wall s, CPU s, index)."""
-    from trainscale.runtime import shards
-
-    shutil.rmtree(folder, ignore_errors=True)
-    req = shards.DataRequest(files=(str(jsonl),), tokenizer=str(tok_path), folder=str(folder), workers=workers,
-                             settings=shards.Settings(unit_bytes=4 << 20))
-    t, c = time.perf_counter(), _cpu()
-    corpus = shards.prepare(req, 1 << 16, folder.parent)
-    return time.perf_counter() - t, _cpu() - c, corpus.index
+req = shards.DataRequest(files=({str(jsonl)!r},), tokenizer={str(tok_path)!r}, folder={str(folder)!r},
+                         workers={workers}, settings=shards.Settings(unit_bytes=4 << 20))
+t, c = time.perf_counter(), cpu()
+shards.prepare(req, 1 << 16, Path({str(folder.parent)!r}))
+print(json.dumps([time.perf_counter() - t, cpu() - c]))
+"""
+    env = dict(os.environ, RAYON_NUM_THREADS=str(workers))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    wall, cpu = json.loads(out)
+    return wall, cpu, json.loads((folder / "index.json").read_text())
 
 
 def loader_share(prepared: Path, steps: int) -> dict:
