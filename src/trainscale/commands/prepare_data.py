@@ -17,15 +17,14 @@ def register(app: typer.Typer) -> None:
 
 
 def prepare_data(
-    config: Path = typer.Option(..., "--config", help="training config TOML whose [data] names the corpus"),
+    config: Path = typer.Option(..., "--config", help="training config TOML whose data.files names the corpus"),
     workers: int = typer.Option(None, help="tokenising processes (default: the config's data.workers, 0: one "
                                 "per CPU)"),
     as_json: bool = typer.Option(False, "--json", help="no progress bar; print the shard index as JSON"),
 ) -> None:
-    """Tokenise [data] files (text, JSONL, Parquet) into token shards with a train/held-out split.
+    """Tokenise the config's data files (text, JSONL, Parquet) into token shards, train/held-out split.
 
-    Resumable (finished shards are kept if interrupted); a no-op when the inputs, tokenizer and settings
-    have not changed."""
+    Resumable (finished shards are kept if interrupted); a no-op when the inputs, tokenizer and settings have not changed."""  # noqa: E501
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from trainscale.runtime.config import load_config
