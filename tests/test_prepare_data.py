@@ -178,6 +178,9 @@ def test_rerun_is_a_noop_interrupted_run_resumes_and_workers_do_not_matter(tmp_p
     n_units = len(two.index["splits"]["train"]["shards"])
     assert any(m.startswith(f"resuming: 3 of {n_units} shards") for m in said), said
     assert not partial.exists()
+    names = {p.name for p in two.folder.iterdir()}
+    assert {"index.json", "tokenizer.json", "unigram.npy"} <= names
+    assert all(n.endswith((".npy", ".json")) and not n.startswith(("worker-", "jobs")) for n in names), names
     # the same shards, whatever the worker count and interruptions
     assert one.index["hash"] == two.index["hash"]
     for split in ("train", "val"):

@@ -787,6 +787,8 @@ def _finish(req: DataRequest, sources: list[Source], hashes: list[str], units: l
              "eot": eot, "eot_id": eot_id, "dtype": dtype, "splits": splits, "unigram": "unigram.npy",
              "settings": {**req.settings.__dict__, "format": req.format},
              "sources": [{**src.__dict__, "sha256": h} for src, h in zip(sources, hashes, strict=True)]}
+    for leftover in [*work.glob("*.tmp-*"), *work.glob("worker-*.log"), work / "jobs.json"]:
+        leftover.unlink(missing_ok=True)  # an interrupted run's half-written files, the workers' bookkeeping
     _atomic_write(work / "index.json", json.dumps(index, indent=1))
     old = None
     if folder.exists():
