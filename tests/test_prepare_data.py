@@ -209,6 +209,12 @@ def test_plain_text_files_and_globs(tmp_path):
     idx = c.index
     assert idx["splits"]["train"]["documents"] + idx["splits"]["val"]["documents"] == paragraphs
     assert idx["vocab_size"] == 300 and len(idx["sources"]) == 5
+    # cut into many small units (at blank lines): the same paragraphs, none split
+    small = shards.DataRequest(**{**req.__dict__, "settings": shards.Settings(held_out=0.1, unit_bytes=2000),
+                                  "folder": str(tmp_path / "small")})
+    small_idx = shards.prepare(small, 512, tmp_path).index
+    assert len(small_idx["splits"]["train"]["shards"]) > 25
+    assert small_idx["splits"]["train"]["documents"] + small_idx["splits"]["val"]["documents"] == paragraphs
     # a whole file as one document: five documents, one of them (book-1, by its hash) held out
     req = shards.DataRequest(**{**req.__dict__, "settings": shards.Settings(documents="file", held_out=0.1),
                                 "folder": str(tmp_path / "f")})
