@@ -26,6 +26,20 @@ step "4. Train the tiny model on 4 processes (dp2 x tp2), checkpoint every 5 ste
 rm -rf runs/demo
 $TS train --config configs/demo.toml --layout dp2,tp2 --inject crash@step=12,rank=3 --max-restarts 6
 
+step "4b. Your own data: a JSONL file (made here), tokenised once into shards, trained on for 60 steps"
+mkdir -p runs/own-data
+.venv/bin/python - <<'PY'
+import json
+from trainscale.runtime.data import corpus_text
+with open("runs/own-data/corpus.jsonl", "w") as f:  # a document per paragraph, text in "text"
+    for p in corpus_text("train", 400_000).split("\n\n"):
+        if p.strip():
+            f.write(json.dumps({"text": p.strip()}) + "\n")
+PY
+$TS prepare-data --config configs/own-data.toml
+$TS prepare-data --config configs/own-data.toml   # the same inputs again: nothing to do
+$TS train --config configs/own-data.toml --layout dp2
+
 step "5. Quantize what it trained to int4 (groups of 32) and generate from it"
 $TS quantize runs/demo --format int4 --group-size 32 --out runs/demo-int4
 $TS generate runs/demo-int4 --prompt "ROMEO:" --max-new-tokens 40 --seed 1

