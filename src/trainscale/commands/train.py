@@ -90,28 +90,38 @@ def train(
         return
     if why and not as_json:
         console.print(f"[bold]plan:[/bold] {lay} ({why})")
-    env = _prepare(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / "train.log"
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists() and not resume:
-        metrics.unlink()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            rows = _follow(proc, metrics, cfg.train.steps if steps is None else steps, cfg.run.log_every, str(lay),
-                           quiet=as_json)
-        except KeyboardInterrupt:
-            proc.terminate()
-            proc.wait(timeout=30)
-            raise
-    if proc.returncode != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-15:]
-        err = next((ln for ln in reversed(tail) if "trainscale: error:" in ln), None)
-        if err:
-            raise TrainscaleError(err.split("trainscale: error:", 1)[1].strip())
-        sys.stderr.write("\n".join(tail) + "\n")
-        raise TrainscaleError(f"training failed (exit {proc.returncode}); the whole log is {log_path}")
+    from trainscale.runtime import runfolder
+
+    # one machine: this process holds the run folder's lock for the whole job (restarts included) and
+    # names the run; on several machines rank 0 of the job does both (the folder may be shared)
+    lock = runfolder.RunLock(run_dir).acquire() if nnodes == 1 else None
+    try:
+        env = _prepare(cfg)
+        err_file = run_dir / runfolder.ERROR
+        if lock is not None:
+            ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+            env[runfolder.ENV_RUN_ID] = runfolder.claim(run_dir, ckpt_root, cfg, resume)
+            env[runfolder.ENV_ERROR_FILE] = str(err_file)
+            err_file.unlink(missing_ok=True)
+        env[runfolder.ENV_PARENT] = str(os.getpid())
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log_path = run_dir / "train.log"
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and not resume:
+            metrics.unlink()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            try:
+                rows = _follow(proc, metrics, cfg.train.steps if steps is None else steps, cfg.run.log_every,
+                               str(lay), quiet=as_json, error_file=err_file if lock is not None else None)
+            except BaseException:
+                _stop(proc)
+                raise
+        if proc.returncode != 0 or err_file.exists():
+            _raise_failure(err_file, log_path, proc.returncode)
+    finally:
+        if lock is not None:
+            lock.release()
     info = json.loads((run_dir / "run.json").read_text())
     if as_json:
         emit_json(info)
@@ -121,6 +131,41 @@ def train(
     for ln in events:
         console.print(ln, style="yellow", highlight=False, markup=False)
     _summary(info, rows, run_dir)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the torchrun agent (it stops its ranks on SIGTERM), then make sure."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _raise_failure(err_file: Path, log_path: Path, code: int) -> None:
+    """The one sentence that failed the job: a rank's recorded error (exit 2 for bad input such as a refused
+    checkpoint, 1 for a failed job such as a full disk), else the last rank failure in the log."""
+    from trainscale.errors import JobFailed
+    from trainscale.runtime.runfolder import read_json
+
+    if err_file.exists():
+        try:
+            got = read_json(err_file, "error record")
+        except TrainscaleError:
+            got = {}
+        if isinstance(got.get("error"), str):
+            if got.get("exit") == 1:
+                raise JobFailed(got["error"])
+            raise TrainscaleError(got["error"])
+    lines = log_path.read_text(errors="replace").splitlines()
+    err = next((ln for ln in reversed(lines) if "trainscale: error:" in ln), None)
+    if err:
+        raise JobFailed(err.split("trainscale: error:", 1)[1].strip())
+    cause = next((ln.split("failed: ", 1)[1] for ln in reversed(lines)
+                  if "trainscale: rank" in ln and "failed: " in ln), None)
+    raise JobFailed(f"training failed (exit {code}{'; ' + cause if cause else ''}); the whole log is {log_path}")
 
 
 def _compare_plan(config: Path, layouts: str | None, steps: int | None, profile: Path | None, as_json: bool) -> None:
@@ -279,8 +324,9 @@ def _prepare(cfg) -> dict[str, str]:
 
 
 def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, layout: str,
-            quiet: bool) -> list[dict[str, Any]]:
-    """Tail rank 0's metrics.jsonl into a progress bar until the job ends."""
+            quiet: bool, error_file: Path | None = None) -> list[dict[str, Any]]:
+    """Tail rank 0's metrics.jsonl into a progress bar until the job ends (or a rank records a
+    deterministic error, which a restart would only repeat: then the job is stopped)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     rows: list[dict[str, Any]] = []
@@ -299,7 +345,10 @@ def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, l
                 complete = chunk[: chunk.rfind("\n") + 1]
                 pos += len(complete.encode())
                 for line in complete.splitlines():
-                    row = json.loads(line)
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
                     if "loss" not in row:
                         continue
                     rows.append(row)
@@ -311,6 +360,9 @@ def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, l
                             f"step {row['step']:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                             f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%}", highlight=False)
             if done:
+                break
+            if error_file is not None and error_file.exists():
+                _stop(proc)
                 break
             time.sleep(0.2)
     return rows

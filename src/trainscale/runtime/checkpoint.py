@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainscale.errors import TrainscaleError
+from trainscale.errors import JobFailed, TrainscaleError
 
 MANIFEST = "manifest.json"
 METADATA = ".metadata"
@@ -62,7 +62,7 @@ def _fail_sentence(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-class CheckpointSaveError(TrainscaleError):
+class CheckpointSaveError(JobFailed):
     """A save failed (disk full, permissions): the job fails (exit 1); the last committed checkpoint stays."""
 
 

@@ -2,10 +2,17 @@
 sbatch script for a Slurm cluster, and the layout to use when asked to plan one.
 
 Imports no torch at module level: ``trainscale train --help`` and ``launch --slurm`` stay fast.
+
+A single-machine job runs torchrun through ``python -m trainscale.runtime.launch``: the same
+torchrun, with its rendezvous stores listening on 127.0.0.1 only (torchrun's own bind every
+interface), and the agent dying with the CLI that started it (and the ranks with the agent).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -23,14 +30,14 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
     c10d rendezvous at ``rdzv_endpoint`` across ``nnodes`` machines (run the same command on each)."""
     if world % nnodes:
         raise TrainscaleError(f"the layout's {world} processes do not split evenly over {nnodes} nodes")
-    cmd = [python, "-m", "torch.distributed.run"]
     if nnodes == 1 and rdzv_endpoint is None:
-        cmd += ["--standalone"]
+        cmd = [python, "-m", "trainscale.runtime.launch", "--standalone", "--local-addr", "127.0.0.1"]
     else:
         if rdzv_endpoint is None:
             raise TrainscaleError("a multi-node run needs --rdzv-endpoint HOST:PORT (the first node's address)")
-        cmd += ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
-                "--rdzv-id", rdzv_id]
+        check_endpoint(rdzv_endpoint)
+        cmd = [python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
     cmd += ["--nproc-per-node", str(world // nnodes), "--max-restarts", str(max_restarts),
             "-m", "trainscale.runtime.train", "--config", str(config), "--layout", layout, "--out", str(out)]
     if steps is not None:
@@ -42,12 +49,53 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
     return cmd
 
 
+_HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}"
+                   r"[A-Za-z0-9])?)*$")
+
+
+def check_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (a host name, an IPv4 address or a bracketed IPv6 one; port 1-65535) -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TrainscaleError(f"--rdzv-endpoint must be HOST:PORT with a port from 1 to 65535, not {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise TrainscaleError(f"--rdzv-endpoint {text!r} has an invalid IPv6 address") from None
+    elif not _HOST.match(host):
+        raise TrainscaleError(f"--rdzv-endpoint {text!r} does not start with a host name or address")
+    return host, int(port)
+
+
+# Slurm fields: one line each in the script; a newline or shell syntax would inject commands
+_SLURM_FIELD = re.compile(r"^[A-Za-z0-9_.,:+@%=-]{1,200}$")
+_SLURM_TIME = re.compile(r"^(\d+-)?\d{1,4}(:\d{1,2}){0,2}$|^\d+-\d{1,2}$|^(infinite|UNLIMITED)$")
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+@%=,:~-]{1,4000}$")
+
+
+def check_slurm_field(name: str, value: str, pattern: re.Pattern[str] = _SLURM_FIELD) -> str:
+    if not pattern.match(value):
+        shown = value if len(value) < 60 else value[:57] + "..."
+        raise TrainscaleError(f"{name} {shown!r} may hold only letters, digits and _.,:+@%=- (no spaces, newlines "
+                              "or shell syntax)")
+    return value
+
+
 def sbatch_script(config: str | Path, layout: str, out: str | Path, nodes: int, gpus_per_node: int,
                   job_name: str = "trainscale", partition: str | None = None, time_limit: str = "24:00:00",
                   steps: int | None = None, cpus_per_gpu: int = 8, port: int = 29500) -> str:
     """A Slurm batch script: one task per node, each running torchrun with a c10d rendezvous on the
     first node of the allocation (torchrun's documented multi-node pattern)."""
     world = Layout.parse(layout).world_size
+    check_slurm_field("the job name", job_name)
+    check_slurm_field("--time", time_limit, _SLURM_TIME)
+    if partition is not None:
+        check_slurm_field("--partition", partition)
+    check_slurm_field("--out", str(out), _SAFE_PATH)
+    check_slurm_field("the config path", str(config), _SAFE_PATH)
+    if not 0 < port < 65536:
+        raise TrainscaleError(f"the rendezvous port must be from 1 to 65535, not {port}")
     if nodes * gpus_per_node != world:
         raise TrainscaleError(f"layout {layout} needs {world} processes, but {nodes} nodes x {gpus_per_node} GPUs "
                               f"= {nodes * gpus_per_node}")
@@ -121,3 +169,50 @@ def plan_layout(cfg: TrainConfig) -> tuple[str, str]:
 def layout_string(lay: Layout) -> str:
     """The layout as ``Layout.parse`` reads it, micro-batch included."""
     return str(lay)
+
+
+def _local_store_class():
+    """torch's TCPStore, but a server binds 127.0.0.1 only (torchrun's stores bind every interface)."""
+    import socket
+
+    import torch.distributed as dist
+
+    base = dist.TCPStore
+
+    class LocalTCPStore(base):  # type: ignore[misc, valid-type]
+        def __init__(self, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
+                     *args, **kwargs) -> None:
+            if is_master and kwargs.get("master_listen_fd") is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", int(port)))
+                sock.listen(128)
+                port = sock.getsockname()[1]
+                kwargs["master_listen_fd"] = sock.detach()  # the store owns the descriptor now
+            super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
+
+    return LocalTCPStore
+
+
+def local_torchrun(argv: list[str]) -> int:
+    """torchrun for a single-machine job: stores on 127.0.0.1, gloo on the loopback interface, and the
+    agent ends when the process that started it does (its ranks then end with it)."""
+    import signal
+
+    from trainscale.runtime.runfolder import ENV_PARENT, die_with_parent
+
+    die_with_parent(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+    os.environ[ENV_PARENT] = str(os.getpid())  # the ranks check they still have this agent
+    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch.distributed as dist
+
+    dist.TCPStore = _local_store_class()
+    from torch.distributed.run import main
+
+    main(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(local_torchrun(sys.argv[1:]))
