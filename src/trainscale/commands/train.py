@@ -96,13 +96,16 @@ def train(
     # names the run; on several machines rank 0 of the job does both (the folder may be shared)
     lock = runfolder.RunLock(run_dir).acquire() if nnodes == 1 else None
     try:
-        env = _prepare(cfg)
         err_file = run_dir / runfolder.ERROR
+        run_id = None
         if lock is not None:
             ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-            env[runfolder.ENV_RUN_ID] = runfolder.claim(run_dir, ckpt_root, cfg, resume)
-            env[runfolder.ENV_ERROR_FILE] = str(err_file)
+            run_id = runfolder.claim(run_dir, ckpt_root, cfg, resume)
             err_file.unlink(missing_ok=True)
+        env = _prepare(cfg)
+        if run_id is not None:
+            env[runfolder.ENV_RUN_ID] = run_id
+            env[runfolder.ENV_ERROR_FILE] = str(err_file)
         env[runfolder.ENV_PARENT] = str(os.getpid())
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path = run_dir / "train.log"

@@ -62,6 +62,23 @@ def _fail_sentence(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
+def _disk_error(e: BaseException) -> OSError | None:
+    """The storage failure (full disk, permissions) behind a failed save, which a restart would repeat;
+    None for a peer that died mid-save (a communication error: the job fails and restarts). DCP
+    gathers every rank's exception; a full disk shows on some ranks as torch.save's own RuntimeError,
+    so one rank's OSError is enough."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for _, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            if isinstance(inner, BaseException) and (found := _disk_error(inner)) is not None:
+                return found
+        return None
+    if isinstance(e, OSError) and not isinstance(e, ConnectionError):
+        return e
+    return None
+
+
 class CheckpointSaveError(JobFailed):
     """A save failed (disk full, permissions): the job fails (exit 1); the last committed checkpoint stays."""
 
@@ -395,7 +412,9 @@ class CheckpointManager:
                 dcp.save(state, checkpoint_id=str(tmp))
                 self.pending = (step, tmp, None)
         except (Exception, dcp.api.CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            raise self._failed(step, _fail_sentence(e)) from None
+            if (disk := _disk_error(e)) is not None:
+                raise self._failed(step, _fail_sentence(disk)) from None
+            raise  # a peer died: the job fails and restarts
         if not self.async_save:
             self.finish()
         self.save_seconds += time.perf_counter() - t0
@@ -422,7 +441,9 @@ class CheckpointManager:
             try:
                 fut.result()
             except (Exception, dcp.api.CheckpointException) as e:
-                why = _fail_sentence(e)
+                if (disk := _disk_error(e)) is None:
+                    raise
+                why = _fail_sentence(disk)
         if not _all_ok(why is None):
             raise self._failed(step, why)
         if _rank() == 0:
