@@ -9,6 +9,8 @@ from typing import Any
 
 from rich.console import Console
 
+from trainscale.errors import TrainscaleError
+
 console = Console()
 
 
@@ -21,3 +23,77 @@ def short_source(src: str) -> str:
 def emit_json(obj: Any) -> None:
     """Machine output: one JSON object on stdout."""
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+# ------------------------------------------------------------------ the edge: option domains and paths
+
+def number(gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None):
+    """A typer callback: the option (or each of a list's values) is finite and within the bounds; else
+    one sentence, exit code 2. Upper bounds are where a larger value cannot be meant."""
+    import math
+
+    import typer
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return value
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise typer.BadParameter(f"must be a finite number, not {v}")
+            for bound, ok, word in ((gt, lambda b, v=v: v > b, ">"), (ge, lambda b, v=v: v >= b, ">="),
+                                    (lt, lambda b, v=v: v < b, "<"), (le, lambda b, v=v: v <= b, "<=")):
+                if bound is not None and not ok(bound):
+                    raise typer.BadParameter(f"must be {word} {bound:g}, not {v:g}")
+        return value
+
+    return check
+
+
+def input_file(what: str):
+    """A typer callback: an existing, readable regular file (never a FIFO or device)."""
+    import typer
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return value
+        from trainscale.safeio import check_regular
+
+        try:
+            check_regular(value, what)
+        except TrainscaleError as e:
+            raise typer.BadParameter(str(e)) from None
+        return value
+
+    return check
+
+
+def catalog_or_file(what: str):
+    """A typer callback for 'a catalog name or a file': a value that names an existing path must be a
+    regular file (a folder with config.json is fine too)."""
+    import typer
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return value
+        from pathlib import Path
+
+        from trainscale.safeio import check_regular
+
+        if "\0" in str(value) or len(str(value)) > 4096:
+            raise typer.BadParameter(f"{what} must be a name or a path")
+        p = Path(value)
+        try:
+            exists = p.exists()
+        except OSError:
+            exists = False
+        if exists:
+            try:
+                check_regular(p / "config.json" if p.is_dir() else p, what)
+            except TrainscaleError as e:
+                raise typer.BadParameter(str(e)) from None
+        return value
+
+    return check
+
+
+SEED = number(ge=0, lt=2**63)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import SEED, console, emit_json, number
 from trainscale.errors import TrainscaleError
 
 
@@ -17,15 +17,16 @@ def register(app: typer.Typer) -> None:
 
 def lora(
     checkpoint: str = typer.Argument(..., help="model folder or run folder (the frozen base)"),
-    rank: int = typer.Option(8, "--rank", "-r", help="adapter rank r"),
+    rank: int = typer.Option(8, "--rank", "-r", callback=number(gt=0, le=1 << 16), help="adapter rank r"),
     data: str = typer.Option(..., "--data", help="UTF-8 text file to fine-tune on (or corpus:train / corpus:val)"),
-    alpha: float = typer.Option(None, help="LoRA alpha; the update is scaled by alpha / r (default: 2 r)"),
+    alpha: float = typer.Option(None, callback=number(gt=0, le=1e6),
+                                help="LoRA alpha; the update is scaled by alpha / r (default: 2 r)"),
     targets: str = typer.Option("all", help="adapted projections: all, attn, mlp, or names wq,wk,wv,wo,w1,w2,w3"),
-    steps: int = typer.Option(100, help="optimizer steps"),
-    batch: int = typer.Option(8, help="sequences per step"),
-    seq_len: int = typer.Option(128, help="tokens per sequence"),
-    lr: float = typer.Option(2e-3, help="Adam learning rate"),
-    seed: int = typer.Option(0, help="seed for the adapter init and the batches"),
+    steps: int = typer.Option(100, callback=number(gt=0, le=1e7), help="optimizer steps"),
+    batch: int = typer.Option(8, callback=number(gt=0, le=4096), help="sequences per step"),
+    seq_len: int = typer.Option(128, callback=number(gt=0, le=1 << 20), help="tokens per sequence"),
+    lr: float = typer.Option(2e-3, callback=number(gt=0, le=10), help="Adam learning rate"),
+    seed: int = typer.Option(0, callback=SEED, help="seed for the adapter init and the batches"),
     out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-lora-rR beside it)"),
     merge: bool = typer.Option(False, "--merge", help="also fold the adapters into the weights: a plain model folder"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
 
 _SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
@@ -42,18 +42,22 @@ def _settings(pairs: list[str] | None) -> dict[str, float]:
 
 
 def plan(
-    model: str = typer.Option("llama3.1-405b", help="catalog name, TOML file or HF config.json"),
-    gpu: str = typer.Option(None, help="GPU (default: the cluster's, else h100-sxm)"),
-    gpus: int = typer.Option(None, help="number of GPUs (default: the layout's world size, else 16,384)"),
-    seq: int = typer.Option(8192, help="sequence length, tokens"),
+    model: str = typer.Option("llama3.1-405b", callback=catalog_or_file("model"),
+                              help="catalog name, TOML file or HF config.json"),
+    gpu: str = typer.Option(None, callback=catalog_or_file("GPU"), help="GPU (default: the cluster's, else h100-sxm)"),
+    gpus: int = typer.Option(None, callback=number(gt=0, le=1e8),
+                             help="number of GPUs (default: the layout's world size, else 16,384)"),
+    seq: int = typer.Option(8192, callback=number(gt=0, le=1 << 24), help="sequence length, tokens"),
     global_batch_tokens: str = typer.Option(
         "16M", help="tokens per optimizer step; K/M/G are powers of 1024 (Llama 3's '16M' is 2^24)"),
     tokens: str = typer.Option(None, help="training tokens for days and GPU-hours; K/M/B/T are powers of 1000"),
-    cluster: str = typer.Option(None, help="cluster topology (default: a catalog cluster of this GPU)"),
+    cluster: str = typer.Option(None, callback=catalog_or_file("cluster"),
+                                help="cluster topology (default: a catalog cluster of this GPU)"),
     layout: str = typer.Option(None, help="evaluate this layout instead of searching, e.g. "
                                "tp8,cp1,pp16,dp128,mb1,v8,zero2,rc=selective"),
-    top: int = typer.Option(5, help="layouts to show"),
-    profile: str = typer.Option(None, help="TOML/JSON of measured efficiencies replacing the catalog defaults"),
+    top: int = typer.Option(5, callback=number(gt=0, le=10_000), help="layouts to show"),
+    profile: str = typer.Option(None, callback=input_file("profile"),
+                                help="TOML/JSON of measured efficiencies replacing the catalog defaults"),
     set_: list[str] = typer.Option(None, "--set", help="override one planner setting, key=value (repeatable)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:

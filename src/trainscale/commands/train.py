@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
 
 
@@ -43,23 +43,28 @@ def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool):
 
 
 def train(
-    config: Path = typer.Option(..., "--config", help="training config TOML (see configs/)"),
+    config: Path = typer.Option(..., "--config", callback=input_file("config"),
+                                help="training config TOML (see configs/)"),
     layout: str = typer.Option(None, help="parallel layout, e.g. dp2,tp2,pp2 (default: the config's run.layout)"),
-    steps: int = typer.Option(None, help="optimizer steps (default: the config's train.steps)"),
+    steps: int = typer.Option(None, callback=number(gt=0, le=1e9),
+                              help="optimizer steps (default: the config's train.steps)"),
     out: Path = typer.Option(None, help="run folder (default: the config's run.out)"),
     plan: bool = typer.Option(False, "--plan", help="ask the planner for the best layout for this machine"),
-    nnodes: int = typer.Option(1, help="machines in the job (run the same command on each)"),
+    nnodes: int = typer.Option(1, callback=number(gt=0, le=100_000),
+                               help="machines in the job (run the same command on each)"),
     rdzv_endpoint: str = typer.Option(None, help="HOST:PORT of the first machine, for a multi-node rendezvous"),
     resume: bool = typer.Option(False, "--resume", help="continue from the run folder's newest good checkpoint"),
     inject: str = typer.Option(None, help="faults to inject, e.g. 'crash@step=7,rank=1' (crash, hang, slow, "
                                "kill-during-save); checkpoints come from the config's [checkpoint] section"),
-    max_restarts: int = typer.Option(3, help="torchrun restarts after a failure (each resumes from a checkpoint)"),
+    max_restarts: int = typer.Option(3, callback=number(ge=0, le=1000),
+                                     help="torchrun restarts after a failure (each resumes from a checkpoint)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the layout and the torchrun command, run nothing"),
     as_json: bool = typer.Option(False, "--json", help="no progress bar; print run.json at the end"),
     compare_plan: bool = typer.Option(False, "--compare-plan", help="measure the layout(s) instead of training: "
                                       "per-rank state bytes, saved activations, FLOPs and step time next to "
                                       "the prediction; several layouts separated by ';'"),
-    profile: Path = typer.Option(None, help="hardware profile for the step-time prediction (default: the one "
+    profile: Path = typer.Option(None, callback=input_file("hardware profile"),
+                                 help="hardware profile for the step-time prediction (default: the one "
                                  "`trainscale calibrate` wrote; measured first if there is none)"),
 ) -> None:
     """Train a model with real 4D parallelism (torch.distributed: TP+SP, CP, PP, FSDP) on this machine."""
@@ -397,14 +402,14 @@ def _summary(info: dict[str, Any], rows: list[dict[str, Any]], run_dir: Path) ->
 
 
 def launch(
-    config: Path = typer.Option(..., "--config", help="training config TOML"),
+    config: Path = typer.Option(..., "--config", callback=input_file("config"), help="training config TOML"),
     layout: str = typer.Option(..., help="parallel layout; its world size must equal nodes x GPUs per node"),
     slurm: bool = typer.Option(False, "--slurm", help="write a Slurm sbatch script"),
-    nodes: int = typer.Option(..., help="machines"),
-    gpus_per_node: int = typer.Option(8, help="GPUs (processes) per machine"),
+    nodes: int = typer.Option(..., callback=number(gt=0, le=100_000), help="machines"),
+    gpus_per_node: int = typer.Option(8, callback=number(gt=0, le=1024), help="GPUs (processes) per machine"),
     partition: str = typer.Option(None, help="Slurm partition"),
     time_limit: str = typer.Option("24:00:00", "--time", help="Slurm time limit"),
-    steps: int = typer.Option(None, help="optimizer steps (default: the config's)"),
+    steps: int = typer.Option(None, callback=number(gt=0, le=1e9), help="optimizer steps (default: the config's)"),
     out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out)"),
     script: Path = typer.Option(None, help="where to write the script (default: stdout)"),
 ) -> None:
