@@ -92,6 +92,9 @@ def calibrate_command(
     from trainscale.runtime import calibrate as cal
 
     path = Path(out) if out is not None else cal.default_profile_path()
+    from trainscale.safeio import check_output
+
+    check_output(path, "--out", folder=False)
     err = Console(stderr=True)
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True,

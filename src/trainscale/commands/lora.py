@@ -9,6 +9,7 @@ import typer
 
 from trainscale.commands._common import SEED, console, emit_json, number
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import check_output
 
 
 def register(app: typer.Typer) -> None:
@@ -75,6 +76,7 @@ def lora(
     out = out or folder.with_name(f"{folder.name}-lora-r{rank}")
     if out.resolve() == folder.resolve():
         raise TrainscaleError(f"the adapter folder cannot be the base folder {folder}; pick another --out")
+    check_output(out, "--out", folder=True, inputs=(folder, checkpoint))
     cfg = {"rank": rank, "alpha": alpha, "targets": list(names), "steps": steps, "lr": lr, "data": data,
            "losses": res["losses"]}
     save_adapter_folder(out, model, spec, folder, cfg)

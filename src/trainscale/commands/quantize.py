@@ -10,6 +10,7 @@ import typer
 
 from trainscale.commands._common import SEED, console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import check_output
 
 
 def register(app: typer.Typer) -> None:
@@ -56,6 +57,7 @@ def quantize(
         raise TrainscaleError(f"--eval-tokens must be >= 0, not {eval_tokens}")
     src = find_folder(checkpoint)
     out = out or src.with_name(f"{src.name}-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
+    check_output(out, "--out", folder=True, inputs=(src, checkpoint))
     t0 = time.perf_counter()
     res = save_quantized(src, out, cfg)
     secs = time.perf_counter() - t0

@@ -55,6 +55,10 @@ def reliability(
             raise TrainscaleError(f"{name} must be {ok} and finite, not {v}")
     if plot is not None and plot.suffix.lower() != ".png":
         raise TrainscaleError(f"--plot must name a .png file, not {plot}")
+    if plot is not None:
+        from trainscale.safeio import check_output
+
+        check_output(plot, "--plot", folder=False)
     rep = rel.reliability_report(
         model=model, gpus=gpus, days=days,
         interval_s=None if interval_min is None else interval_min * 60,

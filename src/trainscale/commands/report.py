@@ -32,6 +32,9 @@ def report(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Write the HTML report (PNG + SVG figures, numbers as text) into --out; opens nothing."""
+    from trainscale.safeio import check_output
+
+    check_output(out, "--out", folder=True, inputs=tuple(x for x in (run,) if x is not None))
     from trainscale.errors import TrainscaleError
     from trainscale.report.build import build_report
 

@@ -15,6 +15,7 @@ import typer
 
 from trainscale.commands._common import console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import check_output
 
 
 def register(app: typer.Typer) -> None:
@@ -77,6 +78,7 @@ def train(
         raise TrainscaleError(f"--nnodes must be positive, not {nnodes}")
     cfg, layout_text, lay, why = _resolve(config, layout, steps, plan)
     run_dir = out or Path(cfg.run.out)
+    check_output(run_dir, "the run folder", folder=True)
     from trainscale.runtime.faults import parse_faults
 
     parse_faults(inject)  # a bad fault spec is a one-line error here, not a crash in every worker
@@ -426,6 +428,7 @@ def launch(
     if script is None:
         sys.stdout.write(text)
         return
+    check_output(script, "--script", folder=False, inputs=(config,))
     script.write_text(text)
     script.chmod(0o755)
     console.print(f"wrote {script}: sbatch {script}  ({lay.world_size} processes, layout {lay})")
