@@ -97,3 +97,18 @@ def catalog_or_file(what: str):
 
 
 SEED = number(ge=0, lt=2**63)
+
+
+MAX_PROCESSES = 100_000_000  # more GPUs than any cluster has or will soon
+
+
+def parse_layout(text: str) -> Any:
+    """``Layout.parse`` with a bound: a layout asking for more processes than any cluster is refused."""
+    from trainscale.specs import Layout
+
+    lay = Layout.parse(text)
+    degrees = (lay.tp, lay.cp, lay.pp, lay.dp, lay.mb, lay.v, lay.hsdp)
+    if max(degrees) > MAX_PROCESSES or lay.world_size > MAX_PROCESSES:
+        raise TrainscaleError(f"layout '{text}' asks for {lay.world_size:.3g} processes; at most "
+                              f"{MAX_PROCESSES:,} are supported")
+    return lay

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number
+from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number, parse_layout
 from trainscale.errors import TrainscaleError
 
 _SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
@@ -25,7 +25,10 @@ def parse_count(text: str | None, what: str, base: int) -> float | None:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgbt]?)\s*", text.lower())
     if not m:
         raise TrainscaleError(f"{what} '{text}' is not a number (suffixes K, M, G/B, T are allowed)")
-    return float(m.group(1)) * base ** _SUFFIX.get(m.group(2), 0)
+    value = float(m.group(1)) * base ** _SUFFIX.get(m.group(2), 0)
+    if not 0 < value <= 1e18:  # also refuses 1e400 (inf) and 0
+        raise TrainscaleError(f"{what} must be a positive number of at most 1e18, not '{text}'")
+    return value
 
 
 def _settings(pairs: list[str] | None) -> dict[str, float]:
@@ -63,7 +66,6 @@ def plan(
 ) -> None:
     """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days."""
     from trainscale.estimate import plan as planner
-    from trainscale.specs import Layout
 
     gbt = parse_count(global_batch_tokens, "--global-batch-tokens", 1024)
     train = parse_count(tokens, "--tokens", 1000)
@@ -71,7 +73,7 @@ def plan(
         raise TrainscaleError(f"--global-batch-tokens must be a whole number of tokens, not {global_batch_tokens}")
     if top <= 0:
         raise TrainscaleError(f"--top must be positive, not {top}")
-    lay = Layout.parse(layout) if layout is not None else None
+    lay = parse_layout(layout) if layout is not None else None
     if gpus is None:
         gpus = lay.world_size if lay is not None else 16384
     p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_))

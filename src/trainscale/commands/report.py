@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number
+from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number, parse_layout
 
 
 def register(app: typer.Typer) -> None:
@@ -35,6 +35,8 @@ def report(
     from trainscale.safeio import check_output
 
     check_output(out, "--out", folder=True, inputs=tuple(x for x in (run,) if x is not None))
+    if layout:
+        parse_layout(layout)
     from trainscale.errors import TrainscaleError
     from trainscale.report.build import build_report
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number
+from trainscale.commands._common import console, emit_json, input_file, number, parse_layout
 from trainscale.errors import TrainscaleError
 from trainscale.safeio import check_output
 
@@ -25,7 +25,6 @@ def register(app: typer.Typer) -> None:
 
 def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool):
     from trainscale.runtime.config import check_layout, load_config
-    from trainscale.specs import Layout
 
     if steps is not None and steps <= 0:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
@@ -38,7 +37,7 @@ def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool):
 
         layout, why = plan_layout(cfg)
     layout = layout if layout is not None else cfg.run.layout
-    lay = Layout.parse(layout)
+    lay = parse_layout(layout)
     check_layout(cfg, lay)
     return cfg, layout, lay, why
 
@@ -181,13 +180,12 @@ def _raise_failure(err_file: Path, log_path: Path, code: int) -> None:
 def _compare_plan(config: Path, layouts: str | None, steps: int | None, profile: Path | None, as_json: bool) -> None:
     """``train --compare-plan``: run each layout under the measuring worker, print predicted vs measured."""
     from trainscale.runtime.config import check_layout, load_config
-    from trainscale.specs import Layout
 
     if steps is not None and steps <= 0:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
     cfg = load_config(config)
     texts = [x.strip() for x in (layouts if layouts is not None else cfg.run.layout).split(";")]
-    lays = [Layout.parse(x) for x in texts]
+    lays = [parse_layout(x) for x in texts]
     for lay in lays:
         check_layout(cfg, lay)
     prof = _load_profile(cfg, config, profile, max(lay.world_size for lay in lays), quiet=as_json)
