@@ -79,3 +79,16 @@ def check_output(path: str | Path, what: str, folder: bool, inputs: tuple[str | 
     if not os.access(probe, os.W_OK | os.X_OK) or str(probe).startswith(("/proc", "/sys")):
         raise TrainscaleError(f"{what} {p} cannot be written: {probe} is not writable")
     return p
+
+
+MODEL_FOLDER_FILES = ("model.json", "model.safetensors", "quantized.safetensors", "adapter.json",
+                      "adapter.safetensors", "tokenizer.json", "config.json")
+
+
+def check_folder_files(folder: str | Path, names: tuple[str, ...] = MODEL_FOLDER_FILES) -> None:
+    """Every one of ``names`` that is present in ``folder`` is a regular file: a FIFO or a device named
+    model.json would block the reader, a folder named so would fail deep inside it."""
+    for name in names:
+        p = Path(folder) / name
+        if os.path.lexists(p):
+            check_regular(p, "model folder file")

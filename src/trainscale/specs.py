@@ -294,11 +294,32 @@ def load_model(ref: str | Path | dict[str, Any]) -> ModelSpec:
     if path.is_dir() and (path / "config.json").exists():
         path = path / "config.json"
     if path.suffix == ".json" and path.exists():
-        from trainscale.safeio import check_regular
-
-        check_regular(path, "model file")  # a FIFO named config.json would block the read
+        _check_hf_config(path)
         return model_from_hf_config(path)
     return _load("models", ModelSpec, ref, "model")
+
+
+_HF_INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "max_position_embeddings", "head_dim")
+
+
+def _check_hf_config(path: Path) -> None:
+    """The edge before ``model_from_hf_config``: a regular file (a FIFO would block), UTF-8 JSON, an
+    object whose size fields, where given, are positive integers (a 0 or a string would divide by zero
+    or fail deep inside); one sentence otherwise."""
+    from trainscale.safeio import read_text
+
+    text = read_text(path, "model file")
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise TrainscaleError(f"model file {path} cannot be read as JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise TrainscaleError(f"model file {path} is not a JSON object")
+    for key in _HF_INTS:
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise TrainscaleError(f"model file {path}: {key} must be a positive integer, not {v!r}")
 
 
 def model_from_hf_config(path: Path) -> ModelSpec:

@@ -80,7 +80,7 @@ def train(
     check_output(run_dir, "the run folder", folder=True)
     from trainscale.runtime.faults import parse_faults
 
-    parse_faults(inject)  # a bad fault spec is a one-line error here, not a crash in every worker
+    parse_faults(inject, lay.world_size)  # a bad fault spec is a one-line error here, not a crash in every worker
     if max_restarts < 0:
         raise TrainscaleError(f"--max-restarts must be >= 0, not {max_restarts}")
     cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
