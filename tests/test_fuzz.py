@@ -61,6 +61,7 @@ def cli(*args: str) -> tuple[int, str, str]:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
                 pytest.MonkeyPatch.context() as mp:
             mp.setattr(sys, "argv", ["trainscale", *argv])
+            mp.chdir(Path(os.environ.get("FUZZ_TMP", "/tmp")) / "cwd")  # '' and '.' outputs land there
             mp.setenv("TRAINSCALE_CRASH_LOG", str(Path(os.environ.get("FUZZ_TMP", "/tmp")) / "fuzz-crash.log"))
             try:
                 main()
@@ -131,6 +132,7 @@ def toml_value(v) -> str:
 def tmp(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("fuzz")
     os.environ["FUZZ_TMP"] = str(d)
+    (d / "cwd").mkdir()
     os.mkfifo(d / "fifo.toml")
     os.mkfifo(d / "fifo.json")
     (d / "folder.toml").mkdir()
@@ -333,7 +335,7 @@ def test_paths(tmp, model_dir):
     m = str(model_dir)
     commands = {
         "train --config": lambda p: ["train", "--config", p, "--dry-run"],
-        "train --out": lambda p: ["train", "--config", str(TINY), "--out", p, "--steps", "1", "--json"],
+        "train --out": lambda p: ["train", "--config", str(TINY), "--out", p, "--dry-run"],
         "train --profile": lambda p: ["train", "--config", str(TINY), "--compare-plan", "--profile", p],
         "launch --config": lambda p: ["launch", "--slurm", "--config", p, "--nodes", "1", "--layout", ""],
         "launch --script": lambda p: ["launch", "--slurm", "--config", str(TINY), "--nodes", "1", "--gpus-per-node",
@@ -366,9 +368,14 @@ def test_paths(tmp, model_dir):
         "export OUT hf": lambda p: ["export", m, p, "--to", "hf", "--json"],
         "export OUT gguf": lambda p: ["export", m, p, "--to", "gguf", "--json"],
     }
+    failures = []
     for make in commands.values():
         for p in paths(tmp):
-            cli(*make(p))
+            try:
+                cli(*make(p))
+            except AssertionError as e:  # collect them all: one run shows every path bug
+                failures.append(str(e).splitlines()[0][:300])
+    assert not failures, "\n".join(failures)
     # outputs never overwrite their input
     for out in (m, str(model_dir / "final"), str(model_dir / "final" / "sub")):
         code, _, err = cli("export", m, out, "--to", "hf")

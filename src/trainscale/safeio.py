@@ -54,12 +54,18 @@ def check_output(path: str | Path, what: str, folder: bool, inputs: tuple[str | 
     p = Path(path)
     if not str(path).strip() or "\0" in str(path):
         raise TrainscaleError(f"{what} must be a path, not {str(path)!r}")
+    if len(os.fsencode(str(p))) > 4000 or any(len(os.fsencode(part)) > 255 for part in p.parts):
+        raise TrainscaleError(f"{what} {str(p)[:60]}... is longer than a path can be")
     resolved = p.resolve()
     for src in inputs:
         s = Path(src).resolve()
         if _inside(resolved, s) or (not folder and resolved == s):
             raise TrainscaleError(f"{what} {p} is inside its own input {src}; write it somewhere else")
-    if p.exists() or p.is_symlink():
+    try:
+        present = p.exists() or p.is_symlink()
+    except OSError as e:
+        raise TrainscaleError(f"{what} {p} cannot be used: {e.strerror}") from None
+    if present:
         try:
             mode = os.stat(p).st_mode
         except OSError as e:

@@ -271,11 +271,19 @@ def _read_toml(path: Path, what: str) -> dict[str, Any]:
         raise TrainscaleError(f"{what} file {path} cannot be read: {e}") from None
 
 
+def _present(path: Path) -> bool:
+    """Whether ``path`` exists; a name too long (or otherwise unusable) is simply not there."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
 def _load(kind: str, cls: type[BaseModel], ref: str | Path, what: str) -> Any:
     path = Path(ref)
     if str(ref) in _catalog(kind):
         return _build(cls, {"name": str(ref), **_catalog(kind)[str(ref)]}, f"{what} '{ref}'")
-    if path.suffix == ".toml" and path.exists():
+    if path.suffix == ".toml" and _present(path):
         data = _read_toml(path, what)
         data.setdefault("name", path.stem)
         return _build(cls, data, f"{what} file {path}")
@@ -291,9 +299,9 @@ def load_model(ref: str | Path | dict[str, Any]) -> ModelSpec:
     if isinstance(ref, dict):
         return _build(ModelSpec, dict(ref), "model")
     path = Path(ref)
-    if path.is_dir() and (path / "config.json").exists():
+    if _present(path / "config.json"):
         path = path / "config.json"
-    if path.suffix == ".json" and path.exists():
+    if path.suffix == ".json" and _present(path):
         _check_hf_config(path)
         return model_from_hf_config(path)
     return _load("models", ModelSpec, ref, "model")

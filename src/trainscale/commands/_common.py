@@ -112,3 +112,23 @@ def parse_layout(text: str) -> Any:
         raise TrainscaleError(f"layout '{text}' asks for {lay.world_size:.3g} processes; at most "
                               f"{MAX_PROCESSES:,} are supported")
     return lay
+
+
+def input_folder(what: str):
+    """A typer callback: an existing folder."""
+    import typer
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return value
+        import os
+
+        try:
+            ok = os.path.isdir(value)
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise typer.BadParameter(f"{what} {str(value)[:200]} is not an existing folder")
+        return value
+
+    return check

@@ -73,7 +73,7 @@ def lora(
     pred_params = lora_trainable_params(spec, rank, names)
     pred_opt = lora_optimizer_bytes(spec, rank, names)
     folder = find_folder(src)
-    out = out or folder.with_name(f"{folder.name}-lora-r{rank}")
+    out = out or folder.resolve().with_name(f"{folder.resolve().name}-lora-r{rank}")
     if out.resolve() == folder.resolve():
         raise TrainscaleError(f"the adapter folder cannot be the base folder {folder}; pick another --out")
     check_output(out, "--out", folder=True, inputs=(folder, checkpoint))

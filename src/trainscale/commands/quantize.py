@@ -56,7 +56,7 @@ def quantize(
     if eval_tokens < 0:
         raise TrainscaleError(f"--eval-tokens must be >= 0, not {eval_tokens}")
     src = find_folder(checkpoint)
-    out = out or src.with_name(f"{src.name}-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
+    out = out or src.resolve().with_name(f"{src.resolve().name}-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
     check_output(out, "--out", folder=True, inputs=(src, checkpoint))
     t0 = time.perf_counter()
     res = save_quantized(src, out, cfg)

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number, parse_layout
+from trainscale.commands._common import (
+    catalog_or_file,
+    console,
+    emit_json,
+    input_file,
+    input_folder,
+    number,
+    parse_layout,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -25,7 +33,8 @@ def report(
     tokens: float = typer.Option(None, callback=number(gt=0, le=1e18),
                                  help="training tokens (default: Llama 3.1's 15.6T)"),
     mfu: float = typer.Option(0.40, callback=number(gt=0, le=1), help="MFU for time and energy"),
-    run: Path = typer.Option(None, "--run", help="a trainscale run folder to report on"),
+    run: Path = typer.Option(None, "--run", callback=input_folder("run folder"),
+                             help="a trainscale run folder to report on"),
     plan: Path = typer.Option(None, "--plan", callback=input_file("plan JSON"),
                               help="the JSON of 'trainscale plan --json' (sets model, GPUs, layout)"),
     check: bool = typer.Option(False, help="open the page in headless Chromium and check every image loads"),

@@ -16,8 +16,12 @@ from trainscale.specs import ModelSpec, load_model
 
 def find_folder(path: str | Path) -> Path:
     p = Path(path)
-    if not p.exists():
-        raise TrainscaleError(f"checkpoint {path} does not exist")
+    try:
+        present = p.exists()
+    except (OSError, ValueError):
+        present = False
+    if not present:
+        raise TrainscaleError(f"checkpoint {str(path)[:200]} does not exist")
     if (p / "final" / "model.json").exists():
         p = p / "final"
     if not p.is_dir() or not (p / "model.json").exists():
