@@ -114,8 +114,8 @@ def parse_layout(text: str) -> Any:
     return lay
 
 
-def input_folder(what: str):
-    """A typer callback: an existing folder."""
+def input_folder(what: str, holding: str | None = None):
+    """A typer callback: an existing folder (holding the regular file ``holding``, if given)."""
     import typer
 
     def check(value: Any) -> Any:
@@ -129,6 +129,13 @@ def input_folder(what: str):
             ok = False
         if not ok:
             raise typer.BadParameter(f"{what} {str(value)[:200]} is not an existing folder")
+        if holding is not None:
+            from trainscale.safeio import check_regular
+
+            try:
+                check_regular(os.path.join(value, holding), f"{what}'s")
+            except TrainscaleError as e:
+                raise typer.BadParameter(str(e)) from None
         return value
 
     return check

@@ -49,6 +49,11 @@ def lora(
         raise TrainscaleError(f"--lr must be positive, not {lr}")
     alpha = 2.0 * rank if alpha is None else alpha
     model, spec, src = load_for_inference(checkpoint)
+    base = find_folder(src)  # where the adapters go is checked before any training
+    out = out or base.resolve().with_name(f"{base.resolve().name}-lora-r{rank}")
+    if out.resolve() == base.resolve():
+        raise TrainscaleError(f"the adapter folder cannot be the base folder {base}; pick another --out")
+    check_output(out, "--out", folder=True, inputs=(base, checkpoint))
     try:
         names = lora_targets(spec, targets)
     except ValueError as e:
@@ -73,10 +78,6 @@ def lora(
     pred_params = lora_trainable_params(spec, rank, names)
     pred_opt = lora_optimizer_bytes(spec, rank, names)
     folder = find_folder(src)
-    out = out or folder.resolve().with_name(f"{folder.resolve().name}-lora-r{rank}")
-    if out.resolve() == folder.resolve():
-        raise TrainscaleError(f"the adapter folder cannot be the base folder {folder}; pick another --out")
-    check_output(out, "--out", folder=True, inputs=(folder, checkpoint))
     cfg = {"rank": rank, "alpha": alpha, "targets": list(names), "steps": steps, "lr": lr, "data": data,
            "losses": res["losses"]}
     save_adapter_folder(out, model, spec, folder, cfg)

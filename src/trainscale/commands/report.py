@@ -33,7 +33,7 @@ def report(
     tokens: float = typer.Option(None, callback=number(gt=0, le=1e18),
                                  help="training tokens (default: Llama 3.1's 15.6T)"),
     mfu: float = typer.Option(0.40, callback=number(gt=0, le=1), help="MFU for time and energy"),
-    run: Path = typer.Option(None, "--run", callback=input_folder("run folder"),
+    run: Path = typer.Option(None, "--run", callback=input_folder("run folder", "metrics.jsonl"),
                              help="a trainscale run folder to report on"),
     plan: Path = typer.Option(None, "--plan", callback=input_file("plan JSON"),
                               help="the JSON of 'trainscale plan --json' (sets model, GPUs, layout)"),
