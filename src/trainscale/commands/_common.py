@@ -7,6 +7,7 @@ import re
 import sys
 from typing import Any
 
+import typer
 from rich.console import Console
 
 from trainscale.errors import TrainscaleError
@@ -27,41 +28,55 @@ def emit_json(obj: Any) -> None:
 
 # ------------------------------------------------------------------ the edge: option domains and paths
 
+def _opt(param: Any) -> str:
+    """The option's name as the user typed it (--seq-len), or the argument's (CHECKPOINT)."""
+    opts = [o for o in getattr(param, "opts", []) if o.startswith("--")]
+    return max(opts, key=len) if opts else str(getattr(param, "name", "value")).upper()
+
+
 def number(gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None):
-    """A typer callback: the option (or each of a list's values) is finite and within the bounds; else
-    one sentence, exit code 2. Upper bounds are where a larger value cannot be meant."""
+    """A typer callback: the option is finite and within the bounds; else one sentence (TrainscaleError:
+    exit code 2). Upper bounds are where a larger value cannot be meant."""
     import math
 
-    import typer
 
-    def check(value: Any) -> Any:
+    def check(param: typer.CallbackParam, value: Any) -> Any:
         if value is None:
             return value
-        for v in value if isinstance(value, list | tuple) else [value]:
-            if isinstance(v, float) and not math.isfinite(v):
-                raise typer.BadParameter(f"must be a finite number, not {v}")
-            for bound, ok, word in ((gt, lambda b, v=v: v > b, ">"), (ge, lambda b, v=v: v >= b, ">="),
-                                    (lt, lambda b, v=v: v < b, "<"), (le, lambda b, v=v: v <= b, "<=")):
-                if bound is not None and not ok(bound):
-                    raise typer.BadParameter(f"must be {word} {bound:g}, not {v:g}")
-        return value
+        name, v = _opt(param), value
+        if isinstance(v, float) and not math.isfinite(v):
+            raise TrainscaleError(f"{name} must be a finite number, not {v}")
+        low_ok = (gt is None or v > gt) and (ge is None or v >= ge)
+        high_ok = (lt is None or v < lt) and (le is None or v <= le)
+        if low_ok and high_ok:
+            return value
+        hi = le if le is not None else lt
+        if hi is not None and hi <= 1 and (gt is not None or ge is not None):  # a fraction: name the interval
+            lo = gt if gt is not None else ge
+            raise TrainscaleError(f"{name} must be in {'(' if gt is not None else '['}{lo:g}, {hi:g}"
+                                  f"{']' if le is not None else ')'}, not {v:g}")
+        if not low_ok:
+            kind = "integer" if isinstance(v, int) else "number"
+            if gt == 0:
+                raise TrainscaleError(f"{name} must be a positive {kind}, not {v:g}")
+            if ge == 0:
+                raise TrainscaleError(f"{name} must be a non-negative {kind}, not {v:g}")
+            raise TrainscaleError(f"{name} must be {'>' if gt is not None else '>='} {gt if gt is not None else ge:g}, "
+                                  f"not {v:g}")
+        raise TrainscaleError(f"{name} must be at most {hi:g}{'' if le is not None else ' (exclusive)'}, not {v:g}")
 
     return check
 
 
 def input_file(what: str):
     """A typer callback: an existing, readable regular file (never a FIFO or device)."""
-    import typer
 
     def check(value: Any) -> Any:
         if value is None:
             return value
         from trainscale.safeio import check_regular
 
-        try:
-            check_regular(value, what)
-        except TrainscaleError as e:
-            raise typer.BadParameter(str(e)) from None
+        check_regular(value, what)
         return value
 
     return check
@@ -70,7 +85,6 @@ def input_file(what: str):
 def catalog_or_file(what: str):
     """A typer callback for 'a catalog name or a file': a value that names an existing path must be a
     regular file (a folder with config.json is fine too)."""
-    import typer
 
     def check(value: Any) -> Any:
         if value is None:
@@ -80,17 +94,14 @@ def catalog_or_file(what: str):
         from trainscale.safeio import check_regular
 
         if "\0" in str(value) or len(str(value)) > 4096:
-            raise typer.BadParameter(f"{what} must be a name or a path")
+            raise TrainscaleError(f"{what} must be a name or a path")
         p = Path(value)
         try:
             exists = p.exists()
         except OSError:
             exists = False
         if exists:
-            try:
-                check_regular(p / "config.json" if p.is_dir() else p, what)
-            except TrainscaleError as e:
-                raise typer.BadParameter(str(e)) from None
+            check_regular(p / "config.json" if p.is_dir() else p, what)
         return value
 
     return check
@@ -116,7 +127,6 @@ def parse_layout(text: str) -> Any:
 
 def input_folder(what: str, holding: str | None = None):
     """A typer callback: an existing folder (holding the regular file ``holding``, if given)."""
-    import typer
 
     def check(value: Any) -> Any:
         if value is None:
@@ -128,14 +138,11 @@ def input_folder(what: str, holding: str | None = None):
         except (OSError, ValueError):
             ok = False
         if not ok:
-            raise typer.BadParameter(f"{what} {str(value)[:200]} is not an existing folder")
+            raise TrainscaleError(f"{what} {str(value)[:200]} is not an existing folder")
         if holding is not None:
             from trainscale.safeio import check_regular
 
-            try:
-                check_regular(os.path.join(value, holding), f"{what}'s")
-            except TrainscaleError as e:
-                raise typer.BadParameter(str(e)) from None
+            check_regular(os.path.join(value, holding), f"{what}'s")
         return value
 
     return check
