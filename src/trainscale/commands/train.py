@@ -185,6 +185,10 @@ def _compare_plan(config: Path, layouts: str | None, steps: int | None, profile:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
     cfg = load_config(config)
     texts = [x.strip() for x in (layouts if layouts is not None else cfg.run.layout).split(";")]
+    if len(texts) > 1 and not all(texts):
+        raise TrainscaleError("--compare-plan: a layout between ';' is empty; give each one, e.g. 'dp2;tp2'")
+    if len(texts) > 64:
+        raise TrainscaleError(f"--compare-plan measures at most 64 layouts at once, not {len(texts)}")
     lays = [parse_layout(x) for x in texts]
     for lay in lays:
         check_layout(cfg, lay)
