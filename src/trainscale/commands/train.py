@@ -112,7 +112,10 @@ def train(
         if run_id is not None:
             env[runfolder.ENV_RUN_ID] = run_id
             env[runfolder.ENV_ERROR_FILE] = str(err_file)
-        env[runfolder.ENV_PARENT] = str(os.getpid())
+        if "trainscale.runtime.launch" in cmd:  # our torchrun wrapper ends with this process (PDEATHSIG)
+            env[runfolder.ENV_PARENT] = str(os.getpid())
+        else:
+            env.pop(runfolder.ENV_PARENT, None)
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path = run_dir / "train.log"
         metrics = run_dir / "metrics.jsonl"
