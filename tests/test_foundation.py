@@ -301,7 +301,7 @@ def test_explain_other_model_and_human_output():
     (("explain", "--model", "gpt9"), "unknown model 'gpt9'"),
     (("explain", "--gpu", "h900"), "unknown GPU 'h900'"),
     (("explain", "--mfu", "1.5"), "--mfu must be in"),
-    (("explain", "--gpus", "0"), "--gpus must be positive"),
+    (("explain", "--gpus", "0"), "--gpus must be a positive integer"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
     r = run_cli(*args)

@@ -65,7 +65,9 @@ def test_plan_and_dry_run_on_this_machine():
     p = ts("train", "--config", str(TINY), "--plan", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
-    assert "torch.distributed.run" in info["command"] and "trainscale.runtime.train" in info["command"]
+    # one machine: torchrun through trainscale.runtime.launch (stores on 127.0.0.1, agent dies with the CLI)
+    assert "trainscale.runtime.launch" in info["command"] and "trainscale.runtime.train" in info["command"]
+    assert info["command"][info["command"].index("--local-addr") + 1] == "127.0.0.1"
     if not torch.cuda.is_available():
         assert info["world_size"] == 1 and "no GPU" in info["why"]
     p = ts("train", "--config", str(TINY), "--layout", "dp2,tp2,pp2", "--dry-run", "--json")

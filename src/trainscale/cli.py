@@ -1,17 +1,23 @@
 """trainscale's one entry point. Each sub-command is a thin layer over estimate/, runtime/, infer/.
 
 Bad input raises TrainscaleError anywhere below; ``main()`` turns it into one line on stderr and
-exit code 2.
+exit code 2. A job that started and failed (JobFailed) is one line and exit code 1. Anything
+unexpected is one line and exit code 1 too, its traceback written to a log file, never the screen.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
 
 import typer
 
 from trainscale.commands._common import console, emit_json, short_source  # noqa: F401  (re-exported)
-from trainscale.errors import TrainscaleError
+from trainscale.errors import JobFailed, TrainscaleError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan and run large-language-model training, from one laptop to a data center.")
@@ -38,19 +44,48 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def crash_log_path() -> Path:
+    """Where an unexpected error's traceback goes: $TRAINSCALE_CRASH_LOG, else the temp folder."""
+    return Path(os.environ.get("TRAINSCALE_CRASH_LOG") or Path(tempfile.gettempdir()) / "trainscale-crash.log")
+
+
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return " ".join(lines)[:2000] if lines else ""
+
+
+def report_unexpected(e: BaseException) -> str:
+    """Append the traceback to the crash log; -> the one line for the screen."""
+    path = crash_log_path()
+    where = f"the traceback is in {path}"
+    try:
+        with open(path, "a") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} trainscale {' '.join(sys.argv[1:])}\n")
+            f.write("".join(traceback.format_exception(e)))
+    except OSError:
+        where = "no traceback could be written"
+    return f"unexpected {type(e).__name__}: {_one_line(str(e)) or 'no message'} ({where}; please report it)"
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)
+    except JobFailed as e:
+        print(f"trainscale: error: {_one_line(str(e))}", file=sys.stderr)
+        sys.exit(1)
     except TrainscaleError as e:
-        print(f"trainscale: error: {e}", file=sys.stderr)
+        print(f"trainscale: error: {_one_line(str(e))}", file=sys.stderr)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         print("trainscale: aborted", file=sys.stderr)
         sys.exit(130)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except Exception as e:  # click's usage errors (typer vendors click): show them, exit 2
-        if hasattr(e, "show") and hasattr(e, "exit_code"):
-            e.show()
-            sys.exit(2)
+    except SystemExit:
         raise
+    except BaseException as e:  # noqa: BLE001  (torch's CheckpointException is a BaseException)
+        if hasattr(e, "format_message") and hasattr(e, "exit_code"):  # click's usage errors: one line, exit 2
+            print(f"trainscale: error: {_one_line(e.format_message())} (see --help)", file=sys.stderr)
+            sys.exit(2)
+        print(f"trainscale: error: {report_unexpected(e)}", file=sys.stderr)
+        sys.exit(1)

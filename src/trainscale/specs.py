@@ -20,7 +20,16 @@ from trainscale.errors import TrainscaleError
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Upper bounds: far beyond any real model or machine, so that a typo (an extra digit, 1e400) is refused
+# in one sentence instead of allocating, overflowing or running for ever.
+_DIM = 1 << 24  # widths, heads, vocabulary
+_LAYERS = 100_000
+_SEQ = 1 << 30
+_BYTES = 1e18  # a GPU's memory, bandwidths in bytes/s
+_FLOPS = 1e20  # a GPU's peak FLOP/s
 
 
 class ModelSpec(_Spec):
@@ -28,23 +37,23 @@ class ModelSpec(_Spec):
 
     name: str = "custom"
     source: str = ""
-    n_layers: int = Field(gt=0)
-    d_model: int = Field(gt=0)
-    n_heads: int = Field(gt=0)
-    n_kv_heads: int = Field(gt=0)
-    d_ff: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    max_seq_len: int = Field(gt=0)
-    head_dim_override: int | None = Field(default=None, gt=0, alias="head_dim")
+    n_layers: int = Field(gt=0, le=_LAYERS)
+    d_model: int = Field(gt=0, le=_DIM)
+    n_heads: int = Field(gt=0, le=_DIM)
+    n_kv_heads: int = Field(gt=0, le=_DIM)
+    d_ff: int = Field(gt=0, le=_DIM)
+    vocab_size: int = Field(gt=0, le=_DIM)
+    max_seq_len: int = Field(gt=0, le=_SEQ)
+    head_dim_override: int | None = Field(default=None, gt=0, le=_DIM, alias="head_dim")
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     positions: Literal["rope", "learned"] = "rope"
-    rope_theta: float = Field(default=10000.0, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0, le=1e15)
     tied_embeddings: bool = False
     bias: bool = False
-    norm_eps: float = Field(default=1e-5, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0, le=1)
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
@@ -70,13 +79,14 @@ class ModelSpec(_Spec):
 class GPUSpec(_Spec):
     name: str = "custom"
     source: str = ""
-    peak_bf16_flops: float = Field(gt=0)
-    memory_bytes: float = Field(gt=0)
-    hbm_bandwidth: float = Field(gt=0)
-    tdp_watts: float = Field(gt=0)
+    peak_bf16_flops: float = Field(gt=0, le=_FLOPS)
+    memory_bytes: float = Field(gt=0, le=_BYTES)
+    hbm_bandwidth: float = Field(gt=0, le=_BYTES)
+    tdp_watts: float = Field(gt=0, le=1e6)
     scale_up: str = ""
-    scale_up_bandwidth: float = Field(gt=0)
-    sm_count: int = Field(default=0, ge=0, description="streaming multiprocessors (0: unknown, no wave quantization)")
+    scale_up_bandwidth: float = Field(gt=0, le=_BYTES)
+    sm_count: int = Field(default=0, ge=0, le=100_000,
+                          description="streaming multiprocessors (0: unknown, no wave quantization)")
     generation: str = Field(default="", description="architecture whose constants catalog/planner.toml holds")
 
 
@@ -84,16 +94,17 @@ class ClusterSpec(_Spec):
     name: str = "custom"
     source: str = ""
     gpu: str
-    gpus: int = Field(gt=0)
-    gpus_per_server: int = Field(gt=0)
-    servers_per_rack: int = Field(gt=0)
-    scale_up_domain: int = Field(gt=0)
-    network_bandwidth: float = Field(gt=0, description="per GPU, one direction, bytes/s")
-    network_latency_s: float = Field(default=5e-6, ge=0)
+    gpus: int = Field(gt=0, le=100_000_000)
+    gpus_per_server: int = Field(gt=0, le=4096)
+    servers_per_rack: int = Field(gt=0, le=4096)
+    scale_up_domain: int = Field(gt=0, le=1_000_000)
+    network_bandwidth: float = Field(gt=0, le=_BYTES, description="per GPU, one direction, bytes/s")
+    network_latency_s: float = Field(default=5e-6, ge=0, le=60)
     host_link: str = ""
-    host_link_bandwidth: float | None = None
-    pod_gpus: int = Field(default=0, ge=0, description="GPUs per full-bisection pod (0: one flat network)")
-    oversubscription: float = Field(default=1.0, ge=1.0, description="uplink oversubscription above a pod")
+    host_link_bandwidth: float | None = Field(default=None, gt=0, le=_BYTES)
+    pod_gpus: int = Field(default=0, ge=0, le=100_000_000,
+                          description="GPUs per full-bisection pod (0: one flat network)")
+    oversubscription: float = Field(default=1.0, ge=1.0, le=1e6, description="uplink oversubscription above a pod")
     pods_source: str = ""
 
     @property
@@ -294,17 +305,27 @@ def _build(cls: type[BaseModel], data: dict[str, Any], what: str) -> Any:
 
 
 def _read_toml(path: Path, what: str) -> dict[str, Any]:
+    from trainscale.safeio import read_text
+
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(read_text(path, f"{what} file"))
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise TrainscaleError(f"{what} file {path} cannot be read: {e}") from None
+
+
+def _present(path: Path) -> bool:
+    """Whether ``path`` exists; a name too long (or otherwise unusable) is simply not there."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 def _load(kind: str, cls: type[BaseModel], ref: str | Path, what: str) -> Any:
     path = Path(ref)
     if str(ref) in _catalog(kind):
         return _build(cls, {"name": str(ref), **_catalog(kind)[str(ref)]}, f"{what} '{ref}'")
-    if path.suffix == ".toml" and path.exists():
+    if path.suffix == ".toml" and _present(path):
         data = _read_toml(path, what)
         data.setdefault("name", path.stem)
         return _build(cls, data, f"{what} file {path}")
@@ -320,9 +341,10 @@ def load_model(ref: str | Path | dict[str, Any]) -> ModelSpec:
     if isinstance(ref, dict):
         return _build(ModelSpec, dict(ref), "model")
     path = Path(ref)
-    if path.is_dir() and (path / "config.json").exists():
+    if _present(path / "config.json"):
         path = path / "config.json"
-    if path.suffix == ".json" and path.exists():
+    if path.suffix == ".json" and _present(path):
+        _check_hf_config(path)
         return model_from_hf_config(path)
     return _load("models", ModelSpec, ref, "model")
 
@@ -339,6 +361,27 @@ _HF_FIELDS: dict[str, dict[str, Any]] = {
 }
 _LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
                "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
+_HF_INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "max_position_embeddings", "head_dim")
+
+
+def _check_hf_config(path: Path) -> None:
+    """The edge before ``model_from_hf_config``: a regular file (a FIFO would block), UTF-8 JSON, an
+    object whose size fields, where given, are positive integers (a 0 or a string would divide by zero
+    or fail deep inside); one sentence otherwise."""
+    from trainscale.safeio import read_text
+
+    text = read_text(path, "model file")
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise TrainscaleError(f"model file {path} cannot be read as JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise TrainscaleError(f"model file {path} is not a JSON object")
+    for key in _HF_INTS:
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise TrainscaleError(f"model file {path}: {key} must be a positive integer, not {v!r}")
 
 
 def model_from_hf_config(path: Path) -> ModelSpec:

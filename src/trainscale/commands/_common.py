@@ -7,7 +7,10 @@ import re
 import sys
 from typing import Any
 
+import typer
 from rich.console import Console
+
+from trainscale.errors import TrainscaleError
 
 console = Console()
 
@@ -21,3 +24,125 @@ def short_source(src: str) -> str:
 def emit_json(obj: Any) -> None:
     """Machine output: one JSON object on stdout."""
     sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+# ------------------------------------------------------------------ the edge: option domains and paths
+
+def _opt(param: Any) -> str:
+    """The option's name as the user typed it (--seq-len), or the argument's (CHECKPOINT)."""
+    opts = [o for o in getattr(param, "opts", []) if o.startswith("--")]
+    return max(opts, key=len) if opts else str(getattr(param, "name", "value")).upper()
+
+
+def number(gt: float | None = None, ge: float | None = None, lt: float | None = None, le: float | None = None):
+    """A typer callback: the option is finite and within the bounds; else one sentence (TrainscaleError:
+    exit code 2). Upper bounds are where a larger value cannot be meant."""
+    import math
+
+
+    def check(param: typer.CallbackParam, value: Any) -> Any:
+        if value is None:
+            return value
+        name, v = _opt(param), value
+        if isinstance(v, float) and not math.isfinite(v):
+            raise TrainscaleError(f"{name} must be a finite number, not {v}")
+        low_ok = (gt is None or v > gt) and (ge is None or v >= ge)
+        high_ok = (lt is None or v < lt) and (le is None or v <= le)
+        if low_ok and high_ok:
+            return value
+        hi = le if le is not None else lt
+        if hi is not None and hi <= 1 and (gt is not None or ge is not None):  # a fraction: name the interval
+            lo = gt if gt is not None else ge
+            raise TrainscaleError(f"{name} must be in {'(' if gt is not None else '['}{lo:g}, {hi:g}"
+                                  f"{']' if le is not None else ')'}, not {v:g}")
+        if not low_ok:
+            kind = "integer" if isinstance(v, int) else "number"
+            if gt == 0:
+                raise TrainscaleError(f"{name} must be a positive {kind}, not {v:g}")
+            if ge == 0:
+                raise TrainscaleError(f"{name} must be a non-negative {kind}, not {v:g}")
+            raise TrainscaleError(f"{name} must be {'>' if gt is not None else '>='} {gt if gt is not None else ge:g}, "
+                                  f"not {v:g}")
+        raise TrainscaleError(f"{name} must be at most {hi:g}{'' if le is not None else ' (exclusive)'}, not {v:g}")
+
+    return check
+
+
+def input_file(what: str):
+    """A typer callback: an existing, readable regular file (never a FIFO or device)."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return value
+        from trainscale.safeio import check_regular
+
+        check_regular(value, what)
+        return value
+
+    return check
+
+
+def catalog_or_file(what: str):
+    """A typer callback for 'a catalog name or a file': a value that names an existing path must be a
+    regular file (a folder with config.json is fine too)."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return value
+        from pathlib import Path
+
+        from trainscale.safeio import check_regular
+
+        if "\0" in str(value) or len(str(value)) > 4096:
+            raise TrainscaleError(f"{what} must be a name or a path")
+        p = Path(value)
+        try:
+            exists = p.exists()
+        except OSError:
+            exists = False
+        if exists:
+            check_regular(p / "config.json" if p.is_dir() else p, what)
+        return value
+
+    return check
+
+
+SEED = number(ge=0, lt=2**63)
+
+
+MAX_PROCESSES = 100_000_000  # more GPUs than any cluster has or will soon
+
+
+def parse_layout(text: str) -> Any:
+    """``Layout.parse`` with a bound: a layout asking for more processes than any cluster is refused."""
+    from trainscale.specs import Layout
+
+    lay = Layout.parse(text)
+    degrees = (lay.tp, lay.cp, lay.pp, lay.dp, lay.mb, lay.v, lay.hsdp)
+    if max(degrees) > MAX_PROCESSES or lay.world_size > MAX_PROCESSES:
+        raise TrainscaleError(f"layout '{text}' asks for {lay.world_size:.3g} processes; at most "
+                              f"{MAX_PROCESSES:,} are supported")
+    return lay
+
+
+def input_folder(what: str, holding: str | None = None):
+    """A typer callback: an existing folder (holding the regular file ``holding``, if given)."""
+
+    def check(value: Any) -> Any:
+        if value is None:
+            return value
+        import os
+
+        try:
+            ok = os.path.isdir(value)
+        except (OSError, ValueError):
+            ok = False
+        if not ok:
+            raise TrainscaleError(f"{what} {str(value)[:200]} is not an existing folder")
+        if holding is not None:
+            from trainscale.safeio import check_regular
+
+            check_regular(os.path.join(value, holding), f"{what}'s")
+        return value
+
+    return check

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
 
 DEFAULT_CONFIG = Path("configs/small.toml")
@@ -63,12 +63,15 @@ def _workload(config: str | None, model: str | None, seq_len: int | None, micro_
 
 
 def calibrate_command(
-    config: str = typer.Option(None, "--config", help="training config TOML whose model and shapes to use "
+    config: str = typer.Option(None, "--config", callback=input_file("config"),
+                               help="training config TOML whose model and shapes to use "
                                "(default: configs/small.toml)"),
-    model: str = typer.Option(None, help="catalog model name, TOML file or HF config.json (instead of --config)"),
-    seq_len: int = typer.Option(None, "--seq-len",
+    model: str = typer.Option(None, callback=catalog_or_file("model"),
+                              help="catalog model name, TOML file or HF config.json (instead of --config)"),
+    seq_len: int = typer.Option(None, "--seq-len", callback=number(gt=0, le=1 << 20),
                                 help="sequence length (default: the config's, or 2048 with --model)"),
-    micro_batch: int = typer.Option(None, "--micro-batch", help="sequences per micro-batch "
+    micro_batch: int = typer.Option(None, "--micro-batch", callback=number(gt=0, le=1 << 16),
+                                    help="sequences per micro-batch "
                                     "(default: the config's global_batch, or 1 with --model)"),
     processes: str = typer.Option("1,2,4", help="process counts to measure with, comma-separated"),
     out: Path = typer.Option(None, help="where to write the profile (default: the cache's profile.toml)"),
@@ -89,6 +92,9 @@ def calibrate_command(
     from trainscale.runtime import calibrate as cal
 
     path = Path(out) if out is not None else cal.default_profile_path()
+    from trainscale.safeio import check_output
+
+    check_output(path, "--out", folder=False)
     err = Console(stderr=True)
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err, transient=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from trainscale.commands._common import console, emit_json, short_source
+from trainscale.commands._common import catalog_or_file, console, emit_json, number, short_source
 from trainscale.errors import TrainscaleError
 
 
@@ -14,14 +14,18 @@ def register(app: typer.Typer) -> None:
 
 
 def explain(
-    model: str = typer.Option("llama3.1-405b", help="catalog name, TOML file or HF config.json"),
-    tokens: float = typer.Option(None, help="training tokens (default: Llama 3.1's 15.6T)"),
-    gpu: str = typer.Option("h100-sxm", help="the cluster's GPU"),
-    gpus: int = typer.Option(None, help="GPUs in the cluster (default: Meta's 16,384)"),
-    mfu: float = typer.Option(0.40, help="model FLOPs utilization for the what-if figures"),
-    home_gpu: str = typer.Option("rtx4090", help="the one card at home"),
-    home_model: str = typer.Option("llama3.1-8b", help="the model to run at home"),
-    gpu_hours: float = typer.Option(None, help="reported GPU-hours (default: Meta's 30.84M for 405B)"),
+    model: str = typer.Option("llama3.1-405b", callback=catalog_or_file("model"),
+                              help="catalog name, TOML file or HF config.json"),
+    tokens: float = typer.Option(None, callback=number(gt=0, le=1e18),
+                                 help="training tokens (default: Llama 3.1's 15.6T)"),
+    gpu: str = typer.Option("h100-sxm", callback=catalog_or_file("GPU"), help="the cluster's GPU"),
+    gpus: int = typer.Option(None, callback=number(gt=0, le=1e8), help="GPUs in the cluster (default: Meta's 16,384)"),
+    mfu: float = typer.Option(0.40, callback=number(gt=0, le=1),
+                              help="model FLOPs utilization for the what-if figures"),
+    home_gpu: str = typer.Option("rtx4090", callback=catalog_or_file("GPU"), help="the one card at home"),
+    home_model: str = typer.Option("llama3.1-8b", callback=catalog_or_file("model"), help="the model to run at home"),
+    gpu_hours: float = typer.Option(None, callback=number(gt=0, le=1e13),
+                                    help="reported GPU-hours (default: Meta's 30.84M for 405B)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Walk through why training takes a data center, every figure with its formula and source."""

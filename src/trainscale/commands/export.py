@@ -8,6 +8,7 @@ import typer
 
 from trainscale.commands._common import console, emit_json
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import check_output
 
 
 def register(app: typer.Typer) -> None:
@@ -29,7 +30,9 @@ def export(
     to = to.lower()
     if to not in ("hf", "gguf"):
         raise TrainscaleError(f"--to must be hf or gguf, not {to!r}")
-    spec = read_spec(find_folder(checkpoint))
+    src = find_folder(checkpoint)
+    check_output(out, "the output", folder=to == "hf", inputs=(src, checkpoint))
+    spec = read_spec(src)
     if to == "hf":
         from trainscale.estimate.inference import weights_bytes
         from trainscale.estimate.params import param_count

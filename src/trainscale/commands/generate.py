@@ -6,7 +6,7 @@ import time
 
 import typer
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import SEED, console, emit_json, number
 from trainscale.errors import TrainscaleError
 
 KV_DTYPES = ("float32", "bfloat16", "float16")
@@ -19,11 +19,14 @@ def register(app: typer.Typer) -> None:
 def generate(
     checkpoint: str = typer.Argument(..., help="model folder, run folder, quantized or LoRA folder"),
     prompt: str = typer.Option(..., "--prompt", "-p", help="text to continue"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="tokens to generate"),
-    temperature: float = typer.Option(0.8, help="softmax temperature; 0 = greedy"),
-    top_k: int = typer.Option(0, "--top-k", help="keep the k most likely tokens (0: off)"),
-    top_p: float = typer.Option(1.0, "--top-p", help="keep the smallest set with this probability (1: off)"),
-    seed: int = typer.Option(0, help="sampling seed"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", callback=number(ge=0, le=1 << 20),
+                                       help="tokens to generate"),
+    temperature: float = typer.Option(0.8, callback=number(ge=0, le=100), help="softmax temperature; 0 = greedy"),
+    top_k: int = typer.Option(0, "--top-k", callback=number(ge=0, le=1 << 24),
+                              help="keep the k most likely tokens (0: off)"),
+    top_p: float = typer.Option(1.0, "--top-p", callback=number(gt=0, le=1),
+                                help="keep the smallest set with this probability (1: off)"),
+    seed: int = typer.Option(0, callback=SEED, help="sampling seed"),
     kv_dtype: str = typer.Option("float32", help="KV cache precision: float32, bfloat16 or float16"),
     stop: bool = typer.Option(True, "--stop/--no-stop", help="stop at the end-of-text token"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import check_output
 
 
 def register(app: typer.Typer) -> None:
@@ -17,23 +18,26 @@ def register(app: typer.Typer) -> None:
 
 
 def launch(
-    config: Path = typer.Option(..., "--config", help="training config TOML"),
+    config: Path = typer.Option(..., "--config", callback=input_file("config"), help="training config TOML"),
     layout: str = typer.Option(None, help="parallel layout; its world size must equal nodes x GPUs per node "
                                           "(default: the config's run.layout)"),
     slurm: bool = typer.Option(False, "--slurm", help="write a Slurm sbatch script"),
-    nodes: int = typer.Option(..., help="machines"),
-    gpus_per_node: int = typer.Option(8, help="GPUs (training processes) per machine"),
+    nodes: int = typer.Option(..., callback=number(gt=0, le=100_000), help="machines"),
+    gpus_per_node: int = typer.Option(8, callback=number(gt=0, le=1024), help="GPUs (training processes) per machine"),
     cpu: bool = typer.Option(False, "--cpu", help="CPU processes: request no GPUs (--gpus-per-node counts processes)"),
-    cpus_per_gpu: int = typer.Option(8, help="CPU cores per training process (srun --cpus-per-task, OMP threads)"),
+    cpus_per_gpu: int = typer.Option(8, callback=number(gt=0, le=1024),
+                                      help="CPU cores per training process (srun --cpus-per-task, OMP threads)"),
     mem: str = typer.Option(None, help="memory per node in Slurm syntax, e.g. 480G (default: the partition's)"),
     partition: str = typer.Option(None, help="Slurm partition"),
     account: str = typer.Option(None, help="Slurm account"),
     time_limit: str = typer.Option("24:00:00", "--time", help="Slurm time limit"),
-    signal_before: int = typer.Option(120, help="seconds before the time limit to write a checkpoint (0: off)"),
+    signal_before: int = typer.Option(120, callback=number(ge=0, le=86400),
+                                       help="seconds before the time limit to write a checkpoint (0: off)"),
     setup: str = typer.Option(None, help="a shell line run first on the node, e.g. 'source ~/venv/bin/activate'"),
     python: str = typer.Option(None, help="the Python on the cluster that has trainscale (default: this one)"),
-    max_restarts: int = typer.Option(3, help="torchrun restarts after a failure inside one allocation"),
-    steps: int = typer.Option(None, help="optimizer steps (default: the config's)"),
+    max_restarts: int = typer.Option(3, callback=number(ge=0, le=100),
+                                      help="torchrun restarts after a failure inside one allocation"),
+    steps: int = typer.Option(None, callback=number(gt=0, le=1e9), help="optimizer steps (default: the config's)"),
     inject: str = typer.Option(None, help="faults to inject, as for `trainscale train --inject`"),
     out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out)"),
     script: Path = typer.Option(None, help="where to write the script (default: stdout); the Slurm log goes beside "
@@ -54,8 +58,8 @@ def launch(
     layout_text = layout if layout is not None else cfg.run.layout
     lay = Layout.parse(layout_text)
     check_layout(cfg, lay)
-    if script is not None and script.is_dir():
-        raise TrainscaleError(f"--script {script} is a folder; give the file to write")
+    if script is not None:
+        check_output(script, "--script", folder=False, inputs=(config,))
     job_name = re.sub(r"[^A-Za-z0-9._-]", "-", cfg.name)[:64] or "trainscale"  # Slurm's name syntax, one line
     log_dir = str(script.parent.resolve()) if script is not None else "."
     job = SlurmJob(config=str(Path(config).resolve()), layout=str(lay), out=str(out or cfg.run.out), nodes=nodes,

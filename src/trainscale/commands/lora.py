@@ -7,8 +7,9 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import SEED, console, emit_json, number
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import check_output
 
 
 def register(app: typer.Typer) -> None:
@@ -17,15 +18,16 @@ def register(app: typer.Typer) -> None:
 
 def lora(
     checkpoint: str = typer.Argument(..., help="model folder or run folder (the frozen base)"),
-    rank: int = typer.Option(8, "--rank", "-r", help="adapter rank r"),
+    rank: int = typer.Option(8, "--rank", "-r", callback=number(gt=0, le=1 << 16), help="adapter rank r"),
     data: str = typer.Option(..., "--data", help="UTF-8 text file to fine-tune on (or corpus:train / corpus:val)"),
-    alpha: float = typer.Option(None, help="LoRA alpha; the update is scaled by alpha / r (default: 2 r)"),
+    alpha: float = typer.Option(None, callback=number(gt=0, le=1e6),
+                                help="LoRA alpha; the update is scaled by alpha / r (default: 2 r)"),
     targets: str = typer.Option("all", help="adapted projections: all, attn, mlp, or names wq,wk,wv,wo,w1,w2,w3"),
-    steps: int = typer.Option(100, help="optimizer steps"),
-    batch: int = typer.Option(8, help="sequences per step"),
-    seq_len: int = typer.Option(128, help="tokens per sequence"),
-    lr: float = typer.Option(2e-3, help="Adam learning rate"),
-    seed: int = typer.Option(0, help="seed for the adapter init and the batches"),
+    steps: int = typer.Option(100, callback=number(gt=0, le=1e7), help="optimizer steps"),
+    batch: int = typer.Option(8, callback=number(gt=0, le=4096), help="sequences per step"),
+    seq_len: int = typer.Option(128, callback=number(gt=0, le=1 << 20), help="tokens per sequence"),
+    lr: float = typer.Option(2e-3, callback=number(gt=0, le=10), help="Adam learning rate"),
+    seed: int = typer.Option(0, callback=SEED, help="seed for the adapter init and the batches"),
     out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-lora-rR beside it)"),
     merge: bool = typer.Option(False, "--merge", help="also fold the adapters into the weights: a plain model folder"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -47,6 +49,11 @@ def lora(
         raise TrainscaleError(f"--lr must be positive, not {lr}")
     alpha = 2.0 * rank if alpha is None else alpha
     model, spec, src = load_for_inference(checkpoint)
+    base = find_folder(src)  # where the adapters go is checked before any training
+    out = out or base.resolve().with_name(f"{base.resolve().name}-lora-r{rank}")
+    if out.resolve() == base.resolve():
+        raise TrainscaleError(f"the adapter folder cannot be the base folder {base}; pick another --out")
+    check_output(out, "--out", folder=True, inputs=(base, checkpoint))
     try:
         names = lora_targets(spec, targets)
     except ValueError as e:
@@ -71,9 +78,6 @@ def lora(
     pred_params = lora_trainable_params(spec, rank, names)
     pred_opt = lora_optimizer_bytes(spec, rank, names)
     folder = find_folder(src)
-    out = out or folder.with_name(f"{folder.name}-lora-r{rank}")
-    if out.resolve() == folder.resolve():
-        raise TrainscaleError(f"the adapter folder cannot be the base folder {folder}; pick another --out")
     cfg = {"rank": rank, "alpha": alpha, "targets": list(names), "steps": steps, "lr": lr, "data": data,
            "losses": res["losses"]}
     save_adapter_folder(out, model, spec, folder, cfg)

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number, parse_layout
 from trainscale.errors import TrainscaleError
 
 _SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
@@ -25,7 +25,10 @@ def parse_count(text: str | None, what: str, base: int) -> float | None:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgbt]?)\s*", text.lower())
     if not m:
         raise TrainscaleError(f"{what} '{text}' is not a number (suffixes K, M, G/B, T are allowed)")
-    return float(m.group(1)) * base ** _SUFFIX.get(m.group(2), 0)
+    value = float(m.group(1)) * base ** _SUFFIX.get(m.group(2), 0)
+    if not 0 < value <= 1e18:  # also refuses 1e400 (inf) and 0
+        raise TrainscaleError(f"{what} must be a positive number of at most 1e18, not '{text}'")
+    return value
 
 
 def _settings(pairs: list[str] | None) -> dict[str, float]:
@@ -42,18 +45,22 @@ def _settings(pairs: list[str] | None) -> dict[str, float]:
 
 
 def plan(
-    model: str = typer.Option("llama3.1-405b", help="catalog name, TOML file or HF config.json"),
-    gpu: str = typer.Option(None, help="GPU (default: the cluster's, else h100-sxm)"),
-    gpus: int = typer.Option(None, help="number of GPUs (default: the layout's world size, else 16,384)"),
-    seq: int = typer.Option(8192, help="sequence length, tokens"),
+    model: str = typer.Option("llama3.1-405b", callback=catalog_or_file("model"),
+                              help="catalog name, TOML file or HF config.json"),
+    gpu: str = typer.Option(None, callback=catalog_or_file("GPU"), help="GPU (default: the cluster's, else h100-sxm)"),
+    gpus: int = typer.Option(None, callback=number(gt=0, le=1e8),
+                             help="number of GPUs (default: the layout's world size, else 16,384)"),
+    seq: int = typer.Option(8192, callback=number(gt=0, le=1 << 24), help="sequence length, tokens"),
     global_batch_tokens: str = typer.Option(
         "16M", help="tokens per optimizer step; K/M/G are powers of 1024 (Llama 3's '16M' is 2^24)"),
     tokens: str = typer.Option(None, help="training tokens for days and GPU-hours; K/M/B/T are powers of 1000"),
-    cluster: str = typer.Option(None, help="cluster topology (default: a catalog cluster of this GPU)"),
+    cluster: str = typer.Option(None, callback=catalog_or_file("cluster"),
+                                help="cluster topology (default: a catalog cluster of this GPU)"),
     layout: str = typer.Option(None, help="evaluate this layout instead of searching, e.g. "
                                "tp8,cp1,pp16,dp128,mb1,v8,zero2,rc=selective"),
-    top: int = typer.Option(5, help="layouts to show"),
-    profile: str = typer.Option(None, help="TOML/JSON of measured efficiencies replacing the catalog defaults"),
+    top: int = typer.Option(5, callback=number(gt=0, le=10_000), help="layouts to show"),
+    profile: str = typer.Option(None, callback=input_file("profile"),
+                                help="TOML/JSON of measured efficiencies replacing the catalog defaults"),
     set_: list[str] = typer.Option(None, "--set", help="override one planner setting, key=value (repeatable)"),
     software: str = typer.Option("trainscale", help="software preset (catalog/software.toml) or a TOML file: "
                                  "kernels, grad dtypes, overlaps and what the search may use"),
@@ -64,7 +71,6 @@ def plan(
 ) -> None:
     """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days."""
     from trainscale.estimate import plan as planner
-    from trainscale.specs import Layout
 
     gbt = parse_count(global_batch_tokens, "--global-batch-tokens", 1024)
     train = parse_count(tokens, "--tokens", 1000)
@@ -72,7 +78,7 @@ def plan(
         raise TrainscaleError(f"--global-batch-tokens must be a whole number of tokens, not {global_batch_tokens}")
     if top <= 0:
         raise TrainscaleError(f"--top must be positive, not {top}")
-    lay = Layout.parse(layout) if layout is not None else None
+    lay = parse_layout(layout) if layout is not None else None
     if gpus is None:
         gpus = lay.world_size if lay is not None else 16384
     p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_), software,

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import SEED, console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import check_output
 
 
 def register(app: typer.Typer) -> None:
@@ -19,14 +20,18 @@ def register(app: typer.Typer) -> None:
 def quantize(
     checkpoint: str = typer.Argument(..., help="model folder or run folder"),
     fmt: str = typer.Option("int4", "--format", "-f", help="int8 or int4"),
-    group_size: int = typer.Option(32, "--group-size", "-g", help="weights per scale: 32, 64 or 128"),
+    group_size: int = typer.Option(32, "--group-size", "-g", callback=number(gt=0, le=1 << 20),
+                                   help="weights per scale: 32, 64 or 128"),
     asymmetric: bool = typer.Option(False, "--asymmetric/--symmetric", help="per-group offset (min) as well"),
     out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-FORMAT-gGROUP beside it)"),
-    eval_tokens: int = typer.Option(16384, help="held-out tokens for the perplexity check (0: skip it)"),
-    eval_text: Path = typer.Option(None, help="held-out text file (default: the corpus's held-out plays)"),
+    eval_tokens: int = typer.Option(16384, callback=number(ge=0, le=1e8),
+                                    help="held-out tokens for the perplexity check (0: skip it)"),
+    eval_text: Path = typer.Option(None, callback=input_file("held-out text"),
+                                   help="held-out text file (default: the corpus's held-out plays)"),
     prompt: str = typer.Option("To be, or not to be", "--prompt", "-p", help="prompt for the sample generation"),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="tokens of the sample (0: none)"),
-    seed: int = typer.Option(0, help="sampling seed of the sample"),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", callback=number(ge=0, le=1 << 20),
+                                       help="tokens of the sample (0: none)"),
+    seed: int = typer.Option(0, callback=SEED, help="sampling seed of the sample"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Quantize every weight matrix group-wise (fp16 scale per group, packed 4-bit codes) and check the result."""
@@ -51,7 +56,8 @@ def quantize(
     if eval_tokens < 0:
         raise TrainscaleError(f"--eval-tokens must be >= 0, not {eval_tokens}")
     src = find_folder(checkpoint)
-    out = out or src.with_name(f"{src.name}-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
+    out = out or src.resolve().with_name(f"{src.resolve().name}-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
+    check_output(out, "--out", folder=True, inputs=(src, checkpoint))
     t0 = time.perf_counter()
     res = save_quantized(src, out, cfg)
     secs = time.perf_counter() - t0

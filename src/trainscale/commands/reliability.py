@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from trainscale.commands._common import console, emit_json, short_source
+from trainscale.commands._common import SEED, catalog_or_file, console, emit_json, number, short_source
 from trainscale.errors import TrainscaleError
 
 
@@ -18,19 +18,28 @@ def register(app: typer.Typer) -> None:
 
 
 def reliability(
-    model: str = typer.Option("llama3.1-405b", help="catalog name, TOML file or HF config.json (sets checkpoint size)"),
-    gpus: int = typer.Option(None, help="GPUs in the job (default: Meta's 16,384)"),
-    days: float = typer.Option(None, help="wall-clock length of the run, days (default: Meta's 54-day snapshot)"),
-    interval_min: float = typer.Option(None, help="compute minutes between checkpoints (default: Daly's optimum)"),
-    mtbf_h: float = typer.Option(None, help="job mean time between unexpected failures, hours (overrides the rate)"),
+    model: str = typer.Option("llama3.1-405b", callback=catalog_or_file("model"),
+                              help="catalog name, TOML file or HF config.json (sets checkpoint size)"),
+    gpus: int = typer.Option(None, callback=number(gt=0, le=1e8), help="GPUs in the job (default: Meta's 16,384)"),
+    days: float = typer.Option(None, callback=number(gt=0, le=36_500),
+                               help="wall-clock length of the run, days (default: Meta's 54-day snapshot)"),
+    interval_min: float = typer.Option(None, callback=number(gt=0, le=1e7),
+                                       help="compute minutes between checkpoints (default: Daly's optimum)"),
+    mtbf_h: float = typer.Option(None, callback=number(gt=0, le=1e9),
+                                 help="job mean time between unexpected failures, hours (overrides the rate)"),
     fail_rate_per_gpu_hour: float = typer.Option(
-        None, help="unexpected failures per GPU-hour (default: Meta's 419 / (16,384 x 54 x 24 h))"),
-    planned_per_day: float = typer.Option(None, help="planned interruptions per day (default: Meta's 47 in 54 days)"),
-    ckpt_write_s: float = typer.Option(None, help="seconds to write one checkpoint (default: size / bandwidth)"),
-    storage_bw: float = typer.Option(None, help="checkpoint write bandwidth, bytes/s (default: Tectonic's 2e12)"),
-    restart_min: float = typer.Option(None, help="minutes to restart after an interruption (default: 10, assumed)"),
-    trials: int = typer.Option(1000, help="Monte Carlo trials"),
-    seed: int = typer.Option(0, help="random seed"),
+        None, callback=number(ge=0, le=1),
+        help="unexpected failures per GPU-hour (default: Meta's 419 / (16,384 x 54 x 24 h))"),
+    planned_per_day: float = typer.Option(None, callback=number(ge=0, le=1e4),
+                                          help="planned interruptions per day (default: Meta's 47 in 54 days)"),
+    ckpt_write_s: float = typer.Option(None, callback=number(ge=0, le=1e7),
+                                       help="seconds to write one checkpoint (default: size / bandwidth)"),
+    storage_bw: float = typer.Option(None, callback=number(gt=0, le=1e15),
+                                     help="checkpoint write bandwidth, bytes/s (default: Tectonic's 2e12)"),
+    restart_min: float = typer.Option(None, callback=number(ge=0, le=1e6),
+                                      help="minutes to restart after an interruption (default: 10, assumed)"),
+    trials: int = typer.Option(1000, callback=number(gt=0, le=1e6), help="Monte Carlo trials"),
+    seed: int = typer.Option(0, callback=SEED, help="random seed"),
     sweep: bool = typer.Option(False, "--sweep", help="also simulate a range of checkpoint intervals"),
     plot: Path = typer.Option(None, help="write the interval sweep as a PNG (implies --sweep)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -46,6 +55,10 @@ def reliability(
             raise TrainscaleError(f"{name} must be {ok} and finite, not {v}")
     if plot is not None and plot.suffix.lower() != ".png":
         raise TrainscaleError(f"--plot must name a .png file, not {plot}")
+    if plot is not None:
+        from trainscale.safeio import check_output
+
+        check_output(plot, "--plot", folder=False)
     rep = rel.reliability_report(
         model=model, gpus=gpus, days=days,
         interval_s=None if interval_min is None else interval_min * 60,

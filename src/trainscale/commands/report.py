@@ -6,7 +6,15 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import (
+    catalog_or_file,
+    console,
+    emit_json,
+    input_file,
+    input_folder,
+    number,
+    parse_layout,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -15,19 +23,29 @@ def register(app: typer.Typer) -> None:
 
 def report(
     out: Path = typer.Option(..., "--out", help="folder for index.html and the figures"),
-    model: str = typer.Option("llama3.1-405b", help="catalog name, TOML file or HF config.json"),
-    gpu: str = typer.Option("h100-sxm", help="GPU of the cluster"),
-    gpus: int = typer.Option(16384, help="number of GPUs"),
-    cluster: str = typer.Option("meta-h100", help="cluster (servers, racks, links)"),
+    model: str = typer.Option("llama3.1-405b", callback=catalog_or_file("model"),
+                              help="catalog name, TOML file or HF config.json"),
+    gpu: str = typer.Option("h100-sxm", callback=catalog_or_file("GPU"), help="GPU of the cluster"),
+    gpus: int = typer.Option(16384, callback=number(gt=0, le=1e8), help="number of GPUs"),
+    cluster: str = typer.Option("meta-h100", callback=catalog_or_file("cluster"),
+                                help="cluster (servers, racks, links)"),
     layout: str = typer.Option("tp8,cp1,pp16,dp128,mb1", help="layout to draw ('' for none)"),
-    tokens: float = typer.Option(None, help="training tokens (default: Llama 3.1's 15.6T)"),
-    mfu: float = typer.Option(0.40, help="MFU for time and energy"),
-    run: Path = typer.Option(None, "--run", help="a trainscale run folder to report on"),
-    plan: Path = typer.Option(None, "--plan", help="the JSON of 'trainscale plan --json' (sets model, GPUs, layout)"),
+    tokens: float = typer.Option(None, callback=number(gt=0, le=1e18),
+                                 help="training tokens (default: Llama 3.1's 15.6T)"),
+    mfu: float = typer.Option(0.40, callback=number(gt=0, le=1), help="MFU for time and energy"),
+    run: Path = typer.Option(None, "--run", callback=input_folder("run folder", "metrics.jsonl"),
+                             help="a trainscale run folder to report on"),
+    plan: Path = typer.Option(None, "--plan", callback=input_file("plan JSON"),
+                              help="the JSON of 'trainscale plan --json' (sets model, GPUs, layout)"),
     check: bool = typer.Option(False, help="open the page in headless Chromium and check every image loads"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Write the HTML report (PNG + SVG figures, numbers as text) into --out; opens nothing."""
+    from trainscale.safeio import check_output
+
+    check_output(out, "--out", folder=True, inputs=tuple(x for x in (run,) if x is not None))
+    if layout:
+        parse_layout(layout)
     from trainscale.errors import TrainscaleError
     from trainscale.report.build import build_report
 

@@ -9,13 +9,15 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from trainscale.commands._common import console, emit_json
+from trainscale.commands._common import console, emit_json, input_file, number, parse_layout
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import check_output
 
 
 def register(app: typer.Typer) -> None:
@@ -24,7 +26,6 @@ def register(app: typer.Typer) -> None:
 
 def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool):
     from trainscale.runtime.config import check_layout, load_config
-    from trainscale.specs import Layout
 
     if steps is not None and steps <= 0:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
@@ -37,15 +38,17 @@ def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool):
 
         layout, why = plan_layout(cfg)
     layout = layout if layout is not None else cfg.run.layout
-    lay = Layout.parse(layout)
+    lay = parse_layout(layout)
     check_layout(cfg, lay)
     return cfg, layout, lay, why
 
 
 def train(
-    config: Path = typer.Option(..., "--config", help="training config TOML (see configs/)"),
+    config: Path = typer.Option(..., "--config", callback=input_file("config"),
+                                help="training config TOML (see configs/)"),
     layout: str = typer.Option(None, help="parallel layout, e.g. dp2,tp2,pp2 (default: the config's run.layout)"),
-    steps: int = typer.Option(None, help="optimizer steps (default: the config's train.steps)"),
+    steps: int = typer.Option(None, callback=number(gt=0, le=1e9),
+                              help="optimizer steps (default: the config's train.steps)"),
     out: Path = typer.Option(None, help="run folder (default: the config's run.out)"),
     plan: bool = typer.Option(False, "--plan", help="ask the planner for the best layout for this machine"),
     nnodes: str = typer.Option("1", help="machines in the job (run the same command on each); MIN:MAX makes it "
@@ -56,13 +59,15 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="continue from the run folder's newest good checkpoint"),
     inject: str = typer.Option(None, help="faults to inject, e.g. 'crash@step=7,rank=1' (crash, hang, slow, "
                                "kill-during-save); checkpoints come from the config's [checkpoint] section"),
-    max_restarts: int = typer.Option(3, help="torchrun restarts after a failure (each resumes from a checkpoint)"),
+    max_restarts: int = typer.Option(3, callback=number(ge=0, le=1000),
+                                     help="torchrun restarts after a failure (each resumes from a checkpoint)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the layout and the torchrun command, run nothing"),
     as_json: bool = typer.Option(False, "--json", help="no progress bar; print run.json at the end"),
     compare_plan: bool = typer.Option(False, "--compare-plan", help="measure the layout(s) instead of training: "
                                       "per-rank state bytes, saved activations, FLOPs and step time next to "
                                       "the prediction; several layouts separated by ';'"),
-    profile: Path = typer.Option(None, help="hardware profile for the step-time prediction (default: the one "
+    profile: Path = typer.Option(None, callback=input_file("hardware profile"),
+                                 help="hardware profile for the step-time prediction (default: the one "
                                  "`trainscale calibrate` wrote; measured first if there is none)"),
 ) -> None:
     """Train a model with real 4D parallelism (torch.distributed: TP+SP, CP, PP, FSDP) on this machine."""
@@ -80,9 +85,10 @@ def train(
         _Layout.parse(fallback_layout)  # a bad fallback is a one-line error here, not in every worker later
     cfg, layout_text, lay, why = _resolve(config, layout, steps, plan)
     run_dir = out or Path(cfg.run.out)
+    check_output(run_dir, "the run folder", folder=True)
     from trainscale.runtime.faults import parse_faults
 
-    parse_faults(inject)  # a bad fault spec is a one-line error here, not a crash in every worker
+    parse_faults(inject, lay.world_size)  # a bad fault spec is a one-line error here, not a crash in every worker
     if max_restarts < 0:
         raise TrainscaleError(f"--max-restarts must be >= 0, not {max_restarts}")
     cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
@@ -98,30 +104,48 @@ def train(
         return
     if why and not as_json:
         console.print(f"[bold]plan:[/bold] {lay} ({why})")
-    env = _prepare(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    from trainscale.runtime import runfolder
+
+    # one machine: this process holds the run folder's lock for the whole job (restarts included) and
+    # names the run; on several machines rank 0 of the job does both (the folder may be shared)
     multi_node = max_nodes > 1 or rdzv_endpoint is not None
-    # every node keeps its own log: in a shared run folder the nodes would otherwise overwrite one file
-    log_path = run_dir / (f"train-{socket.gethostname()}-{os.getpid()}.log" if multi_node else "train.log")
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists() and not resume and not multi_node:  # rank 0's node truncates it (runtime/train.py)
-        metrics.unlink()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            rows = _follow(proc, metrics, cfg.train.steps if steps is None else steps, cfg.run.log_every, str(lay),
-                           quiet=as_json)
-        except KeyboardInterrupt:
-            proc.terminate()
-            proc.wait(timeout=30)
-            raise
-    if proc.returncode != 0:
-        tail = log_path.read_text(errors="replace").splitlines()[-15:]
-        err = next((ln for ln in reversed(tail) if "trainscale: error:" in ln), None)
-        if err:
-            raise TrainscaleError(err.split("trainscale: error:", 1)[1].strip())
-        sys.stderr.write("\n".join(tail) + "\n")
-        raise TrainscaleError(f"training failed (exit {proc.returncode}); the whole log is {log_path}")
+    lock = runfolder.RunLock(run_dir).acquire() if not multi_node else None
+    try:
+        err_file = run_dir / runfolder.ERROR
+        run_id = None
+        if lock is not None:
+            ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+            run_id = runfolder.claim(run_dir, ckpt_root, cfg, resume)
+            err_file.unlink(missing_ok=True)
+        env = _prepare(cfg)
+        if run_id is not None:
+            env[runfolder.ENV_RUN_ID] = run_id
+            env[runfolder.ENV_ERROR_FILE] = str(err_file)
+        if not multi_node:  # this invocation is one launch of the job (goodput leaves out the time between)
+            env[runfolder.ENV_LAUNCH] = uuid.uuid4().hex
+        if "trainscale.runtime.launch" in cmd:  # our torchrun wrapper ends with this process (PDEATHSIG)
+            env[runfolder.ENV_PARENT] = str(os.getpid())
+        else:
+            env.pop(runfolder.ENV_PARENT, None)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # every node keeps its own log: in a shared run folder the nodes would otherwise overwrite one file
+        log_path = run_dir / (f"train-{socket.gethostname()}-{os.getpid()}.log" if multi_node else "train.log")
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and not resume and not multi_node:  # rank 0's node truncates it (runtime/train.py)
+            metrics.unlink()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            try:
+                rows = _follow(proc, metrics, cfg.train.steps if steps is None else steps, cfg.run.log_every,
+                               str(lay), quiet=as_json, error_file=err_file if lock is not None else None)
+            except BaseException:
+                _stop(proc)
+                raise
+        if proc.returncode != 0 or err_file.exists():
+            _raise_failure(err_file, log_path, proc.returncode)
+    finally:
+        if lock is not None:
+            lock.release()
     if multi_node and not (run_dir / "run.json").exists():
         # this node did not run rank 0 and the run folder is not shared: rank 0's node wrote the results
         note = {"status": "done", "node": socket.gethostname(), "rank0_here": False, "log": str(log_path)}
@@ -142,16 +166,54 @@ def train(
     _summary(info, rows, run_dir)
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """End the torchrun agent (it stops its ranks on SIGTERM), then make sure."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _raise_failure(err_file: Path, log_path: Path, code: int) -> None:
+    """The one sentence that failed the job: a rank's recorded error (exit 2 for bad input such as a refused
+    checkpoint, 1 for a failed job such as a full disk), else the last rank failure in the log."""
+    from trainscale.errors import JobFailed
+    from trainscale.runtime.runfolder import read_json
+
+    if err_file.exists():
+        try:
+            got = read_json(err_file, "error record")
+        except TrainscaleError:
+            got = {}
+        if isinstance(got.get("error"), str):
+            if got.get("exit") == 1:
+                raise JobFailed(got["error"])
+            raise TrainscaleError(got["error"])
+    lines = log_path.read_text(errors="replace").splitlines()
+    err = next((ln for ln in reversed(lines) if "trainscale: error:" in ln), None)
+    if err:
+        raise JobFailed(err.split("trainscale: error:", 1)[1].strip())
+    cause = next((ln.split("failed: ", 1)[1] for ln in reversed(lines)
+                  if "trainscale: rank" in ln and "failed: " in ln), None)
+    raise JobFailed(f"training failed (exit {code}{'; ' + cause if cause else ''}); the whole log is {log_path}")
+
+
 def _compare_plan(config: Path, layouts: str | None, steps: int | None, profile: Path | None, as_json: bool) -> None:
     """``train --compare-plan``: run each layout under the measuring worker, print predicted vs measured."""
     from trainscale.runtime.config import check_layout, load_config
-    from trainscale.specs import Layout
 
     if steps is not None and steps <= 0:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
     cfg = load_config(config)
     texts = [x.strip() for x in (layouts if layouts is not None else cfg.run.layout).split(";")]
-    lays = [Layout.parse(x) for x in texts]
+    if len(texts) > 1 and not all(texts):
+        raise TrainscaleError("--compare-plan: a layout between ';' is empty; give each one, e.g. 'dp2;tp2'")
+    if len(texts) > 64:
+        raise TrainscaleError(f"--compare-plan measures at most 64 layouts at once, not {len(texts)}")
+    lays = [parse_layout(x) for x in texts]
     for lay in lays:
         check_layout(cfg, lay)
     prof = _load_profile(cfg, config, profile, max(lay.world_size for lay in lays), quiet=as_json)
@@ -298,8 +360,9 @@ def _prepare(cfg) -> dict[str, str]:
 
 
 def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, layout: str,
-            quiet: bool) -> list[dict[str, Any]]:
-    """Tail rank 0's metrics.jsonl into a progress bar until the job ends."""
+            quiet: bool, error_file: Path | None = None) -> list[dict[str, Any]]:
+    """Tail rank 0's metrics.jsonl into a progress bar until the job ends (or a rank records a
+    deterministic error, which a restart would only repeat: then the job is stopped)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     rows: list[dict[str, Any]] = []
@@ -318,7 +381,10 @@ def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, l
                 complete = chunk[: chunk.rfind("\n") + 1]
                 pos += len(complete.encode())
                 for line in complete.splitlines():
-                    row = json.loads(line)
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
                     if "loss" not in row:
                         continue
                     rows.append(row)
@@ -330,6 +396,9 @@ def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, l
                             f"step {row['step']:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                             f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%}", highlight=False)
             if done:
+                break
+            if error_file is not None and error_file.exists():
+                _stop(proc)
                 break
             time.sleep(0.2)
     return rows
@@ -358,3 +427,4 @@ def _summary(info: dict[str, Any], rows: list[dict[str, Any]], run_dir: Path) ->
     if (run_dir / "final").exists():
         t.add_row("model folder", str(run_dir / "final"))
     console.print(t)
+

@@ -10,25 +10,31 @@ from pathlib import Path
 import torch
 
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import check_folder_files, read_text
 from trainscale.specs import ModelSpec, load_model
 
 
 def find_folder(path: str | Path) -> Path:
     p = Path(path)
-    if not p.exists():
-        raise TrainscaleError(f"checkpoint {path} does not exist")
+    try:
+        present = p.exists()
+    except (OSError, ValueError):
+        present = False
+    if not present:
+        raise TrainscaleError(f"checkpoint {str(path)[:200]} does not exist")
     if (p / "final" / "model.json").exists():
         p = p / "final"
     if not p.is_dir() or not (p / "model.json").exists():
         raise TrainscaleError(f"{path} is not a trainscale model folder (needs model.json with model.safetensors, "
                               "quantized.safetensors or adapter.json; or a run folder with final/)")
+    check_folder_files(p)
     return p
 
 
 def read_spec(folder: Path) -> ModelSpec:
     try:
-        data = json.loads((folder / "model.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        data = json.loads(read_text(folder / "model.json", "model description"))
+    except (OSError, ValueError) as e:
         raise TrainscaleError(f"{folder / 'model.json'} is corrupt or unreadable: {e}") from None
     if not isinstance(data, dict):
         raise TrainscaleError(f"{folder / 'model.json'} is not a model description (a JSON object)")

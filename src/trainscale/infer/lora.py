@@ -126,11 +126,9 @@ def read_data(data: str, tokenizer) -> list[int]:
 
         text = corpus_text(data.split(":")[1])
     else:
-        p = Path(data)
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise TrainscaleError(f"data file {data} cannot be read as UTF-8 text: {e}") from None
+        from trainscale.safeio import read_text
+
+        text = read_text(Path(data), "data file", limit=1 << 30)
     ids = tokenizer.encode(text).ids
     if len(ids) < 64:
         raise TrainscaleError(f"data {data} has {len(ids)} tokens; LoRA training needs at least 64")
@@ -184,12 +182,18 @@ def load_adapter_folder(folder: Path, dtype: torch.dtype = torch.float32):
     from safetensors.torch import load_file
 
     from trainscale.infer.load import load_for_inference
+    from trainscale.safeio import read_text
 
     try:
-        cfg = json.loads((folder / "adapter.json").read_text())
+        cfg = json.loads(read_text(folder / "adapter.json", "adapter description"))
         base, rank, alpha, targets = cfg["base"], int(cfg["rank"]), float(cfg["alpha"]), tuple(cfg["targets"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise TrainscaleError(f"{folder / 'adapter.json'} is corrupt or incomplete: {e}") from None
+    if not (0 < rank <= 1 << 16 and math.isfinite(alpha) and 0 < alpha <= 1e6):
+        raise TrainscaleError(f"{folder / 'adapter.json'}: rank {rank} or alpha {alpha} is out of range")
+    if not isinstance(base, str) or Path(base).resolve() == Path(folder).resolve() or \
+            Path(folder).resolve() in Path(base).resolve().parents:
+        raise TrainscaleError(f"{folder / 'adapter.json'}: its base {base!r} must be another model folder")
     if Path(base).resolve() == folder.resolve():
         raise TrainscaleError(f"{folder / 'adapter.json'} names its own folder as the base model")
     from trainscale.estimate.lora import lora_targets

@@ -42,6 +42,9 @@ def resolve_model_dir(path: str | Path) -> Path:
     if not (p / "model.json").exists() or not (p / "model.safetensors").exists():
         raise TrainscaleError(f"{path} is not a trainscale model folder (needs model.json and model.safetensors, "
                               "or a run folder with final/)")
+    from trainscale.safeio import check_folder_files
+
+    check_folder_files(p)
     return p
 
 
@@ -53,7 +56,15 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: torch.dtype = t
     from trainscale.runtime.model import build_model
 
     p = resolve_model_dir(path)
-    spec = load_model(json.loads((p / "model.json").read_text()))
+    from trainscale.safeio import read_text
+
+    try:
+        data = json.loads(read_text(p / "model.json", "model description"))
+    except ValueError as e:
+        raise TrainscaleError(f"{p / 'model.json'} is corrupt: {e}") from None
+    if not isinstance(data, dict):
+        raise TrainscaleError(f"{p / 'model.json'} is not a model description (a JSON object)")
+    spec = load_model(data)
     model = build_model(spec, "meta")
     try:
         sd = load_file(str(p / "model.safetensors"))

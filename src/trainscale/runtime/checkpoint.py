@@ -6,19 +6,31 @@ on top.
                                rank 0 wrote manifest.json with the size and sha256 of every file
 
 ``latest`` is the newest step folder whose manifest verifies; a corrupt or truncated one is
-reported and skipped for the previous good one. A kill at any moment leaves either the old set of
-committed checkpoints or the old set plus the new one, never a damaged one. DCP stores each tensor
-by its fully-qualified name and global shape, so a checkpoint saved under one layout (FSDP, TP,
-PP) loads under another (resharding): ``torch.distributed.checkpoint.state_dict`` maps model and
-optimizer state to and from those names.
+reported and skipped for the previous good one. The manifest names the run that wrote it
+(``run_id``): a checkpoint of another run is never loaded.
+
+Reading a checkpoint never runs code, whoever made the folder (checkpoints are files people copy
+and share): the per-rank extras are JSON (the RNG state as base64 bytes), DCP's pickled
+``.metadata`` goes through an unpickler that knows only DCP's own metadata classes, torch sizes and
+dtypes, the files it points to must lie in the folder, and DCP's non-tensor values are read with
+``torch.load(weights_only=True)``. Anything else is refused in one sentence.
+
+A kill at any moment leaves either the old set of committed checkpoints or the old set plus the new
+one, never a damaged one. DCP stores each tensor by its fully-qualified name and global shape, so a
+checkpoint saved under one layout (FSDP, TP, PP) loads under another (resharding):
+``torch.distributed.checkpoint.state_dict`` maps model and optimizer state to and from those names.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
 import json
 import os
+import pickle
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,9 +40,200 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainscale.errors import TrainscaleError
+from trainscale.errors import JobFailed, TrainscaleError
 
 MANIFEST = "manifest.json"
+METADATA = ".metadata"
+MAX_JSON_BYTES = 64 << 20  # a manifest or extras file larger than this is not one we wrote
+
+
+def _fail_sentence(e: BaseException) -> str:
+    """The one sentence that caused ``e``: DCP's CheckpointException (a BaseException holding each
+    rank's failure) is reduced to its first rank's exception."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, wrapped = sorted(failures.items())[0]
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {_fail_sentence(inner)}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}" + (f" ({e.filename})" if e.filename else "")
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _disk_error(e: BaseException) -> OSError | None:
+    """The storage failure (full disk, permissions) behind a failed save, which a restart would repeat;
+    None for a peer that died mid-save (a communication error: the job fails and restarts). DCP
+    gathers every rank's exception; a full disk shows on some ranks as torch.save's own RuntimeError,
+    so one rank's OSError is enough."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for _, wrapped in sorted(failures.items()):
+            inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+            if isinstance(inner, BaseException) and (found := _disk_error(inner)) is not None:
+                return found
+        return None
+    if isinstance(e, OSError) and not isinstance(e, ConnectionError):
+        return e
+    return None
+
+
+class CheckpointSaveError(JobFailed):
+    """A save failed (disk full, permissions): the job fails (exit 1); the last committed checkpoint stays."""
+
+
+# ------------------------------------------------------------------ safe formats
+
+_DCP_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
+        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+      ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` pickle, with only DCP's own metadata classes (and torch sizes/dtypes) allowed."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not part of DCP's checkpoint metadata")
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it holds a persistent reference, which DCP's metadata never does")
+
+
+def read_metadata(folder: Path) -> Any:
+    """DCP's ``Metadata`` of a checkpoint folder, read without running code; the files it points to
+    must be plain names in the folder. A TrainscaleError (one sentence) otherwise."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(folder) / METADATA
+    data = _read_regular(path, "checkpoint metadata")
+    try:
+        md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # noqa: BLE001  (any malformed pickle is the same refusal)
+        raise TrainscaleError(f"checkpoint {folder} is refused: its {METADATA} is not DCP metadata ({e})") from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise TrainscaleError(f"checkpoint {folder} is refused: its {METADATA} is not DCP metadata")
+    storage = md.storage_data
+    if not isinstance(storage, dict):
+        raise TrainscaleError(f"checkpoint {folder} is refused: its {METADATA} has no storage table")
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if not _plain_name(rel):
+            raise TrainscaleError(f"checkpoint {folder} is refused: its {METADATA} points outside the folder "
+                                  f"({rel!r})")
+        if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0
+                and info.length >= 0) or getattr(info, "transform_descriptors", None):
+            raise TrainscaleError(f"checkpoint {folder} is refused: its {METADATA} has a malformed entry for {rel}")
+    return md
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name with no folder part: it cannot point outside the folder it is listed in."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def _read_regular(path: Path, what: str, limit: int | None = None) -> bytes:
+    """The bytes of a regular file (never a FIFO, device or link out of the folder), bounded in size."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise TrainscaleError(f"{what} {path} is missing") from None
+    except OSError as e:
+        raise TrainscaleError(f"{what} {path} cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TrainscaleError(f"{what} {path} is not a regular file")
+    if limit is not None and st.st_size > limit:
+        raise TrainscaleError(f"{what} {path} is {st.st_size:,} bytes, more than any we write")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise TrainscaleError(f"{what} {path} cannot be read: {e.strerror}") from None
+
+
+def _encode(obj: Any) -> Any:
+    """Extras to JSON: uint8 tensors (RNG states) as base64 bytes; everything else must already be JSON."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype != torch.uint8 or obj.ndim != 1:
+            raise TypeError("checkpoint extras hold only JSON values and 1-D uint8 tensors (RNG states)")
+        return {"__uint8__": base64.b64encode(bytes(obj.tolist())).decode()}
+    if isinstance(obj, dict):
+        return {str(k): _encode(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_encode(v) for v in obj]
+    return obj
+
+
+def _decode(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__uint8__"} and isinstance(obj["__uint8__"], str):
+            raw = base64.b64decode(obj["__uint8__"], validate=True)
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    return obj
+
+
+def write_extras(path: Path, extras: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(_encode(extras), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_extras(path: Path) -> dict[str, Any]:
+    """This rank's extras (JSON); refused in one sentence if malformed."""
+    data = _read_regular(path, "checkpoint extras", MAX_JSON_BYTES)
+    try:
+        got = _decode(json.loads(data))
+    except (ValueError, TypeError) as e:
+        raise TrainscaleError(f"checkpoint extras {path} are not valid JSON ({e})") from None
+    if not isinstance(got, dict) or not isinstance(got.get("step"), int) or got["step"] < 0:
+        raise TrainscaleError(f"checkpoint extras {path} lack a step count")
+    return got
+
+
+def _safe_reader(folder: Path):
+    """DCP's FileSystemReader, with ``.metadata`` read by the restricted unpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            md = read_metadata(folder)
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeReader(str(folder))
+
+
+def _safe_planner():
+    """DCP's default load planner, with non-tensor values read by ``torch.load(weights_only=True)``."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafePlanner()
 
 
 def _rank() -> int:
@@ -58,22 +261,50 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def verify(folder: Path, full: bool = True) -> str | None:
-    """None if the checkpoint folder is complete and intact, else the reason it is not."""
-    mpath = folder / MANIFEST
-    if not mpath.exists():
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder, checked for shape: file names confined to the folder."""
+    try:
+        manifest = json.loads(_read_regular(folder / MANIFEST, "checkpoint manifest", MAX_JSON_BYTES))
+    except ValueError:
+        raise TrainscaleError("manifest unreadable") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not isinstance(manifest.get("step"), int):
+        raise TrainscaleError("manifest unreadable")
+    for name, meta in files.items():
+        if not _plain_name(name):
+            raise TrainscaleError(f"manifest names {name!r}, outside its folder")
+        if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int) and meta["bytes"] >= 0
+                and isinstance(meta.get("sha256"), str)):
+            raise TrainscaleError(f"manifest entry for {name} is malformed")
+    for needed in (METADATA,):
+        if needed not in files:
+            raise TrainscaleError(f"manifest does not list {needed}")
+    return manifest
+
+
+def verify(folder: Path, full: bool = True, run_id: str | None = None) -> str | None:
+    """None if the checkpoint folder is complete and intact (and, given ``run_id``, that run's), else
+    the reason it is not. Only regular files in the folder are read."""
+    if folder.is_symlink() or not folder.is_dir():
+        return "not a folder"
+    if not (folder / MANIFEST).exists():
         return "no manifest"
     try:
-        manifest = json.loads(mpath.read_text())
-        files = manifest["files"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        return "manifest unreadable"
-    for name, meta in files.items():
+        manifest = read_manifest(folder)
+    except TrainscaleError as e:
+        return str(e)
+    if run_id is not None and manifest.get("run_id") != run_id:
+        return f"written by another run ({manifest.get('run_id') or 'unnamed'}, not {run_id})"
+    for name, meta in manifest["files"].items():
         p = folder / name
-        if not p.exists():
+        try:
+            st = os.lstat(p)
+        except OSError:
             return f"{name} missing"
-        if p.stat().st_size != meta["bytes"]:
-            return f"{name} truncated ({p.stat().st_size} of {meta['bytes']} bytes)"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name} is not a regular file"
+        if st.st_size != meta["bytes"]:
+            return f"{name} truncated ({st.st_size} of {meta['bytes']} bytes)"
         if full and _sha256(p) != meta["sha256"]:
             return f"{name} checksum mismatch"
     return None
@@ -89,55 +320,102 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(out)
 
 
-def latest_good(root: str | Path, log: Callable[[str], None] = print) -> tuple[int, Path] | None:
-    """Newest committed checkpoint that verifies, announcing each one skipped and why."""
+def latest_good(root: str | Path, log: Callable[[str], None] = print,
+                run_id: str | None = None) -> tuple[int, Path] | None:
+    """Newest committed checkpoint that verifies (and, given ``run_id``, that this run wrote),
+    announcing each one skipped and why."""
     root = Path(root)
     for step in reversed(committed_steps(root)):
         folder = root / step_dir_name(step)
-        why = verify(folder)
+        why = verify(folder, run_id=run_id)
         if why is None:
             return step, folder
-        log(f"checkpoint {folder} is damaged ({why}); falling back to the previous one")
+        if why.startswith("written by another run"):
+            log(f"checkpoint {folder} was {why}: skipped")
+        else:
+            log(f"checkpoint {folder} is damaged ({why}); falling back to the previous one")
     return None
 
 
+def _all_ok(ok: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank (a rank whose write failed still reaches this
+    collective, so the others fail with it instead of waiting at a barrier)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ok
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], device=dev)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 class CheckpointManager:
-    """Save every N steps (or M seconds), optionally asynchronously; keep the last K."""
+    """Save every N steps (or M seconds), optionally asynchronously; keep the last K. ``run_id``
+    (written into each manifest) binds the checkpoints to their run: another run's are never loaded."""
 
     def __init__(self, root: str | Path, keep: int = 3, async_save: bool = False,
-                 before_commit: Callable[[int], None] | None = None) -> None:
+                 before_commit: Callable[[int], None] | None = None, run_id: str | None = None) -> None:
         self.root = Path(root)
         self.keep = keep
+        self.run_id = run_id
         self.async_save = async_save and dist.is_initialized()
         self.before_commit = before_commit  # fault-injection hook: runs on rank 0 just before the commit
         self.pending: tuple[int, Path, Any] | None = None
         self.save_seconds = 0.0  # time the training loop was blocked by saving
         self.saves = 0
         self._group = dist.new_group(backend="gloo") if self.async_save else None
+        error = None
         if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".tmp-step-*"):  # a save that a crash interrupted
-                shutil.rmtree(stale, ignore_errors=True)
-        _barrier()
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for stale in self.root.glob(".tmp-step-*"):  # a save that a crash interrupted
+                    shutil.rmtree(stale, ignore_errors=True)
+            except OSError as e:
+                error = f"checkpoint folder {self.root} cannot be written: {_fail_sentence(e)}"
+        if not _all_ok(error is None):
+            raise CheckpointSaveError(error or f"checkpoint folder {self.root} cannot be written on rank 0")
 
     # ------------------------------------------------------------------ save
 
+    def _failed(self, step: int, why: str | None) -> CheckpointSaveError:
+        prev = committed_steps(self.root) if self.root.is_dir() else []
+        kept = f"the last committed checkpoint ({step_dir_name(prev[-1])}) is intact" if prev else \
+            "no checkpoint was committed before"
+        return CheckpointSaveError(f"saving the step-{step} checkpoint in {self.root} failed "
+                                   f"({why or 'on another rank'}); {kept}")
+
     def save(self, step: int, state: dict[str, Any], extras: dict[str, Any]) -> None:
         """Write ``state`` (DCP: sharded tensors by name) and this rank's ``extras`` (RNG, loader
-        position, ...) for ``step``; commit when complete."""
+        position, ...: JSON) for ``step``; commit when complete. A failed write (disk full) fails on
+        every rank with one sentence, and leaves the committed checkpoints as they were."""
         t0 = time.perf_counter()
         self.finish()  # at most one save in flight
         tmp = self.root / f".tmp-{step_dir_name(step)}"
-        if _rank() == 0:
-            tmp.mkdir(parents=True, exist_ok=True)
-        _barrier()
-        torch.save(extras, tmp / f"extras-rank{_rank():05d}.pt")
-        if self.async_save:
-            fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
-            self.pending = (step, tmp, fut)
-        else:
-            dcp.save(state, checkpoint_id=str(tmp))
-            self.pending = (step, tmp, None)
+        why = None
+        try:
+            if _rank() == 0:
+                tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            why = _fail_sentence(e)
+        if not _all_ok(why is None):
+            raise self._failed(step, why)
+        try:
+            write_extras(tmp / f"extras-rank{_rank():05d}.json", extras)
+        except (OSError, TypeError, ValueError) as e:
+            why = _fail_sentence(e)
+        if not _all_ok(why is None):
+            raise self._failed(step, why)
+        try:
+            if self.async_save:
+                fut = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+                self.pending = (step, tmp, fut)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp))
+                self.pending = (step, tmp, None)
+        except (Exception, dcp.api.CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            if (disk := _disk_error(e)) is not None:
+                raise self._failed(step, _fail_sentence(disk)) from None
+            raise  # a peer died: the job fails and restarts
+        if not self.async_save:
             self.finish()
         self.save_seconds += time.perf_counter() - t0
         self.saves += 1
@@ -158,25 +436,40 @@ class CheckpointManager:
             return
         step, tmp, fut = self.pending
         self.pending = None
+        why = None
         if fut is not None:
-            fut.result()
-        _barrier()
+            try:
+                fut.result()
+            except (Exception, dcp.api.CheckpointException) as e:
+                if (disk := _disk_error(e)) is None:
+                    raise
+                why = _fail_sentence(disk)
+        if not _all_ok(why is None):
+            raise self._failed(step, why)
         if _rank() == 0:
             if self.before_commit is not None:
                 self.before_commit(step)
-            files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                     for p in sorted(tmp.iterdir()) if p.is_file()}
-            manifest = {"step": step, "world_size": _world(), "time": time.time(), "files": files}
-            with open(tmp / MANIFEST, "w") as f:
-                json.dump(manifest, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            final = self.root / step_dir_name(step)
-            if final.exists():  # re-saving a step after a restart: the new one replaces it
-                shutil.rmtree(final)
-            os.rename(tmp, final)  # atomic on POSIX: the checkpoint appears whole or not at all
-            self._retain()
-        _barrier()
+            try:
+                self._commit(step, tmp)
+            except OSError as e:
+                why = _fail_sentence(e)
+        if not _all_ok(why is None):
+            raise self._failed(step, why)
+
+    def _commit(self, step: int, tmp: Path) -> None:
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {"step": step, "world_size": _world(), "time": time.time(), "run_id": self.run_id,
+                    "files": files}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        final = self.root / step_dir_name(step)
+        if final.exists():  # re-saving a step after a restart: the new one replaces it
+            shutil.rmtree(final)
+        os.rename(tmp, final)  # atomic on POSIX: the checkpoint appears whole or not at all
+        self._retain()
 
     def _retain(self) -> None:
         steps = committed_steps(self.root)
@@ -186,8 +479,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------ load
 
     def load(self, state: dict[str, Any], log: Callable[[str], None] = print) -> tuple[int, dict[str, Any]] | None:
-        """Load the newest good checkpoint into ``state`` in place; -> (step, this rank's extras)."""
-        found = latest_good(self.root, log=log if _rank() == 0 else (lambda _m: None))
+        """Load the newest good checkpoint of this run into ``state`` in place; -> (step, this rank's
+        extras). Nothing read runs code: a crafted folder is refused with one sentence."""
+        found = latest_good(self.root, log=log if _rank() == 0 else (lambda _m: None), run_id=self.run_id)
         # every rank must agree on the folder (rank 0 decides)
         obj = [found]
         if dist.is_initialized():
@@ -196,11 +490,18 @@ class CheckpointManager:
         if found is None:
             return None
         step, folder = found
+        why = None
         try:
-            dcp.load(state, checkpoint_id=str(folder))
-        except Exception as e:  # DCP raises CheckpointException and others
-            raise TrainscaleError(f"checkpoint {folder} cannot be loaded into this model: {e}") from None
-        mine = folder / f"extras-rank{_rank():05d}.pt"
-        extras_path = mine if mine.exists() else folder / "extras-rank00000.pt"
-        extras = torch.load(extras_path, weights_only=False)
+            read_metadata(folder)  # every rank, before DCP touches it
+            mine = folder / f"extras-rank{_rank():05d}.json"
+            extras = read_extras(mine if mine.exists() else folder / "extras-rank00000.json")
+        except TrainscaleError as e:
+            why = str(e)
+        if not _all_ok(why is None):
+            raise TrainscaleError(why or f"checkpoint {folder} is refused on another rank")
+        try:
+            dcp.load(state, storage_reader=_safe_reader(folder), planner=_safe_planner())
+        except (Exception, dcp.api.CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            raise TrainscaleError(f"checkpoint {folder} cannot be loaded into this model: "
+                                  f"{_fail_sentence(e)}") from None
         return step, extras

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -26,20 +26,20 @@ from trainscale.specs import Layout, ModelSpec, _first_error, catalog_names, loa
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class TrainSection(_Section):
-    steps: int = Field(default=100, gt=0)
-    lr: float = Field(default=3e-4, gt=0)
+    steps: int = Field(default=100, gt=0, le=1_000_000_000)
+    lr: float = Field(default=3e-4, gt=0, le=10)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    warmup: int = Field(default=10, ge=0)
-    seq_len: int = Field(default=256, gt=0)
-    global_batch: int = Field(default=8, gt=0, description="sequences per optimizer step")
-    seed: int = 0
-    weight_decay: float = Field(default=0.1, ge=0)
-    grad_clip: float = Field(default=1.0, ge=0, description="0: no clipping")
-    betas: tuple[float, float] = (0.9, 0.95)
+    warmup: int = Field(default=10, ge=0, le=1_000_000_000)
+    seq_len: int = Field(default=256, gt=0, le=1 << 24)
+    global_batch: int = Field(default=8, gt=0, le=1 << 24, description="sequences per optimizer step")
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    weight_decay: float = Field(default=0.1, ge=0, le=10)
+    grad_clip: float = Field(default=1.0, ge=0, le=1e6, description="0: no clipping")
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
 
 
 class DataSection(_Section):
@@ -87,19 +87,20 @@ class DataSection(_Section):
 
 class RunSection(_Section):
     out: str = "runs/run"
-    log_every: int = Field(default=1, gt=0)
-    eval_sequences: int = Field(default=64, ge=0)
+    log_every: int = Field(default=1, gt=0, le=1_000_000_000)
+    eval_sequences: int = Field(default=64, ge=0, le=1_000_000)
     layout: str = ""
     save_final: bool = Field(default=True, description="gather the weights to rank 0 and write RUN_DIR/final")
 
 
 class CheckpointSection(_Section):
-    every_steps: int = Field(default=0, ge=0, description="save every N steps (0: never)")
-    every_seconds: float = Field(default=0.0, ge=0, description="also save when this long has passed (0: off)")
-    keep: int = Field(default=3, gt=0, description="committed checkpoints to retain")
+    every_steps: int = Field(default=0, ge=0, le=1_000_000_000, description="save every N steps (0: never)")
+    every_seconds: float = Field(default=0.0, ge=0, le=1e9, description="also save when this long has passed (0: off)")
+    keep: int = Field(default=3, gt=0, le=10_000, description="committed checkpoints to retain")
     async_save: bool = Field(default=False, description="write in the background while training goes on")
     dir: str | None = Field(default=None, description="default: RUN_DIR/checkpoints")
-    collective_timeout_s: float = Field(default=600.0, gt=0, description="a rank silent this long counts as hung")
+    collective_timeout_s: float = Field(default=600.0, gt=0, le=86_400,
+                                        description="a rank silent this long counts as hung")
 
 
 class TrainConfig(_Section):
@@ -168,11 +169,11 @@ def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
 
 def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None) -> TrainConfig:
     """Read a training config TOML; ``overrides`` ({section: {key: value}}) replace its values."""
+    from trainscale.safeio import read_text
+
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise TrainscaleError(f"config file {path} does not exist") from None
+        data = tomllib.loads(read_text(path, "config file"))
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise TrainscaleError(f"config file {path} cannot be read: {e}") from None
     data.setdefault("name", path.stem)

@@ -38,7 +38,8 @@ class Fault:
         return f"{self.kind}@step={self.step},rank={self.rank}"
 
 
-def parse_faults(text: str | None) -> list[Fault]:
+def parse_faults(text: str | None, world: int | None = None) -> list[Fault]:
+    """The faults of ``text``; with ``world``, each names an existing rank."""
     if not text:
         return []
     out = []
@@ -59,7 +60,12 @@ def parse_faults(text: str | None) -> list[Fault]:
                 raise TrainscaleError(f"fault '{part}': {key} must be a number, not '{val}'") from None
         if "step" not in kw:
             raise TrainscaleError(f"fault '{part}' needs step=N")
+        for key, lo, hi in (("step", 1, 1e9), ("rank", 0, 1e8), ("seconds", 0, 86_400), ("attempt", 0, 1000)):
+            if key in kw and not lo <= kw[key] <= hi:  # also refuses nan (every comparison is false)
+                raise TrainscaleError(f"fault '{part}': {key} must be from {lo:g} to {hi:g}, not {kw[key]}")
         out.append(Fault(m.group("kind"), **kw))  # type: ignore[arg-type]
+        if world is not None and out[-1].rank >= world:
+            raise TrainscaleError(f"fault '{part}' names rank {out[-1].rank}, but the job has {world} process(es)")
     return out
 
 

@@ -1,11 +1,18 @@
-"""Starting a training job: the torchrun command for this machine (or a multi-node rendezvous) and the
-layout to use when asked to plan one (the Slurm batch script is runtime/slurm.py).
+"""Starting a training job: the torchrun command for this machine (or a multi-node rendezvous, fixed or
+elastic) and the layout to use when asked to plan one (the Slurm batch script is runtime/slurm.py).
 
 Imports no torch at module level: ``trainscale train --help`` and ``launch --slurm`` stay fast.
+
+A single-machine job runs torchrun through ``python -m trainscale.runtime.launch``: the same
+torchrun, with its rendezvous stores listening on 127.0.0.1 only (torchrun's own bind every
+interface), and the agent dying with the CLI that started it (and the ranks with the agent).
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -22,8 +29,8 @@ def parse_nnodes(nnodes: int | str) -> tuple[int, int]:
         a, b = int(lo), int(hi or lo)
     except ValueError:
         raise TrainscaleError(f"--nnodes must be N or MIN:MAX (an elastic range), not {text!r}") from None
-    if not 0 < a <= b <= 4096:
-        raise TrainscaleError(f"--nnodes {text}: need 1 <= MIN <= MAX <= 4096")
+    if not 0 < a <= b <= 100_000:
+        raise TrainscaleError(f"--nnodes {text}: need 1 <= MIN <= MAX <= 100000")
     return a, b
 
 
@@ -38,14 +45,14 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
     lo, hi = parse_nnodes(nnodes)
     if world % hi:
         raise TrainscaleError(f"the layout's {world} processes do not split evenly over {hi} nodes")
-    cmd = [python, "-m", "torch.distributed.run"]
     if hi == 1 and rdzv_endpoint is None:
-        cmd += ["--standalone"]
+        cmd = [python, "-m", "trainscale.runtime.launch", "--standalone", "--local-addr", "127.0.0.1"]
     else:
         if rdzv_endpoint is None:
             raise TrainscaleError("a multi-node run needs --rdzv-endpoint HOST:PORT (the first node's address)")
-        cmd += ["--nnodes", f"{lo}:{hi}" if lo != hi else str(hi), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+        check_endpoint(rdzv_endpoint)
+        cmd = [python, "-m", "torch.distributed.run", "--nnodes", f"{lo}:{hi}" if lo != hi else str(hi),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
     cmd += ["--nproc-per-node", str(world // hi), "--max-restarts", str(max_restarts),
             "-m", "trainscale.runtime.train", "--config", str(config), "--layout", layout, "--out", str(out)]
     if steps is not None:
@@ -57,6 +64,25 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
     if fallback_layout:
         cmd += ["--fallback-layout", fallback_layout]
     return cmd
+
+
+_HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}"
+                   r"[A-Za-z0-9])?)*$")
+
+
+def check_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (a host name, an IPv4 address or a bracketed IPv6 one; port 1-65535) -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TrainscaleError(f"--rdzv-endpoint must be HOST:PORT with a port from 1 to 65535, not {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise TrainscaleError(f"--rdzv-endpoint {text!r} has an invalid IPv6 address") from None
+    elif not _HOST.match(host):
+        raise TrainscaleError(f"--rdzv-endpoint {text!r} does not start with a host name or address")
+    return host, int(port)
 
 
 def plan_layout(cfg: TrainConfig) -> tuple[str, str]:
@@ -96,3 +122,50 @@ def plan_layout(cfg: TrainConfig) -> tuple[str, str]:
 def layout_string(lay: Layout) -> str:
     """The layout as ``Layout.parse`` reads it, micro-batch included."""
     return str(lay)
+
+
+def _local_store_class():
+    """torch's TCPStore, but a server binds 127.0.0.1 only (torchrun's stores bind every interface)."""
+    import socket
+
+    import torch.distributed as dist
+
+    base = dist.TCPStore
+
+    class LocalTCPStore(base):  # type: ignore[misc, valid-type]
+        def __init__(self, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
+                     *args, **kwargs) -> None:
+            if is_master and kwargs.get("master_listen_fd") is None:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", int(port)))
+                sock.listen(128)
+                port = sock.getsockname()[1]
+                kwargs["master_listen_fd"] = sock.detach()  # the store owns the descriptor now
+            super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
+
+    return LocalTCPStore
+
+
+def local_torchrun(argv: list[str]) -> int:
+    """torchrun for a single-machine job: stores on 127.0.0.1, gloo on the loopback interface, and the
+    agent ends when the process that started it does (its ranks then end with it)."""
+    import signal
+
+    from trainscale.runtime.runfolder import ENV_PARENT, die_with_parent
+
+    die_with_parent(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+    os.environ[ENV_PARENT] = str(os.getpid())  # the ranks check they still have this agent
+    if sys.platform.startswith("linux") and Path("/sys/class/net/lo").exists():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch.distributed as dist
+
+    dist.TCPStore = _local_store_class()
+    from torch.distributed.run import main
+
+    main(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(local_torchrun(sys.argv[1:]))

@@ -18,14 +18,13 @@ What happens, in order:
      evaluates them on held-out text against the unigram baseline
 
 Run folder: config.toml, run.json (layout, world size, model, results), metrics.jsonl (a line per
-step), tokenizer.json, final/.
+step), tokenizer.json, final/; its identity, lock and bookkeeping are runtime/runfolder.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import sys
@@ -39,14 +38,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count
-from trainscale.runtime import faults, measure
+from trainscale.runtime import faults, measure, runfolder
 from trainscale.runtime.checkpoint import CheckpointManager, step_dir_name
 from trainscale.runtime.config import TrainConfig, check_layout, load_config, micro_batch
 from trainscale.runtime.context import local_positions, shard_sequence
 from trainscale.runtime.data import TokenLoader, corpus_for, eval_windows, unigram_loss
 from trainscale.runtime.faults import Fault, requeue_count, restart_count
-from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed, rank_main
+from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed
 from trainscale.runtime.model import Transformer, build_model, lm_loss
 from trainscale.runtime.parallelize import allreduce_gradients, clip_grad_norm, gradient_group, parallelize, uses_fsdp
 from trainscale.runtime.pipeline import Pipeline, split_model
@@ -96,6 +96,8 @@ class Trainer:
         self.device = init_distributed(cfg.checkpoint.collective_timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.log = log if self.rank == 0 else (lambda _m: None)
+        self.run_id, self._lock = self._bind_run_folder()
+        self.folder = runfolder.RunFolder(out, self.resume) if out is not None and self.rank == 0 else None
         self.mesh: ParallelMesh = build_mesh(layout)
         t = cfg.train
         torch.manual_seed(t.seed)
@@ -135,6 +137,37 @@ class Trainer:
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+    def _checkpoint_root(self) -> Path | None:
+        c = self.cfg.checkpoint
+        return Path(c.dir) if c.dir else (self.out / "checkpoints" if self.out is not None else None)
+
+    def _bind_run_folder(self) -> tuple[str | None, runfolder.RunLock | None]:
+        """-> (run id, lock). Under `trainscale train` the CLI holds the lock and named the run
+        (TRAINSCALE_RUN_ID): rank 0 checks the folder still belongs to it. Run directly, rank 0 locks and
+        claims the folder itself. Every rank gets the same answer or the same one-sentence error."""
+        import os
+
+        root = self._checkpoint_root()
+        if root is None:
+            return None, None
+        given = os.environ.get(runfolder.ENV_RUN_ID)
+        answer: list[Any] = [given, None]
+        lock = None
+        if self.rank == 0:
+            try:
+                if given and self.out is not None:
+                    runfolder.check_identity(self.out, given)
+                elif not given:
+                    lock = runfolder.RunLock(self.out or root).acquire()
+                    answer[0] = runfolder.claim(self.out or root, root, self.cfg, self.resume)
+            except TrainscaleError as e:
+                answer[1] = str(e)
+        if self.world > 1:
+            dist.broadcast_object_list(answer, src=0)
+        if answer[1] is not None:
+            raise TrainscaleError(answer[1])
+        return answer[0], lock
 
     def _build_parts(self) -> list[tuple[int, Transformer]]:
         spec, lo, seed = self.cfg.model, self.layout, self.cfg.train.seed
@@ -254,39 +287,33 @@ class Trainer:
             return None
         if not (c.every_steps or c.every_seconds or self.resume):
             return None
-        root = Path(c.dir) if c.dir else self.out / "checkpoints"
-        return CheckpointManager(root, keep=c.keep, async_save=c.async_save,
-                                 before_commit=faults.before_commit(self.faults, self.rank, _say))
+        return CheckpointManager(self._checkpoint_root(), keep=c.keep, async_save=c.async_save,
+                                 before_commit=faults.before_commit(self.faults, self.rank, _say), run_id=self.run_id)
 
-    def _resume(self, mgr: CheckpointManager) -> None:
+    def _resume(self, mgr: CheckpointManager, steps: int) -> None:
         state = self.state_dict()
         found = mgr.load(state, log=self.log)
         if found is None:
             self.log("no complete checkpoint to resume from: starting at step 0")
             return
         step, extras = found
+        if step >= steps:
+            raise TrainscaleError(f"the run in {mgr.root.parent if self.out else mgr.root} already reached step "
+                                  f"{step} of {steps}; ask for more with --steps, or train into a fresh folder")
         self.load_state_dict(state)
         self.load_extras(extras)
         self.log(f"resumed from {mgr.root / step_dir_name(step)} at step {step} (attempt {restart_count()})")
 
     def run(self, steps: int | None = None) -> RunResult:
         steps = steps or self.cfg.train.steps
-        metrics_file = None
-        if self.rank == 0 and self.out is not None:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.toml").write_text(self.cfg.to_toml())
-            (self.out / "tokenizer.json").write_bytes(self.corpus.tokenizer_path.read_bytes())
-            self._write_run_json({"status": "running"})
-            job = self.out / "job.json"  # the first attempt's start: wall time for goodput spans restarts
-            if not self.resume or not job.exists():
-                job.write_text(json.dumps({"start": time.time()}))
-            metrics_file = open(self.out / "metrics.jsonl", "a" if self.resume else "w")  # noqa: SIM115
+        if self.folder is not None:
+            self.folder.start(self.cfg.to_toml(), self.corpus.tokenizer_path, self._run_info())
         self.log(f"training {self.cfg.model.name} ({param_count(self.cfg.model) / 1e6:.2f}M params) on "
                  f"{self.world} process(es), layout {self.layout}, {steps} steps, "
                  f"{self.cfg.train.global_batch} x {self.cfg.train.seq_len} tokens per step")
         mgr = self._checkpoints()
         if mgr is not None and self.resume:
-            self._resume(mgr)
+            self._resume(mgr, steps)
         start = time.perf_counter()
         last_save = start
         losses, rows = [], []
@@ -299,9 +326,8 @@ class Trainer:
             row["requeue"] = requeue_count()
             losses.append(row["loss"])
             rows.append(row)
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(row) + "\n")
-                metrics_file.flush()
+            if self.folder is not None:
+                self.folder.log(row)
             if self.step % self.cfg.run.log_every == 0 or self.step == steps:
                 self.log(f"step {self.step:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                          f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%}  lr {row['lr']:.2e}")
@@ -317,20 +343,20 @@ class Trainer:
                     t0 = time.perf_counter()
                     mgr.save(self.step, self.state_dict(), self.extras())
                     last_save = time.perf_counter()
-                    if metrics_file is not None:
-                        metrics_file.write(json.dumps({"event": "checkpoint", "step": self.step,
-                                                       "save_s": last_save - t0, "attempt": restart_count()}) + "\n")
-                        metrics_file.flush()
+                    if self.folder is not None:
+                        self.folder.log({"event": "checkpoint", "step": self.step, "save_s": last_save - t0,
+                                         "attempt": restart_count()})
         if mgr is not None:
             mgr.finish()
-        if metrics_file is not None:
-            metrics_file.close()
-            metrics_file = None
+        if self.folder is not None:
+            self.folder.close()
         result = RunResult(losses, self.out, rows, local_params=self.local_params())
         if self.out is not None:
             self._finish(result, time.perf_counter() - start)
-            if self.rank == 0:
-                self._goodput()
+            if self.folder is not None:
+                self.folder.goodput(self.log)
+        if self._lock is not None:
+            self._lock.release()
         return result
 
     def _save_requested(self) -> bool:
@@ -347,31 +373,6 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-
-    def _goodput(self) -> dict[str, Any]:
-        """Useful step time / wall time over the whole job, restarts included, from metrics.jsonl:
-        a step that was run again after a restart counts once; the earlier runs are lost work."""
-        rows = [json.loads(x) for x in (self.out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        steps = [r for r in rows if "loss" in r and "step_time_s" in r]
-        last: dict[int, float] = {}
-        for r in steps:
-            last[int(r["step"])] = float(r["step_time_s"])
-        useful = sum(last.values())
-        ran = sum(float(r["step_time_s"]) for r in steps)
-        save = sum(float(r["save_s"]) for r in rows if r.get("event") == "checkpoint")
-        wall = time.time() - json.loads((self.out / "job.json").read_text())["start"]
-        g = {"goodput": useful / wall, "useful_step_s": useful, "wall_s": wall, "lost_steps": len(steps) - len(last),
-             "lost_step_s": ran - useful, "checkpoint_s": save, "checkpoints": sum(r.get("event") == "checkpoint"
-                                                                                   for r in rows),
-             "restarts": _restarts(steps), "restart_and_startup_s": max(0.0, wall - ran - save)}
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(g) + "\n")
-        info = json.loads((self.out / "run.json").read_text())
-        _write_atomic(self.out / "run.json", json.dumps({**info, **g}, indent=2))
-        self.log(f"goodput {g['goodput']:.1%}: {useful:.1f} s of useful steps in {wall:.1f} s wall; "
-                 f"{g['restarts']} restart(s), {g['lost_steps']} step(s) recomputed, {g['checkpoints']} checkpoint(s) "
-                 f"taking {save:.1f} s, {g['restart_and_startup_s']:.1f} s starting and restarting")
-        return g
 
     # ------------------------------------------------------------------ the end
 
@@ -417,20 +418,19 @@ class Trainer:
         from trainscale.runtime.artifact import save_model_dir
 
         state = self.full_state_dict() if self.cfg.run.save_final else None
-        if self.rank == 0:
+        if self.folder is not None:
             if state is not None:
                 save_model_dir(self.out / "final", state, self.cfg.model, self.corpus.tokenizer_path)
                 result.eval_loss, result.unigram_loss = self.evaluate(state)
             if result.eval_loss is not None:
-                with open(self.out / "metrics.jsonl", "a") as f:  # the held-out figure, as report/ reads it
-                    f.write(json.dumps({"step": self.step, "val_loss": result.eval_loss,
-                                        "unigram_loss": result.unigram_loss}) + "\n")
+                self.folder.append({"step": self.step, "val_loss": result.eval_loss,  # as report/ reads it
+                                    "unigram_loss": result.unigram_loss})
                 self.log(f"held-out loss {result.eval_loss:.4f} nats/token (unigram baseline "
                          f"{result.unigram_loss:.4f}) on {self.cfg.run.eval_sequences} sequences")
             rows = result.metrics[1:] or result.metrics  # the first step warms up
             tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
             tps = tokens * len(rows) / max(1e-9, sum(r["step_time_s"] for r in rows))  # all tokens / all step time
-            self._write_run_json({
+            self.folder.write_run_json({
                 "status": "done", "steps": self.step, "seconds": seconds, "final_loss": result.losses[-1],
                 "eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss, "tokens_per_s": tps,
                 "mfu": measure.mfu(tps, self.flops_per_token, self.peak)})
@@ -438,28 +438,14 @@ class Trainer:
                 self.log(f"wrote {self.out / 'final'}")
         self._barrier()
 
-    def _write_run_json(self, extra: dict[str, Any]) -> None:
-        info = {"layout": str(self.layout), "world_size": self.world, "backend": dist.get_backend(),
-                "device": self.device.type, "model": self.cfg.model.model_dump(by_alias=True, exclude_none=True),
+    def _run_info(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "layout": str(self.layout), "world_size": self.world,
+                "backend": dist.get_backend(), "device": self.device.type,
+                "model": self.cfg.model.model_dump(by_alias=True, exclude_none=True),
                 "params": param_count(self.cfg.model), "local_params_rank0": self.local_params(),
                 "flops_per_token": self.flops_per_token,
                 "peak_flops": self.peak, "peak_source": self.peak_source, "micro_batch": self.micro,
-                "microbatches": self.n_micro, "config": self.cfg.model_dump(mode="json", exclude={"model"}), **extra}
-        _write_atomic(self.out / "run.json", json.dumps(info, indent=2))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Readers on other nodes (a shared run folder) see the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _restarts(step_rows: list[dict[str, Any]]) -> int:
-    """Restarts of the whole job: every (Slurm requeue, torchrun attempt) that ran steps, and this one, less 1."""
-    seen = {(int(r.get("requeue", 0)), int(r.get("attempt", 0))) for r in step_rows}
-    seen.add((requeue_count(), restart_count()))
-    return len(seen) - 1
+                "microbatches": self.n_micro, "config": self.cfg.model_dump(mode="json", exclude={"model"})}
 
 
 def train(cfg: TrainConfig, layout: Layout | str | None = None, steps: int | None = None,
@@ -499,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[elastic] layout {layout}: {why}", flush=True)
         train(cfg, layout, out=out, log=lambda m: print(m, flush=True), resume=args.resume, inject=args.inject)
 
-    return rank_main(body)
+    return runfolder.worker_main(body)
 
 
 if __name__ == "__main__":
