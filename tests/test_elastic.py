@@ -135,6 +135,7 @@ def test_a_job_that_loses_a_node_finishes_on_the_other(tmp_path):
     ref = tmp_path / "ref"
     (ref / "checkpoints").mkdir(parents=True)
     shutil.copytree(run / "checkpoints" / "step-00000008", ref / "checkpoints" / "step-00000008")
+    shutil.copy(run / "identity.json", ref / "identity.json")  # the same run, continued elsewhere
     p = subprocess.run([sys.executable, "-m", "trainscale", "train", "--config", str(cfg), "--layout", "dp2",
                         "--steps", str(STEPS), "--resume", "--out", str(ref), "--json"], capture_output=True,
                        text=True, cwd=ROOT, timeout=300)
