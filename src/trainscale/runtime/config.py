@@ -1,9 +1,11 @@
 """The training job config: a TOML file (torchtitan-like sections), validated with pydantic.
 
     [model]   name = "llama3.1-8b" (a catalog entry, optionally with field overrides), or the
-              ModelSpec fields inline (n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, ...)
+              ModelSpec fields inline (n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, ...),
+              or init = "PATH": a Hugging Face Llama folder whose config.json gives the model and whose
+              safetensors give the starting weights (runtime/hf_init.py)
     [train]   steps, lr, min_lr_ratio, warmup, seq_len, global_batch (sequences), seed,
-              weight_decay, grad_clip, betas
+              weight_decay, grad_clip, betas, precision ("auto" | "bf16" | "fp32"), compile
     [data]    max_chars (limit the text the tokenizer and loader see), cache (folder), tokenizer_vocab
               (default: the model's vocab_size; smaller for a big-vocabulary model on this small corpus)
     [run]     out (run folder), log_every, eval_sequences, layout (default layout string), save_final
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -36,6 +38,10 @@ class TrainSection(_Section):
     weight_decay: float = Field(default=0.1, ge=0)
     grad_clip: float = Field(default=1.0, ge=0, description="0: no clipping")
     betas: tuple[float, float] = (0.9, 0.95)
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto", description="bf16: FSDP2 mixed precision (bf16 weights and compute, fp32 gradient "
+        "reduction) or bf16 autocast without FSDP; fp32; auto: bf16 on GPUs, fp32 on CPU")
+    compile: bool = Field(default=False, description="torch.compile each transformer block")
 
 
 class DataSection(_Section):
@@ -64,6 +70,7 @@ class CheckpointSection(_Section):
 class TrainConfig(_Section):
     name: str = "run"
     model: ModelSpec
+    init: str | None = Field(default=None, description="[model] init: a Hugging Face folder to start from")
     train: TrainSection = TrainSection()
     data: DataSection = DataSection()
     run: RunSection = RunSection()
@@ -88,6 +95,8 @@ class TrainConfig(_Section):
         for section, obj in (("model", self.model), ("train", self.train), ("data", self.data), ("run", self.run),
                              ("checkpoint", self.checkpoint)):
             lines.append(f"[{section}]")
+            if section == "model" and self.init is not None:
+                lines.append(f"init = {val(self.init)}")
             for k, v in obj.model_dump(by_alias=True, exclude_none=True).items():
                 lines.append(f"{k} = {val(v)}")
             lines.append("")
@@ -96,6 +105,11 @@ class TrainConfig(_Section):
 
 def _model_from(section: dict[str, Any]) -> ModelSpec:
     section = dict(section)
+    if "init" in section:  # a Hugging Face folder: its config.json is the model, the section's fields override
+        from trainscale.runtime.hf_init import hf_folder_spec
+
+        base = hf_folder_spec(section.pop("init")).model_dump(by_alias=True, exclude_none=True)
+        return load_model({**base, **section})
     name = section.get("name")
     if name is not None and name in catalog_names("models"):
         base = load_model(name).model_dump(by_alias=True, exclude_none=True)
@@ -111,7 +125,15 @@ def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
     if unknown:
         raise TrainscaleError(f"{what}: unknown section or key '{sorted(unknown)[0]}'; "
                               "use [model], [train], [data], [run], [checkpoint]")
+    init = data["model"].get("init")
+    if init is not None and not isinstance(init, str):
+        raise TrainscaleError(f"{what}: [model] init must be a folder path (a string), not {init!r}")
     data["model"] = _model_from(data["model"])
+    if init is not None:
+        from trainscale.runtime.hf_init import check_hf_weights
+
+        data["init"] = str(Path(init).expanduser().resolve())
+        check_hf_weights(data["init"], data["model"])
     try:
         cfg = TrainConfig(**data)
     except ValidationError as e:

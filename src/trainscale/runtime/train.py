@@ -24,7 +24,6 @@ step), tokenizer.json, final/.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import sys
@@ -47,7 +46,16 @@ from trainscale.runtime.data import TokenLoader, corpus_for, eval_windows, unigr
 from trainscale.runtime.faults import Fault, restart_count
 from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed, rank_main
 from trainscale.runtime.model import Transformer, build_model, lm_loss
-from trainscale.runtime.parallelize import allreduce_gradients, clip_grad_norm, gradient_group, parallelize, uses_fsdp
+from trainscale.runtime.parallelize import (
+    allreduce_gradients,
+    autocast_for,
+    clip_grad_norm,
+    gradient_group,
+    parallelize,
+    resolve_precision,
+    settle_gradient_placements,
+    uses_fsdp,
+)
 from trainscale.runtime.pipeline import Pipeline, split_model
 from trainscale.specs import Layout
 
@@ -106,7 +114,10 @@ class Trainer:
                                   layout.dp, t.seed)
         self.positions = local_positions(t.seq_len, layout.cp, self.mesh.cp_rank)
 
-        # model: whole and identical on every rank, then split and parallelized
+        # model: whole and identical on every rank, then split and parallelized (or, from a Hugging Face
+        # folder, built empty, parallelized, and each rank's shards read from the files)
+        self.precision = resolve_precision(t.precision, self.device)
+        self.init_elements_read = 0
         self.parts = self._build_parts()
         self.params = [p for _, part in self.parts for p in part.parameters()]
         # one AdamW per stage (elementwise, so the same math as one): each stage's state dict stands alone
@@ -124,8 +135,7 @@ class Trainer:
 
         self.flops_per_token = measure.flops_per_token(cfg.model, t.seq_len)
         self.peak, self.peak_source = measure.job_peak_flops(self.world)
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                         else contextlib.nullcontext())
+        self.autocast = autocast_for(self.precision, layout, self.device)
 
     # ------------------------------------------------------------------ setup
 
@@ -134,19 +144,24 @@ class Trainer:
             dist.barrier()
 
     def _build_parts(self) -> list[tuple[int, Transformer]]:
-        spec, lo, seed = self.cfg.model, self.layout, self.cfg.train.seed
-        on_meta = self.device.type == "cuda" and param_count(spec) * 4 > 0.25 * torch.cuda.get_device_properties(
-            self.device).total_memory
+        spec, lo, seed, init = self.cfg.model, self.layout, self.cfg.train.seed, self.cfg.init
+        on_meta = init is not None or (self.device.type == "cuda" and param_count(spec) * 4 > 0.25 * (
+            torch.cuda.get_device_properties(self.device).total_memory))
         model = build_model(spec, "meta" if on_meta else "cpu", seed=seed)
         if not on_meta:
             model.to(self.device)
         parts = split_model(model, lo, self.mesh.pp_rank) if lo.pp > 1 else [(0, model)]
         for _, part in parts:
-            parallelize(part, self.mesh, lo, self.cfg.train.seq_len)
+            parallelize(part, self.mesh, lo, self.cfg.train.seq_len, self.precision, self.cfg.train.compile)
             part.positions = part.positions.to(self.device)
-            if on_meta:  # too big to hold whole on one GPU: allocate the shards, initialise them
+            if on_meta:  # too big to hold whole on one GPU, or read from a file: allocate the shards only
                 part.to_empty(device=self.device)
-                part.init_weights(seed)
+                if init is None:
+                    part.init_weights(seed)
+        if init is not None:
+            from trainscale.runtime.hf_init import load_hf_init
+
+            self.init_elements_read = load_hf_init([part for _, part in parts], init, spec)
         return parts
 
     # ------------------------------------------------------------------ one step
@@ -181,6 +196,7 @@ class Trainer:
         loss = self._forward_backward(inputs.to(self.device), targets.to(self.device))
         if self.grad_group is not None:
             allreduce_gradients(self.params, self.grad_group)
+        settle_gradient_placements(self.params)  # each rank keeps only its shard of every gradient
         grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip, self.mesh)
         for opt in self.optimizers:
             opt.step()
@@ -267,7 +283,7 @@ class Trainer:
         self.log(f"resumed from {mgr.root / step_dir_name(step)} at step {step} (attempt {restart_count()})")
 
     def run(self, steps: int | None = None) -> RunResult:
-        steps = steps or self.cfg.train.steps
+        steps = self.cfg.train.steps if steps is None else steps
         metrics_file = None
         if self.rank == 0 and self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -383,7 +399,7 @@ class Trainer:
         model.to(self.device).eval()
         inputs, targets = eval_windows(self.corpus.tokens("val"), seq, n)
         total, count = 0.0, 0
-        with torch.no_grad(), self.autocast:
+        with torch.no_grad(), autocast_for(self.precision, Layout(), self.device):
             for i in range(0, len(inputs), 16):
                 x, y = inputs[i:i + 16].to(self.device), targets[i:i + 16].to(self.device)
                 total += float(lm_loss(model(x), y)) * y.numel()
@@ -408,7 +424,8 @@ class Trainer:
             tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
             tps = tokens * len(rows) / max(1e-9, sum(r["step_time_s"] for r in rows))  # all tokens / all step time
             self._write_run_json({
-                "status": "done", "steps": self.step, "seconds": seconds, "final_loss": result.losses[-1],
+                "status": "done", "steps": self.step, "seconds": seconds,
+                "final_loss": result.losses[-1] if result.losses else None,
                 "eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss, "tokens_per_s": tps,
                 "mfu": measure.mfu(tps, self.flops_per_token, self.peak)})
             if state is not None:
