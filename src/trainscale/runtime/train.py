@@ -57,6 +57,7 @@ from trainscale.runtime.parallelize import (
     uses_fsdp,
 )
 from trainscale.runtime.pipeline import Pipeline, split_model
+from trainscale.runtime.tblog import open_tensorboard
 from trainscale.specs import Layout
 
 
@@ -216,7 +217,7 @@ class Trainer:
         self.step += 1
         return {"step": self.step, "loss": value, "tokens_per_s": tps, "flops_per_s": tps * self.flops_per_token,
                 "mfu": measure.mfu(tps, self.flops_per_token, self.peak), "lr": lr, "grad_norm": grad_norm,
-                "step_time_s": dt}
+                "step_time_s": dt, "memory_bytes": measure.peak_memory_bytes(self.device)}
 
     # ------------------------------------------------------------------ the loop
 
@@ -300,6 +301,7 @@ class Trainer:
         mgr = self._checkpoints()
         if mgr is not None and self.resume:
             self._resume(mgr)
+        tb = open_tensorboard(self.out, self.step if self.resume else None, self.log) if metrics_file else None
         start = time.perf_counter()
         last_save = start
         losses, rows = [], []
@@ -313,6 +315,8 @@ class Trainer:
             if metrics_file is not None:
                 metrics_file.write(json.dumps(row) + "\n")
                 metrics_file.flush()
+            if tb is not None:
+                tb.step(row)
             if self.step % self.cfg.run.log_every == 0 or self.step == steps:
                 self.log(f"step {self.step:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                          f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%}  lr {row['lr']:.2e}")
@@ -338,7 +342,11 @@ class Trainer:
         if self.out is not None:
             self._finish(result, time.perf_counter() - start)
             if self.rank == 0:
-                self._goodput()
+                g = self._goodput()
+                if tb is not None:
+                    tb.summary({**g, "eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss}, self.step)
+        if tb is not None:
+            tb.close()
         return result
 
     def _goodput(self) -> dict[str, Any]:
