@@ -62,3 +62,23 @@ def test_fsdp_mixed_precision_gathers_half_the_bytes(runs):
     assert bf16["dtypes"]["reduce_scatter"] == ["torch.float32"]
     # without FSDP nothing is gathered
     assert runs["bf16:tp2"]["bytes"]["all_gather"] == 0
+
+
+def test_precision_key_and_compile_order(tmp_path):
+    import torch
+
+    from trainscale.errors import TrainscaleError
+    from trainscale.runtime.model import build_model
+    from trainscale.runtime.parallelize import apply_compile, resolve_precision
+
+    assert resolve_precision("auto", torch.device("cpu")) == "fp32"
+    assert resolve_precision("auto", torch.device("cuda", 0)) == "bf16"
+    assert load_config(CONFIG, {"train": {"precision": "bf16"}}).train.precision == "bf16"
+    with pytest.raises(TrainscaleError, match="precision"):
+        load_config(CONFIG, {"train": {"precision": "fp16"}})
+    # compile wraps each block in place: no wrapper module, the parameter names (and checkpoints) unchanged
+    model = build_model(load_config(CONFIG).model)
+    names = [n for n, _ in model.named_parameters()]
+    apply_compile(model)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert all(b._compiled_call_impl is not None for b in model.layers.values())

@@ -54,6 +54,8 @@ def train(
     inject: str = typer.Option(None, help="faults to inject, e.g. 'crash@step=7,rank=1' (crash, hang, slow, "
                                "kill-during-save); checkpoints come from the config's [checkpoint] section"),
     max_restarts: int = typer.Option(3, help="torchrun restarts after a failure (each resumes from a checkpoint)"),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile each transformer block (after TP, CP "
+                                 "and activation checkpointing, before FSDP); or [train] compile = true"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the layout and the torchrun command, run nothing"),
     as_json: bool = typer.Option(False, "--json", help="no progress bar; print run.json at the end"),
     compare_plan: bool = typer.Option(False, "--compare-plan", help="measure the layout(s) instead of training: "
@@ -78,7 +80,7 @@ def train(
     if max_restarts < 0:
         raise TrainscaleError(f"--max-restarts must be >= 0, not {max_restarts}")
     cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
-                           max_restarts=max_restarts, inject=inject, resume=resume)
+                           max_restarts=max_restarts, inject=inject, resume=resume, compile=compile)
     if dry_run:
         info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd}
         if as_json:

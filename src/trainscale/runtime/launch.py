@@ -18,7 +18,7 @@ from trainscale.specs import Layout
 def torchrun_command(config: str | Path, layout: str, out: str | Path, world: int, steps: int | None = None,
                      nnodes: int = 1, rdzv_endpoint: str | None = None, rdzv_id: str = "trainscale",
                      python: str = sys.executable, max_restarts: int = 0, inject: str | None = None,
-                     resume: bool = False) -> list[str]:
+                     resume: bool = False, compile: bool = False) -> list[str]:
     """``python -m torch.distributed.run ... -m trainscale.runtime.train ...``: standalone on one machine,
     c10d rendezvous at ``rdzv_endpoint`` across ``nnodes`` machines (run the same command on each)."""
     if world % nnodes:
@@ -39,6 +39,8 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
         cmd += ["--inject", inject]
     if resume:
         cmd += ["--resume"]
+    if compile:
+        cmd += ["--compile"]
     return cmd
 
 

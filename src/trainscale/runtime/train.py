@@ -469,10 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="run folder (default: the config's run.out)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
     ap.add_argument("--inject", default=None, help="faults, e.g. crash@step=7,rank=1 (runtime/faults.py)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     args = ap.parse_args(argv)
 
     def body() -> None:
-        cfg = load_config(args.config, {"train": {"steps": args.steps}} if args.steps else None)
+        over = {k: v for k, v in (("steps", args.steps), ("compile", args.compile or None)) if v}
+        cfg = load_config(args.config, {"train": over} if over else None)
         out = args.out or cfg.run.out
         train(cfg, args.layout, out=out, log=lambda m: print(m, flush=True), resume=args.resume, inject=args.inject)
 
