@@ -121,6 +121,9 @@ class Trainer:
         self.init_elements_read = 0
         self.parts = self._build_parts()
         self.params = [p for _, part in self.parts for p in part.parameters()]
+        if cfg.init is not None:
+            self.log(f"initialised from {cfg.init}: rank 0 read {self.init_elements_read:,} of the "
+                     f"{param_count(cfg.model):,} weights (its shards)")
         # one AdamW per stage (elementwise, so the same math as one): each stage's state dict stands alone
         self.optimizers = [torch.optim.AdamW(
             [{"params": [p for p in part.parameters() if p.ndim >= 2], "weight_decay": t.weight_decay},
