@@ -228,7 +228,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMe
     identical copy of that shard), so the world sum counts every element of every gradient once."""
     lo = mesh.layout
     replicas = lo.dp * lo.cp * lo.tp  # ranks per pipeline stage
-    total = torch.zeros((), dtype=torch.float64, device=next(iter(params)).device)
+    by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
             continue
@@ -241,15 +241,17 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMe
             for size, pl in zip(g.device_mesh.shape, g.placements, strict=True):
                 if pl.is_shard():
                     copies //= size
-        total += _local(g).double().pow(2).sum() / copies
+        by_copies.setdefault(copies, []).append(_local(g))
+    total = torch.zeros((), dtype=torch.float64, device=next(iter(params)).device)
+    for copies, grads in by_copies.items():  # one fused norm kernel per group (torch's clip_grad_norm_ does too)
+        total += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() / copies
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
     norm = float(total.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                _local(p.grad).mul_(scale)
+        for grads in by_copies.values():
+            torch._foreach_mul_(grads, scale)
     return norm
 
 
