@@ -119,7 +119,8 @@ def train(
         emit_json(info)
         return
     events = [ln for ln in log_path.read_text(errors="replace").splitlines()
-              if ln.startswith(("[fault]", "initialised from", "resumed from", "checkpoint ", "no complete checkpoint"))]
+              if ln.startswith(("[fault]", "initialised from", "resumed from", "checkpoint ",
+                                "no complete checkpoint"))]
     for ln in events:
         console.print(ln, style="yellow", highlight=False, markup=False)
     _summary(info, rows, run_dir)
