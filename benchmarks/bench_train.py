@@ -6,7 +6,11 @@ loop over the same model, the same batches and the same optimizer (AdamW + clip_
 run alternately, step by step, in one process, so machine noise hits both alike; the ratio is of the
 median step times after warm-up. MFU = tokens/s x (6N + 12LHQT) / the CPU's measured matmul peak.
 
-    .venv/bin/python benchmarks/bench_train.py [--steps 30] [--json out.json]
+    .venv/bin/python benchmarks/bench_train.py [--steps 30] [--configs tiny,small,medium] [--json out.json]
+    .venv/bin/python benchmarks/bench_train.py --profile small   # where the Trainer's extra time goes
+
+``--profile`` runs a few steps of each under torch.profiler and lists the operators whose self CPU time
+differs most between the two (the Trainer's overhead, op by op).
 """
 
 from __future__ import annotations
@@ -82,12 +86,46 @@ def bench(name: str, steps: int, warmup: int = 3) -> dict:
             "plain_mfu": measure.mfu(tokens / t_hand, fpt, trainer.peak), "steps": steps}
 
 
+def profile(name: str, steps: int = 5) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from trainscale.runtime.data import TokenLoader
+
+    cfg = load_config(ROOT / "configs" / f"{name}.toml", {"train": {"steps": 2 * steps + 2}})
+    trainer = Trainer(cfg, Layout(), out=None, log=lambda _m: None)
+    loader = TokenLoader(trainer.corpus.tokens("train"), cfg.train.seq_len, cfg.train.global_batch, seed=cfg.train.seed)
+    plain = plain_loop(cfg, loader)
+    for _ in range(2):
+        trainer.train_step()
+        plain()
+    totals = []
+    for fn in (trainer.train_step, plain):
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                fn()
+        totals.append({e.key: e.self_cpu_time_total / steps for e in prof.key_averages()})
+    ours, hand = totals
+    keys = sorted(set(ours) | set(hand), key=lambda k: abs(ours.get(k, 0) - hand.get(k, 0)), reverse=True)
+    print(f"{name}: self CPU time per step, trainscale {sum(ours.values()) / 1e3:,.1f} ms vs plain "
+          f"{sum(hand.values()) / 1e3:,.1f} ms; largest differences:")
+    print("| operator | trainscale ms/step | plain ms/step | difference |")
+    print("|---|---|---|---|")
+    for k in keys[:12]:
+        a, b = ours.get(k, 0) / 1e3, hand.get(k, 0) / 1e3
+        print(f"| {k} | {a:.2f} | {b:.2f} | {a - b:+.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--configs", default="tiny,small")
+    ap.add_argument("--configs", default="tiny,small,medium")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="CONFIG", help="profile the Trainer against the plain loop")
     args = ap.parse_args()
+    if args.profile:
+        profile(args.profile)
+        return
     peak = measure.cpu_peak_flops(remeasure=True)  # the highest this machine has measured, now included
     os.environ["TRAINSCALE_CPU_PEAK"] = repr(peak)
     rows = [bench(n, args.steps) for n in args.configs.split(",")]

@@ -61,6 +61,8 @@ def train(
                                "kill-during-save); checkpoints come from the config's [checkpoint] section"),
     max_restarts: int = typer.Option(3, callback=number(ge=0, le=1000),
                                      help="torchrun restarts after a failure (each resumes from a checkpoint)"),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile each transformer block (after TP, CP "
+                                 "and activation checkpointing, before FSDP); or [train] compile = true"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the layout and the torchrun command, run nothing"),
     as_json: bool = typer.Option(False, "--json", help="no progress bar; print run.json at the end"),
     compare_plan: bool = typer.Option(False, "--compare-plan", help="measure the layout(s) instead of training: "
@@ -92,7 +94,8 @@ def train(
     if max_restarts < 0:
         raise TrainscaleError(f"--max-restarts must be >= 0, not {max_restarts}")
     cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
-                           max_restarts=max_restarts, inject=inject, resume=resume, fallback_layout=fallback_layout)
+                           max_restarts=max_restarts, inject=inject, resume=resume, fallback_layout=fallback_layout,
+                           compile=compile)
     if dry_run:
         info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd}
         if as_json:
@@ -160,7 +163,8 @@ def train(
         emit_json(info)
         return
     events = [ln for ln in log_path.read_text(errors="replace").splitlines()
-              if ln.startswith(("[fault]", "resumed from", "checkpoint ", "no complete checkpoint"))]
+              if ln.startswith(("[fault]", "initialised from", "resumed from", "checkpoint ",
+                                "no complete checkpoint"))]
     for ln in events:
         console.print(ln, style="yellow", highlight=False, markup=False)
     _summary(info, rows, run_dir)

@@ -53,6 +53,21 @@ def rope_interleaved_to_half(w: torch.Tensor, n_heads: int, head_dim: int) -> to
     return w.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(n_heads * head_dim, *rest)
 
 
+def rope_half_to_interleaved(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """The inverse of ``rope_interleaved_to_half`` (Hugging Face rows -> trainscale rows), per head."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, 2, head_dim // 2, *rest).transpose(1, 2).reshape(n_heads * head_dim, *rest)
+
+
+def rope_permuted_heads(name: str, spec: ModelSpec) -> int | None:
+    """How many heads' rows a trainscale tensor's HF form permutes (Q: n_heads, K: n_kv_heads), or None."""
+    if ".attention.wq." in name:
+        return spec.n_heads
+    if ".attention.wk." in name:
+        return spec.n_kv_heads
+    return None
+
+
 # ------------------------------------------------------------------------------------ Hugging Face
 
 _HF_LAYER = {
@@ -64,7 +79,8 @@ _HF_LAYER = {
 
 
 def hf_name(name: str) -> str:
-    """trainscale tensor name -> Hugging Face LlamaForCausalLM name."""
+    """trainscale tensor name -> Hugging Face LlamaForCausalLM name (the one mapping; runtime/hf_init.py
+    reads HF folders through it too)."""
     fixed = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
     if name in fixed:
@@ -80,10 +96,9 @@ def hf_state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dty
     out = {}
     for name, t in sd.items():
         t = t.detach().float()
-        if ".attention.wq." in name:
-            t = rope_interleaved_to_half(t, spec.n_heads, spec.head_dim)
-        elif ".attention.wk." in name:
-            t = rope_interleaved_to_half(t, spec.n_kv_heads, spec.head_dim)
+        heads = rope_permuted_heads(name, spec)
+        if heads is not None:
+            t = rope_interleaved_to_half(t, heads, spec.head_dim)
         out[hf_name(name)] = t.to(dtype).contiguous()
     return out
 

@@ -1,9 +1,11 @@
 """The training job config: a TOML file (torchtitan-like sections), validated with pydantic.
 
     [model]   name = "llama3.1-8b" (a catalog entry, optionally with field overrides), or the
-              ModelSpec fields inline (n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, ...)
+              ModelSpec fields inline (n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, ...),
+              or init = "PATH": a Hugging Face Llama folder whose config.json gives the model and whose
+              safetensors give the starting weights (runtime/hf_init.py)
     [train]   steps, lr, min_lr_ratio, warmup, seq_len, global_batch (sequences), seed,
-              weight_decay, grad_clip, betas
+              weight_decay, grad_clip, betas, precision ("auto" | "bf16" | "fp32"), compile
     [data]    files (the user's corpus: text / JSONL / Parquet paths, globs or folders; default: the
               Shakespeare plays), format, text_field, documents, held_out, tokenizer (tokenizer.json or an
               HF tokenizer folder; default: a BPE trained on the corpus), eot, prepared (shard folder),
@@ -40,6 +42,10 @@ class TrainSection(_Section):
     weight_decay: float = Field(default=0.1, ge=0, le=10)
     grad_clip: float = Field(default=1.0, ge=0, le=1e6, description="0: no clipping")
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto", description="bf16: FSDP2 mixed precision (bf16 weights and compute, fp32 gradient "
+        "reduction) or bf16 autocast without FSDP; fp32; auto: bf16 on GPUs, fp32 on CPU")
+    compile: bool = Field(default=False, description="torch.compile each transformer block")
 
 
 class DataSection(_Section):
@@ -106,6 +112,7 @@ class CheckpointSection(_Section):
 class TrainConfig(_Section):
     name: str = "run"
     model: ModelSpec
+    init: str | None = Field(default=None, description="[model] init: a Hugging Face folder to start from")
     train: TrainSection = TrainSection()
     data: DataSection = DataSection()
     run: RunSection = RunSection()
@@ -130,6 +137,8 @@ class TrainConfig(_Section):
         for section, obj in (("model", self.model), ("train", self.train), ("data", self.data), ("run", self.run),
                              ("checkpoint", self.checkpoint)):
             lines.append(f"[{section}]")
+            if section == "model" and self.init is not None:
+                lines.append(f"init = {val(self.init)}")
             for k, v in obj.model_dump(by_alias=True, exclude_none=True).items():
                 lines.append(f"{k} = {val(v)}")
             lines.append("")
@@ -138,6 +147,11 @@ class TrainConfig(_Section):
 
 def _model_from(section: dict[str, Any]) -> ModelSpec:
     section = dict(section)
+    if "init" in section:  # a Hugging Face folder: its config.json is the model, the section's fields override
+        from trainscale.runtime.hf_init import hf_folder_spec
+
+        base = hf_folder_spec(section.pop("init")).model_dump(by_alias=True, exclude_none=True)
+        return load_model({**base, **section})
     name = section.get("name")
     if name is not None and name in catalog_names("models"):
         base = load_model(name).model_dump(by_alias=True, exclude_none=True)
@@ -153,7 +167,15 @@ def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
     if unknown:
         raise TrainscaleError(f"{what}: unknown section or key '{sorted(unknown)[0]}'; "
                               "use [model], [train], [data], [run], [checkpoint]")
+    init = data["model"].get("init")
+    if init is not None and not isinstance(init, str):
+        raise TrainscaleError(f"{what}: [model] init must be a folder path (a string), not {init!r}")
     data["model"] = _model_from(data["model"])
+    if init is not None:
+        from trainscale.runtime.hf_init import check_hf_weights
+
+        data["init"] = str(Path(init).expanduser().resolve())
+        check_hf_weights(data["init"], data["model"])
     try:
         cfg = TrainConfig(**data)
     except ValidationError as e:

@@ -37,7 +37,7 @@ def parse_nnodes(nnodes: int | str) -> tuple[int, int]:
 def torchrun_command(config: str | Path, layout: str, out: str | Path, world: int, steps: int | None = None,
                      nnodes: int | str = 1, rdzv_endpoint: str | None = None, rdzv_id: str = "trainscale",
                      python: str = sys.executable, max_restarts: int = 0, inject: str | None = None,
-                     resume: bool = False, fallback_layout: str | None = None) -> list[str]:
+                     resume: bool = False, fallback_layout: str | None = None, compile: bool = False) -> list[str]:
     """``python -m torch.distributed.run ... -m trainscale.runtime.train ...``: standalone on one machine,
     c10d rendezvous at ``rdzv_endpoint`` across ``nnodes`` machines (run the same command on each).
     ``nnodes = "MIN:MAX"`` makes the job elastic: it goes on with as few as MIN machines after one is lost
@@ -63,6 +63,8 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
         cmd += ["--resume"]
     if fallback_layout:
         cmd += ["--fallback-layout", fallback_layout]
+    if compile:
+        cmd += ["--compile"]
     return cmd
 
 

@@ -111,3 +111,15 @@ def job_peak_flops(world_size: int) -> tuple[float, str]:
 def mfu(tokens_per_s: float, flops_per_tok: float, peak: float) -> float:
     """``estimate.flops.mfu`` for a job whose ``peak`` already counts all its devices."""
     return flops.mfu(tokens_per_s, flops_per_tok, 1, peak)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The most memory this process has held: the GPU's peak allocation, or on CPU the peak resident set
+    (getrusage's ru_maxrss, KiB on Linux, bytes on macOS)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)

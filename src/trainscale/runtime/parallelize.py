@@ -4,10 +4,16 @@
      2019; SP: Korthikanti et al. 2022, arXiv 2205.05198)
   2. context parallel                      ``context.apply_context_parallel`` (the attention kernel)
   3. activation checkpointing              none / selective (the attention core) / full (each block)
-  4. data parallel                         FSDP2 ``fully_shard`` (zero2 / zero3: ZeRO, Rajbhandari et al.
+  4. torch.compile                         each transformer block compiled in place (``--compile``)
+  5. data parallel                         FSDP2 ``fully_shard`` (zero2 / zero3: ZeRO, Rajbhandari et al.
                                            2020; HSDP when dp_replicate > 1), or, with zero0, replicated
                                            weights and one gradient all-reduce per step
                                            (``allreduce_gradients``); zero1 is refused (FSDP2 has none)
+
+Precision ("bf16" | "fp32"): where FSDP applies, its ``MixedPrecisionPolicy`` gathers bf16 weights and
+computes in bf16 while the sharded master weights, the optimizer and the gradient reduce-scatter stay
+fp32 (Micikevicius et al. 2018, arXiv 1710.03740); where it does not (zero0, single process), bf16
+autocast around the forward pass over fp32 weights (``autocast_for``). Same on CPU and GPU.
 
 Pipeline parallelism is applied before all of these (runtime/pipeline.py cuts the model into stages;
 each stage is parallelized here). Parameter names never change: no wrapper modules are inserted, so
@@ -16,6 +22,7 @@ a state dict (and a checkpoint) has the names of ``estimate.params.tensor_invent
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -111,24 +118,70 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
             raise ValueError(f"recompute mode {mode!r}")
 
 
-# ----------------------------------------------------------------------------- 4. data parallel
+# ----------------------------------------------------------------------------- 4. compile
 
 
-def apply_fsdp(model: Transformer, mesh: ParallelMesh, layout: Layout) -> None:
+def apply_compile(model: Transformer) -> None:
+    """torch.compile each transformer block in place (``nn.Module.compile``): no wrapper module, so the
+    parameter names stay; every block has the same code, so the compiled graph is reused. After TP, CP
+    and activation checkpointing (they change what the block computes), before FSDP (whose hooks run
+    around the compiled block), as torchtitan orders them."""
+    for block in model.layers.values():
+        block.compile()
+
+
+# ----------------------------------------------------------------------------- precision
+
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """"auto": bf16 on GPUs, fp32 on CPU (where fp32 is as fast and the parity tests are exact)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}")
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def mixed_precision_policy(precision: str):
+    """FSDP2's policy for ``precision``: bf16 gathered weights and compute, fp32 gradient reduction; None
+    for fp32 (FSDP's default: everything in the parameters' dtype)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision != "bf16":
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def autocast_for(precision: str, layout: Layout, device: torch.device):
+    """The context the forward pass runs in: bf16 autocast where bf16 is asked for and FSDP does not
+    apply (FSDP's policy casts the weights itself), else nothing."""
+    if precision == "bf16" and not uses_fsdp(layout):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- 5. data parallel
+
+
+def apply_fsdp(model: Transformer, mesh: ParallelMesh, layout: Layout, precision: str = "fp32") -> None:
     """FSDP2: each block is one all-gather / reduce-scatter unit, the rest (embeddings, head) another.
     Gradients and optimizer state are sharded either way. zero3 frees the gathered weights after the
     forward and gathers them again for the backward (reshard_after_forward); zero2 keeps them from the
     forward through the backward. FSDP2 has no ZeRO-1 (whole gradients, sharded optimizer):
-    ``config.check_layout`` refuses zero1 rather than run it as zero2."""
+    ``config.check_layout`` refuses zero1 rather than run it as zero2. With bf16,
+    ``mixed_precision_policy``: the all-gathers move half the bytes of fp32's."""
     if layout.zero not in (2, 3):
         raise ValueError(f"FSDP2 runs zero2 or zero3, not zero{layout.zero}")
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh.fsdp_mesh()
     reshard = layout.zero == 3
+    kw = {"mp_policy": policy} if (policy := mixed_precision_policy(precision)) is not None else {}
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kw)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, **kw)
 
 
 def uses_fsdp(layout: Layout) -> bool:
@@ -162,49 +215,66 @@ def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) ->
         offset += g.numel()
 
 
+def settle_gradient_placements(params: list[nn.Parameter]) -> None:
+    """Put every DTensor gradient on its parameter's placement, before the norm and the optimizer.
+
+    DTensor's embedding backward leaves the TP-sharded table's gradient whole (Replicate) or pending
+    (Partial): redistributed to the parameter's placement, the rank keeps only its shard (found by
+    train --compare-plan: each TP rank held the whole embedding gradient). Any other pending (Partial)
+    gradient is reduced (to Replicate)."""
+    for p in params:
+        g = p.grad
+        if not isinstance(g, DTensor):
+            continue
+        if isinstance(p, DTensor) and g.placements != p.placements and g.device_mesh == p.device_mesh:
+            p.grad = g.redistribute(placements=p.placements)
+        elif any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+
+
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMesh) -> float:
-    """Clip by the global gradient norm over every shard on every rank, with one all-reduce.
+    """Clip by the global gradient norm over every shard on every rank, with one all-reduce; -> the norm
+    before clipping. Reads the gradients' placements, never changes them (``settle_gradient_placements``
+    does, as its own step, before this one).
 
     Each rank adds the squares of its local gradient shard, weighted by 1 / (number of ranks holding an
     identical copy of that shard), so the world sum counts every element of every gradient once."""
     lo = mesh.layout
     replicas = lo.dp * lo.cp * lo.tp  # ranks per pipeline stage
-    total = torch.zeros((), dtype=torch.float64, device=next(iter(params)).device)
+    by_copies: dict[int, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:
             continue
         g = p.grad
         copies = replicas
         if isinstance(g, DTensor):
-            if isinstance(p, DTensor) and g.placements != p.placements and g.device_mesh == p.device_mesh:
-                # DTensor's embedding backward leaves the TP-sharded table's gradient whole (Replicate) or
-                # pending (Partial): put it on the parameter's placement, so the rank keeps only its shard
-                # (found by train --compare-plan: each TP rank held the whole embedding gradient)
-                g = g.redistribute(placements=p.placements)
-                p.grad = g
-            elif any(pl.is_partial() for pl in g.placements):
-                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
-                p.grad = g
+            if any(pl.is_partial() for pl in g.placements):
+                raise RuntimeError("a gradient is still pending a reduction (Partial): call "
+                                   "settle_gradient_placements before clip_grad_norm")
             for size, pl in zip(g.device_mesh.shape, g.placements, strict=True):
                 if pl.is_shard():
                     copies //= size
-        total += _local(g).double().pow(2).sum() / copies
+        by_copies.setdefault(copies, []).append(_local(g))
+    total = torch.zeros((), dtype=torch.float64, device=next(iter(params)).device)
+    for copies, grads in by_copies.items():  # one fused norm kernel per group (torch's clip_grad_norm_ does too)
+        total += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() / copies
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
     norm = float(total.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                _local(p.grad).mul_(scale)
+        for grads in by_copies.values():
+            torch._foreach_mul_(grads, scale)
     return norm
 
 
 # ----------------------------------------------------------------------------- the order
 
 
-def parallelize(model: Transformer, mesh: ParallelMesh, layout: Layout, seq_len: int) -> None:
-    """TP+SP -> CP -> activation checkpointing -> FSDP, in place, on one model (or pipeline stage)."""
+def parallelize(model: Transformer, mesh: ParallelMesh, layout: Layout, seq_len: int, precision: str = "fp32",
+                compile: bool = False) -> None:
+    """TP+SP -> CP -> activation checkpointing -> compile -> FSDP, in place, on one model (or pipeline
+    stage). ``precision`` is resolved ("bf16" or "fp32"; see ``resolve_precision``)."""
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh, sp=layout.sp)
     positions = context.local_positions(seq_len, layout.cp, mesh.cp_rank)
@@ -212,5 +282,7 @@ def parallelize(model: Transformer, mesh: ParallelMesh, layout: Layout, seq_len:
     if layout.cp > 1:
         context.apply_context_parallel(model, mesh.group("cp"), positions, layout.cp, seq_len)
     apply_activation_checkpointing(model, layout.recompute)
+    if compile:
+        apply_compile(model)
     if uses_fsdp(layout):
-        apply_fsdp(model, mesh, layout)
+        apply_fsdp(model, mesh, layout, precision)

@@ -48,9 +48,19 @@ from trainscale.runtime.data import TokenLoader, corpus_for, eval_windows, unigr
 from trainscale.runtime.faults import Fault, requeue_count, restart_count
 from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed
 from trainscale.runtime.model import Transformer, build_model, lm_loss
-from trainscale.runtime.parallelize import allreduce_gradients, clip_grad_norm, gradient_group, parallelize, uses_fsdp
+from trainscale.runtime.parallelize import (
+    allreduce_gradients,
+    autocast_for,
+    clip_grad_norm,
+    gradient_group,
+    parallelize,
+    resolve_precision,
+    settle_gradient_placements,
+    uses_fsdp,
+)
 from trainscale.runtime.pipeline import Pipeline, split_model
 from trainscale.runtime.slurm import SAVE_REQUEST_ENV
+from trainscale.runtime.tblog import open_tensorboard
 from trainscale.specs import Layout
 
 
@@ -111,9 +121,15 @@ class Trainer:
                                   layout.dp, t.seed)
         self.positions = local_positions(t.seq_len, layout.cp, self.mesh.cp_rank)
 
-        # model: whole and identical on every rank, then split and parallelized
+        # model: whole and identical on every rank, then split and parallelized (or, from a Hugging Face
+        # folder, built empty, parallelized, and each rank's shards read from the files)
+        self.precision = resolve_precision(t.precision, self.device)
+        self.init_elements_read = 0
         self.parts = self._build_parts()
         self.params = [p for _, part in self.parts for p in part.parameters()]
+        if cfg.init is not None:
+            self.log(f"initialised from {cfg.init}: rank 0 read {self.init_elements_read:,} of the "
+                     f"{param_count(cfg.model):,} weights (its shards)")
         # one AdamW per stage (elementwise, so the same math as one): each stage's state dict stands alone
         self.optimizers = [torch.optim.AdamW(
             [{"params": [p for p in part.parameters() if p.ndim >= 2], "weight_decay": t.weight_decay},
@@ -129,8 +145,7 @@ class Trainer:
 
         self.flops_per_token = measure.flops_per_token(cfg.model, t.seq_len)
         self.peak, self.peak_source = measure.job_peak_flops(self.world)
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                         else contextlib.nullcontext())
+        self.autocast = autocast_for(self.precision, layout, self.device)
 
     # ------------------------------------------------------------------ setup
 
@@ -170,19 +185,24 @@ class Trainer:
         return answer[0], lock
 
     def _build_parts(self) -> list[tuple[int, Transformer]]:
-        spec, lo, seed = self.cfg.model, self.layout, self.cfg.train.seed
-        on_meta = self.device.type == "cuda" and param_count(spec) * 4 > 0.25 * torch.cuda.get_device_properties(
-            self.device).total_memory
+        spec, lo, seed, init = self.cfg.model, self.layout, self.cfg.train.seed, self.cfg.init
+        on_meta = init is not None or (self.device.type == "cuda" and param_count(spec) * 4 > 0.25 * (
+            torch.cuda.get_device_properties(self.device).total_memory))
         model = build_model(spec, "meta" if on_meta else "cpu", seed=seed)
         if not on_meta:
             model.to(self.device)
         parts = split_model(model, lo, self.mesh.pp_rank) if lo.pp > 1 else [(0, model)]
         for _, part in parts:
-            parallelize(part, self.mesh, lo, self.cfg.train.seq_len)
+            parallelize(part, self.mesh, lo, self.cfg.train.seq_len, self.precision, self.cfg.train.compile)
             part.positions = part.positions.to(self.device)
-            if on_meta:  # too big to hold whole on one GPU: allocate the shards, initialise them
+            if on_meta:  # too big to hold whole on one GPU, or read from a file: allocate the shards only
                 part.to_empty(device=self.device)
-                part.init_weights(seed)
+                if init is None:
+                    part.init_weights(seed)
+        if init is not None:
+            from trainscale.runtime.hf_init import load_hf_init
+
+            self.init_elements_read = load_hf_init([part for _, part in parts], init, spec)
         return parts
 
     # ------------------------------------------------------------------ one step
@@ -217,6 +237,7 @@ class Trainer:
         loss = self._forward_backward(inputs.to(self.device), targets.to(self.device))
         if self.grad_group is not None:
             allreduce_gradients(self.params, self.grad_group)
+        settle_gradient_placements(self.params)  # each rank keeps only its shard of every gradient
         grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip, self.mesh)
         for opt in self.optimizers:
             opt.step()
@@ -236,7 +257,7 @@ class Trainer:
         self.step += 1
         return {"step": self.step, "loss": value, "tokens_per_s": tps, "flops_per_s": tps * self.flops_per_token,
                 "mfu": measure.mfu(tps, self.flops_per_token, self.peak), "lr": lr, "grad_norm": grad_norm,
-                "step_time_s": dt}
+                "step_time_s": dt, "memory_bytes": measure.peak_memory_bytes(self.device)}
 
     # ------------------------------------------------------------------ the loop
 
@@ -305,7 +326,7 @@ class Trainer:
         self.log(f"resumed from {mgr.root / step_dir_name(step)} at step {step} (attempt {restart_count()})")
 
     def run(self, steps: int | None = None) -> RunResult:
-        steps = steps or self.cfg.train.steps
+        steps = self.cfg.train.steps if steps is None else steps
         if self.folder is not None:
             self.folder.start(self.cfg.to_toml(), self.corpus.tokenizer_path, self._run_info())
         self.log(f"training {self.cfg.model.name} ({param_count(self.cfg.model) / 1e6:.2f}M params) on "
@@ -314,6 +335,7 @@ class Trainer:
         mgr = self._checkpoints()
         if mgr is not None and self.resume:
             self._resume(mgr, steps)
+        tb = open_tensorboard(self.out, self.step if self.resume else None, self.log) if self.folder else None
         start = time.perf_counter()
         last_save = start
         losses, rows = [], []
@@ -328,6 +350,8 @@ class Trainer:
             rows.append(row)
             if self.folder is not None:
                 self.folder.log(row)
+            if tb is not None:
+                tb.step(row)
             if self.step % self.cfg.run.log_every == 0 or self.step == steps:
                 self.log(f"step {self.step:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                          f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%}  lr {row['lr']:.2e}")
@@ -354,7 +378,11 @@ class Trainer:
         if self.out is not None:
             self._finish(result, time.perf_counter() - start)
             if self.folder is not None:
-                self.folder.goodput(self.log)
+                g = self.folder.goodput(self.log)
+                if tb is not None:
+                    tb.summary({**g, "eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss}, self.step)
+        if tb is not None:
+            tb.close()
         if self._lock is not None:
             self._lock.release()
         return result
@@ -407,7 +435,7 @@ class Trainer:
         model.to(self.device).eval()
         inputs, targets = eval_windows(self.corpus.tokens("val"), seq, n)
         total, count = 0.0, 0
-        with torch.no_grad(), self.autocast:
+        with torch.no_grad(), autocast_for(self.precision, Layout(), self.device):
             for i in range(0, len(inputs), 16):
                 x, y = inputs[i:i + 16].to(self.device), targets[i:i + 16].to(self.device)
                 total += float(lm_loss(model(x), y)) * y.numel()
@@ -431,7 +459,8 @@ class Trainer:
             tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
             tps = tokens * len(rows) / max(1e-9, sum(r["step_time_s"] for r in rows))  # all tokens / all step time
             self.folder.write_run_json({
-                "status": "done", "steps": self.step, "seconds": seconds, "final_loss": result.losses[-1],
+                "status": "done", "steps": self.step, "seconds": seconds,
+                "final_loss": result.losses[-1] if result.losses else None,
                 "eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss, "tokens_per_s": tps,
                 "mfu": measure.mfu(tps, self.flops_per_token, self.peak)})
             if state is not None:
@@ -469,10 +498,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inject", default=None, help="faults, e.g. crash@step=7,rank=1 (runtime/faults.py)")
     ap.add_argument("--fallback-layout", default=None, help="the layout to use if an elastic job re-forms with a "
                     "world size the layout's own rule cannot serve (runtime/elastic.py)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     args = ap.parse_args(argv)
 
     def body() -> None:
-        cfg = load_config(args.config, {"train": {"steps": args.steps}} if args.steps else None)
+        over = {k: v for k, v in (("steps", args.steps), ("compile", args.compile or None)) if v}
+        cfg = load_config(args.config, {"train": over} if over else None)
         out = args.out or cfg.run.out
         layout = Layout.parse(args.layout or cfg.run.layout or "")
         world = int(os.environ.get("WORLD_SIZE", layout.world_size))
