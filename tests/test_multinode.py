@@ -90,3 +90,14 @@ def test_two_nodes_each_with_its_own_run_folder(tmp_path, one_node):
     notes = [json.loads(x.stdout) for x in (a, b)]
     assert sorted(n.get("rank0_here", True) for n in notes) == [False, True]
     assert _losses(owner) == pytest.approx(one_node, rel=1e-6)
+
+
+def test_a_node_left_alone_stops_with_one_sentence(tmp_path):
+    # the other machine never comes: the rendezvous wait is bounded (--rdzv-timeout), the answer one line
+    p = subprocess.run([sys.executable, "-m", "trainscale", "train", "--config", str(TINY), "--layout", "dp2",
+                        "--steps", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+                        "--rdzv-timeout", "5", "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 1, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "did not join the rendezvous in time" in lines[0], p.stderr

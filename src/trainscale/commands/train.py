@@ -56,6 +56,8 @@ def train(
     fallback_layout: str = typer.Option(None, help="elastic jobs: the layout for a re-formed job whose world size "
                                         "the layout's own rule (same tp/cp/pp, fewer dp) cannot serve"),
     rdzv_endpoint: str = typer.Option(None, help="HOST:PORT of the first machine, for a multi-node rendezvous"),
+    rdzv_timeout: int = typer.Option(600, callback=number(gt=0, le=86400),
+                                     help="multi-node: seconds to wait for the other machines to join"),
     resume: bool = typer.Option(False, "--resume", help="continue from the run folder's newest good checkpoint"),
     inject: str = typer.Option(None, help="faults to inject, e.g. 'crash@step=7,rank=1' (crash, hang, slow, "
                                "kill-during-save); checkpoints come from the config's [checkpoint] section"),
@@ -95,7 +97,7 @@ def train(
         raise TrainscaleError(f"--max-restarts must be >= 0, not {max_restarts}")
     cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
                            max_restarts=max_restarts, inject=inject, resume=resume, fallback_layout=fallback_layout,
-                           compile=compile)
+                           compile=compile, rdzv_timeout=rdzv_timeout)
     if dry_run:
         info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd}
         if as_json:
@@ -200,6 +202,9 @@ def _raise_failure(err_file: Path, log_path: Path, code: int) -> None:
     err = next((ln for ln in reversed(lines) if "trainscale: error:" in ln), None)
     if err:
         raise JobFailed(err.split("trainscale: error:", 1)[1].strip())
+    if any("RendezvousTimeoutError" in ln for ln in lines):
+        raise JobFailed(f"the other machines did not join the rendezvous in time (--rdzv-timeout); the whole log is "
+                        f"{log_path}")
     cause = next((ln.split("failed: ", 1)[1] for ln in reversed(lines)
                   if "trainscale: rank" in ln and "failed: " in ln), None)
     raise JobFailed(f"training failed (exit {code}{'; ' + cause if cause else ''}); the whole log is {log_path}")

@@ -37,7 +37,8 @@ def parse_nnodes(nnodes: int | str) -> tuple[int, int]:
 def torchrun_command(config: str | Path, layout: str, out: str | Path, world: int, steps: int | None = None,
                      nnodes: int | str = 1, rdzv_endpoint: str | None = None, rdzv_id: str = "trainscale",
                      python: str = sys.executable, max_restarts: int = 0, inject: str | None = None,
-                     resume: bool = False, fallback_layout: str | None = None, compile: bool = False) -> list[str]:
+                     resume: bool = False, fallback_layout: str | None = None, compile: bool = False,
+                     rdzv_timeout: int | None = None) -> list[str]:
     """``python -m torch.distributed.run ... -m trainscale.runtime.train ...``: standalone on one machine,
     c10d rendezvous at ``rdzv_endpoint`` across ``nnodes`` machines (run the same command on each).
     ``nnodes = "MIN:MAX"`` makes the job elastic: it goes on with as few as MIN machines after one is lost
@@ -53,6 +54,8 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
         check_endpoint(rdzv_endpoint)
         cmd = [python, "-m", "torch.distributed.run", "--nnodes", f"{lo}:{hi}" if lo != hi else str(hi),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", rdzv_id]
+        if rdzv_timeout is not None:  # how long the first rendezvous waits for every machine (torch: 600 s)
+            cmd += ["--rdzv-conf", f"join_timeout={int(rdzv_timeout)}"]
     cmd += ["--nproc-per-node", str(world // hi), "--max-restarts", str(max_restarts),
             "-m", "trainscale.runtime.train", "--config", str(config), "--layout", layout, "--out", str(out)]
     if steps is not None:
