@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"
 WORKER = ROOT / "tests" / "_precision_worker.py"
 STEPS = 50
-LAYOUTS = ("fsdp2", "tp2")  # FSDP2 mixed precision; bf16 autocast over tensor-parallel DTensors
+# FSDP2 mixed precision; bf16 autocast over tensor-parallel DTensors. One micro-batch per step (the whole local
+# batch: tiny.toml's 8 sequences over dp), so one step gathers each weight twice (forward, backward).
+FSDP, TP = "fsdp2,mb4", "tp2,mb8"
+LAYOUTS = (FSDP, TP)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def test_bf16_losses_track_fp32(runs, layout):
 
 
 def test_fsdp_mixed_precision_gathers_half_the_bytes(runs):
-    fp32, bf16 = runs["fp32:fsdp2"], runs["bf16:fsdp2"]
+    fp32, bf16 = runs[f"fp32:{FSDP}"], runs[f"bf16:{FSDP}"]
     n = param_count(load_config(CONFIG).model)
     # zero3 (fsdp2's default): every weight gathered once for the forward pass and once for the backward
     assert fp32["bytes"]["all_gather"] == 2 * n * 4
@@ -61,7 +64,7 @@ def test_fsdp_mixed_precision_gathers_half_the_bytes(runs):
     assert bf16["bytes"]["reduce_scatter"] == fp32["bytes"]["reduce_scatter"] == n * 4
     assert bf16["dtypes"]["reduce_scatter"] == ["torch.float32"]
     # without FSDP nothing is gathered
-    assert runs["bf16:tp2"]["bytes"]["all_gather"] == 0
+    assert runs[f"bf16:{TP}"]["bytes"]["all_gather"] == 0
 
 
 def test_precision_key_and_compile_order(tmp_path):
