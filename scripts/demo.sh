@@ -23,7 +23,7 @@ step "3. Failures and checkpoints: the Llama 3-like run"
 $TS reliability --trials 300
 
 step "4. Train the tiny model on 4 processes (dp2 x tp2), checkpoint every 5 steps, one injected crash"
-rm -rf runs/demo
+rm -rf runs/demo runs/demo-int4 runs/own-data runs/demo-report  # a fresh run folder each time (identity)
 $TS train --config configs/demo.toml --layout dp2,tp2 --inject crash@step=12,rank=3 --max-restarts 6
 
 step "4b. Your own data: a JSONL file (made here), tokenised once into shards, trained on for 60 steps"
