@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -115,13 +117,14 @@ def train(
     # names the run; on several machines rank 0 of the job does both (the folder may be shared)
     multi_node = max_nodes > 1 or rdzv_endpoint is not None
     lock = runfolder.RunLock(run_dir).acquire() if not multi_node else None
+    # the ranks' one-sentence error goes outside the run folder: a full disk there must not swallow it
+    err_dir = Path(tempfile.mkdtemp(prefix="trainscale-job-"))
     try:
-        err_file = run_dir / runfolder.ERROR
+        err_file = err_dir / runfolder.ERROR
         run_id = None
         if lock is not None:
             ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
             run_id = runfolder.claim(run_dir, ckpt_root, cfg, resume)
-            err_file.unlink(missing_ok=True)
         env = _prepare(cfg)
         if run_id is not None:
             env[runfolder.ENV_RUN_ID] = run_id
@@ -149,6 +152,7 @@ def train(
         if proc.returncode != 0 or err_file.exists():
             _raise_failure(err_file, log_path, proc.returncode)
     finally:
+        shutil.rmtree(err_dir, ignore_errors=True)
         if lock is not None:
             lock.release()
     if multi_node and not (run_dir / "run.json").exists():

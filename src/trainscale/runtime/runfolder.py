@@ -17,6 +17,7 @@ not repeat them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import hashlib
@@ -301,13 +302,18 @@ def _record_error(message: str, code: int) -> None:
     path = os.environ.get(ENV_ERROR_FILE)
     if not path:
         return
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # the first rank to fail says it
+    text = json.dumps({"error": message, "exit": code, "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                       "rank": os.environ.get("RANK", "0")})
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:  # whole or not at all (a full disk must not leave half a record), and the first rank to fail says it
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.link(tmp, path)
     except OSError:
-        return
-    with os.fdopen(fd, "w") as f:
-        json.dump({"error": message, "exit": code, "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-                   "rank": os.environ.get("RANK", "0")}, f)
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def previous_error() -> dict[str, Any] | None:
