@@ -24,6 +24,7 @@ checkpoint saved under one layout (FSDP, TP, PP) loads under another (resharding
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import io
 import json
@@ -77,6 +78,19 @@ def _disk_error(e: BaseException) -> OSError | None:
     if isinstance(e, OSError) and not isinstance(e, ConnectionError):
         return e
     return None
+
+
+def _full_disk(root: Path, e: BaseException) -> OSError | None:
+    """A full filesystem that torch reported only as its zip writer's own RuntimeError ("unexpected pos",
+    "PytorchStreamWriter failed writing file"): when a write failed and the checkpoint filesystem has less
+    than 1 MiB left, the disk is full (ENOSPC), whatever the message said."""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return None
+    if free >= 1 << 20:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{free:,} bytes free in {root}")
 
 
 class CheckpointSaveError(JobFailed):
@@ -412,7 +426,7 @@ class CheckpointManager:
                 dcp.save(state, checkpoint_id=str(tmp))
                 self.pending = (step, tmp, None)
         except (Exception, dcp.api.CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            if (disk := _disk_error(e)) is not None:
+            if (disk := _disk_error(e) or _full_disk(self.root, e)) is not None:
                 raise self._failed(step, _fail_sentence(disk)) from None
             raise  # a peer died: the job fails and restarts
         if not self.async_save:
@@ -441,7 +455,7 @@ class CheckpointManager:
             try:
                 fut.result()
             except (Exception, dcp.api.CheckpointException) as e:
-                if (disk := _disk_error(e)) is None:
+                if (disk := _disk_error(e) or _full_disk(self.root, e)) is None:
                     raise
                 why = _fail_sentence(disk)
         if not _all_ok(why is None):
