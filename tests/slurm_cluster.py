@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from trainscale.runtime.mesh import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
 
 
@@ -29,12 +31,6 @@ def slurm_missing() -> str | None:
     if os.geteuid() != 0:
         return "the test Slurm cluster runs its daemons as root"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exe(name: str) -> str:
@@ -65,7 +61,7 @@ class SlurmCluster:
                         f"--pid-file={r / 'munge' / 'munged.pid'}", f"--log-file={r / 'munge' / 'munged.log'}",
                         f"--seed-file={r / 'munge' / 'seed'}"], check=True, capture_output=True, timeout=30)
         self.pids["munged"] = r / "munge" / "munged.pid"
-        ctl, slurmd = _free_port(), _free_port()
+        ctl, slurmd = free_port(), free_port()
         self.conf.write_text("\n".join([
             "ClusterName=trainscale-test",
             f"SlurmctldHost={self.host}(127.0.0.1)",

@@ -20,17 +20,13 @@ import pytest
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.config import load_config
 from trainscale.runtime.elastic import layout_for_world
+from trainscale.runtime.mesh import free_port
 from trainscale.specs import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 STEPS = 20
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _steps(run: Path) -> list[dict]:
@@ -93,7 +89,7 @@ def test_a_job_that_loses_a_node_finishes_on_the_other(tmp_path):
     cfg.write_text(TINY.read_text().replace("log_every = 5", "log_every = 1")
                    + "\n[checkpoint]\nevery_steps = 4\nkeep = 5\n")
     run = tmp_path / "run"
-    port = _port()
+    port = free_port()
     # rank 0 stalls before step 11 (once per job), so the node is lost with step 8's checkpoint the newest
     cmd = [sys.executable, "-m", "trainscale", "train", "--config", str(cfg), "--layout", "dp4", "--steps",
            str(STEPS), "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "2",

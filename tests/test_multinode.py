@@ -6,26 +6,22 @@ own log, no node ends in a traceback, and the losses equal a one-node dp2 run's.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from trainscale.runtime.mesh import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 STEPS = 6
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _two_nodes(out_a: Path, out_b: Path) -> list[subprocess.CompletedProcess]:
-    port = _port()
+    port = free_port()
     cmd = [sys.executable, "-m", "trainscale", "train", "--config", str(TINY), "--layout", "dp2", "--steps",
            str(STEPS), "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--json"]
     procs = [subprocess.Popen([*cmd, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -95,7 +91,7 @@ def test_two_nodes_each_with_its_own_run_folder(tmp_path, one_node):
 def test_a_node_left_alone_stops_with_one_sentence(tmp_path):
     # the other machine never comes: the rendezvous wait is bounded (--rdzv-timeout), the answer one line
     p = subprocess.run([sys.executable, "-m", "trainscale", "train", "--config", str(TINY), "--layout", "dp2",
-                        "--steps", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+                        "--steps", "2", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                         "--rdzv-timeout", "5", "--out", str(tmp_path / "run")], capture_output=True, text=True,
                        cwd=ROOT, timeout=300)
     assert p.returncode == 1, p.stderr
