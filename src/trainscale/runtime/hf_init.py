@@ -46,9 +46,11 @@ def hf_folder_spec(path: str | Path) -> ModelSpec:
     """The ModelSpec of a Hugging Face Llama folder; anything trainscale's model would compute differently
     is refused in one sentence."""
     folder = hf_folder(path)
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    from trainscale.safeio import read_text
+
+    try:  # a regular file only (a FIFO would block), as specs reads every config.json
+        cfg = json.loads(read_text(folder / "config.json", "model file"))
+    except json.JSONDecodeError as e:
         raise TrainscaleError(f"{folder / 'config.json'} cannot be read as JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise TrainscaleError(f"{folder / 'config.json'} is not a model configuration (a JSON object)")
