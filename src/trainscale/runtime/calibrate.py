@@ -30,7 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -71,13 +71,26 @@ def _timeit(fn, repeat: int, warmup: int = 2) -> float:
     return best
 
 
-def _median_seconds(fn: Callable[[], Any], budget_s: float, min_repeat: int = 3, warmup: int = 1) -> float:
-    """Median time of ``fn`` over as many repeats as fit in ``budget_s`` (at least ``min_repeat``)."""
+def _median_seconds(fn: Callable[[], Any], budget_s: float, min_repeat: int = 3, warmup: int = 1,
+                    collective: bool = False) -> float:
+    """Median time of ``fn`` over as many repeats as fit in ``budget_s`` (at least ``min_repeat``).
+
+    ``collective``: ``fn`` runs collectives, so every rank of the process group must run it the same number
+    of times (a rank that stops early leaves the others waiting in a collective it never joins: a hang).
+    The ranks then agree after each repeat, outside the timed region, to go on only while all of them still
+    have budget left."""
     for _ in range(warmup):
         fn()
     times: list[float] = []
     end = time.perf_counter() + budget_s
-    while len(times) < min_repeat or (time.perf_counter() < end and len(times) < 10_000):
+    while True:
+        more = len(times) < min_repeat or (time.perf_counter() < end and len(times) < 10_000)
+        if collective:
+            flag = torch.tensor([int(more)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            more = bool(flag.item())
+        if not more:
+            break
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -205,7 +218,7 @@ def elementwise_seconds_per_token(spec: ModelSpec, micro_batch: int, seq_len: in
 
 
 def _block_seconds(block: torch.nn.Module, spec: ModelSpec, micro_batch: int, rows: int, seq_len: int,
-                   dev: torch.device, budget_s: float, min_repeat: int) -> float:
+                   dev: torch.device, budget_s: float, min_repeat: int, collective: bool = False) -> float:
     """Median seconds of ``block`` forward + backward on [micro_batch, rows, d_model] (rows: this rank's share
     of the sequence), RoPE angles for the whole ``seq_len``."""
     from trainscale.runtime.model import rope_angles
@@ -220,7 +233,7 @@ def _block_seconds(block: torch.nn.Module, spec: ModelSpec, micro_batch: int, ro
         out.backward(dout)
         _sync()
 
-    return _median_seconds(run, budget_s, min_repeat)
+    return _median_seconds(run, budget_s, min_repeat, collective=collective)
 
 
 def block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, budget_s: float = 1.0, min_repeat: int = 3) -> float:
@@ -254,7 +267,8 @@ def tp_block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, world: int
     apply_tensor_parallel(model, {"tp": mesh}, sp=True)
     block = model.layers["0"]
     dist.barrier()
-    return _block_seconds(block, spec, micro_batch, seq_len // world, seq_len, dev, budget_s, min_repeat)
+    return _block_seconds(block, spec, micro_batch, seq_len // world, seq_len, dev, budget_s, min_repeat,
+                          collective=True)
 
 
 def optimizer_shapes(spec: ModelSpec, target_params: int) -> list[tuple[int, ...]]:
@@ -296,7 +310,9 @@ BUS_FACTOR = {op: (lambda n, op=op: bus_factor(op, n)) for op in COLLECTIVE_OPS}
 def _init_group(rank: int, world: int, port: int) -> torch.device:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    dist.init_process_group("nccl" if use_nccl else "gloo", rank=rank, world_size=world)
+    # a collective that one rank never joins fails in minutes, not after the default half hour
+    dist.init_process_group("nccl" if use_nccl else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
     return torch.device("cuda", rank) if use_nccl else torch.device("cpu")
 
 
