@@ -115,11 +115,14 @@ def test_tensor_parallel_flops_convention(measured):
 
 
 def test_rank_coordinates_follow_the_mesh():
-    """Mesh dims (dp_replicate, dp_shard, pp, cp, tp), row-major, tp innermost (trainscale.placement)."""
+    """Mesh dims (dp_replicate, dp_shard, pp, ep, cp, tp), row-major, tp innermost (trainscale.placement)."""
     lo = Layout.parse("pp2,dp2,cp2,tp2")  # zero0: dp is all replicate
-    assert R.coords(lo, 13) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "cp": 0, "tp": 1}
-    assert R.coords(Layout.parse("dp4,zero3,hsdp2"), 3) == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "cp": 0,
-                                                              "tp": 0}
+    assert R.coords(lo, 13) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "ep": 0, "cp": 0, "tp": 1}
+    assert R.coords(Layout.parse("dp4,zero3,hsdp2"), 3) == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "ep": 0,
+                                                              "cp": 0, "tp": 0}
+    # ep2 inside dp4: the two ranks of an EP group are neighbours (inside pp), dp_shard outside pp
+    assert R.coords(Layout.parse("dp4,zero3,ep2,pp2"), 5) == {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "ep": 1,
+                                                                "cp": 0, "tp": 0}
     assert R.chunk_len(10, 4, 3) == 1 and R.chunk_len(10, 4, 0) == 3 and R.chunk_len(2, 4, 3) == 0
 
 

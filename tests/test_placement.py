@@ -105,7 +105,9 @@ def test_short_strings_mean_their_printed_form():
     ("pp2,v2,1f1b", "needs the interleaved schedule"),
     ("zero4", "less than or equal to 3"),
     ("dp4,hsdp2", "hsdp needs a sharded"),
-    ("ep4", "not understood"),
+    ("ep4", "ep4 must divide dp1"),
+    ("dp8,zero3,hsdp4,ep4", "must divide dp8 / hsdp4 = 2"),
+    ("moe4", "not understood"),
 ])
 def test_bad_layouts_are_one_sentence(text, match):
     with pytest.raises(TrainscaleError, match=match) as e:

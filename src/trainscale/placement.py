@@ -13,8 +13,10 @@ ranks: what one GPU holds.
 The mesh, outermost dim first, is Llama 3's order [TP, CP, PP, DP] read from the inside out (arXiv
 2407.21783 Sec. 3.3.2, "Network-aware parallelism configuration"): tensor parallelism innermost, on
 neighbouring GPUs of one server; data parallelism outermost, split into ``dp_replicate`` (HSDP's replica
-groups) outside ``dp_shard`` (the ranks one shard group spans). ``estimate/step.py`` prices each
-collective on the span of ranks this order gives it (TP over tp ranks, CP over tp*cp, PP over tp*cp*pp).
+groups) outside ``dp_shard`` (the ranks one shard group spans). A MoE's expert-parallel ranks (``ep``,
+a factor of dp) sit between PP and CP (see ``mesh_sizes``). ``estimate/step.py`` prices each collective
+on the span of ranks this order gives it (TP over tp ranks, CP over tp*cp, EP over tp*cp*ep, PP over
+tp*cp*ep*pp).
 """
 
 from __future__ import annotations
@@ -29,20 +31,26 @@ from trainscale.specs import Layout
 
 # ----------------------------------------------------------------------------- the mesh
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "cp", "tp")  # outermost first; row-major, tp innermost
+MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "ep", "cp", "tp")  # outermost first; row-major, tp innermost
 # flattened dims (runtime/mesh.py builds them from the world mesh): name -> the mesh dims it joins
 FLAT_DIMS: dict[str, tuple[str, ...]] = {
-    "dp": ("dp_replicate", "dp_shard"),  # which slice of the global batch a rank reads
-    "dp_shard_cp": ("dp_shard", "cp"),  # the group FSDP shards over (CP ranks hold the same weights)
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # the group gradients are averaged over
+    "dp": ("dp_replicate", "dp_shard", "ep"),  # which slice of the global batch a rank reads
+    "dp_shard_cp": ("dp_shard", "ep", "cp"),  # the group FSDP shards dense weights over (CP ranks hold the same)
+    "dp_cp": ("dp_replicate", "dp_shard", "ep", "cp"),  # the group dense gradients are averaged over
+    # a MoE's routed experts: split over "ep"; the ranks holding the same experts are these
+    "expert_shard": ("dp_shard", "cp"),  # the group FSDP shards one rank's experts over
+    "expert_dp": ("dp_replicate", "dp_shard", "cp"),  # the group expert gradients are averaged over
 }
 
 
 def mesh_sizes(layout: Layout) -> dict[str, int]:
-    """Size of each mesh dim, in MESH_DIMS order. With zero0 all of dp replicates; with ZeRO, ``hsdp``
-    replica groups each shard over dp / hsdp ranks."""
-    return {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "pp": layout.pp, "cp": layout.cp,
-            "tp": layout.tp}
+    """Size of each mesh dim, in MESH_DIMS order. With zero0 all of dp outside EP replicates; with ZeRO,
+    ``hsdp`` replica groups each shard over dp / hsdp ranks (dp_shard x ep). The data-parallel ranks of an
+    EP group sit inside the pipeline dim, next to CP and TP: an EP64 group with tp1, cp1 is 64 neighbouring
+    ranks (8 servers of 8), as DeepSeek-V3 placed it (arXiv 2412.19437 Sec. 3.2: "64-way Expert Parallelism
+    spanning 8 nodes"), where the all-to-all every MoE layer runs stays as close as it can."""
+    return {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "pp": layout.pp, "ep": layout.ep,
+            "cp": layout.cp, "tp": layout.tp}
 
 
 def mesh_shape(layout: Layout) -> tuple[int, ...]:

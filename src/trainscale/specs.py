@@ -52,6 +52,33 @@ class ModelSpec(_Spec):
     tied_embeddings: bool = False
     bias: bool = False
     norm_eps: float = Field(default=1e-5, gt=0, le=1)
+    # ---- mixture of experts (n_experts = 0: a dense model; every field below is then unused)
+    # A MoE layer replaces the FFN: a router (a d_model x n_experts linear) picks experts_per_token of the
+    # n_experts routed experts per token (top-k, Shazeer et al. 2017, arXiv 1701.06538), each a SwiGLU/GELU
+    # FFN of width d_ff_expert; shared experts (DeepSeekMoE, arXiv 2401.06066) run on every token, here as one
+    # FFN of their total width d_ff_shared. The first ``first_dense_layers`` layers keep a dense FFN of width
+    # d_ff (DeepSeek-V3's first_k_dense_replace).
+    n_experts: int = Field(default=0, ge=0, le=_DIM, description="routed experts per MoE layer (0: dense)")
+    experts_per_token: int = Field(default=0, ge=0, le=_DIM, description="top-k")
+    d_ff_expert: int = Field(default=0, ge=0, le=_DIM, description="one routed expert's FFN width (0: d_ff)")
+    d_ff_shared: int = Field(default=0, ge=0, le=_DIM, description="the shared experts' total FFN width (0: none)")
+    shared_expert_gate: bool = Field(default=False, description="a sigmoid gate (d_model -> 1) on the shared "
+                                     "expert's output (Qwen2-MoE)")
+    first_dense_layers: int = Field(default=0, ge=0, le=_LAYERS)
+    router_norm_topk: bool = Field(default=True, description="renormalise the top-k router weights to sum to 1 "
+                                   "(Mixtral, DeepSeek-V3; Qwen-MoE's norm_topk_prob)")
+    capacity_factor: float = Field(default=0.0, ge=0, le=1e6, description="tokens an expert takes, as a multiple "
+                                   "of its even share (0: dropless, every routed token is computed)")
+    aux_loss_coef: float = Field(default=0.01, ge=0, le=1e6, description="load-balance loss weight (Switch "
+                                 "Transformer's, arXiv 2101.03961 eq. 4)")
+    # ---- multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 Sec. 2.1): queries and keys/values pass
+    # through low-rank latents; each head's query/key is head_dim ("nope") + qk_rope_head_dim (decoupled
+    # RoPE, a key part shared by all heads), its value v_head_dim wide.
+    attention: Literal["mha", "mla"] = "mha"
+    q_lora_rank: int = Field(default=0, ge=0, le=_DIM, description="MLA query latent (0: queries projected directly)")
+    kv_lora_rank: int = Field(default=0, ge=0, le=_DIM)
+    qk_rope_head_dim: int = Field(default=0, ge=0, le=_DIM)
+    v_head_dim: int = Field(default=0, ge=0, le=_DIM, description="MLA value width per head (0: head_dim)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -61,7 +88,45 @@ class ModelSpec(_Spec):
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim_override is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_experts:
+            if not 0 < self.experts_per_token <= self.n_experts:
+                raise ValueError(f"experts_per_token ({self.experts_per_token}) must be between 1 and n_experts "
+                                 f"({self.n_experts})")
+            if self.first_dense_layers > self.n_layers:
+                raise ValueError(f"first_dense_layers ({self.first_dense_layers}) exceeds n_layers ({self.n_layers})")
+        elif self.experts_per_token or self.d_ff_shared or self.first_dense_layers or self.d_ff_expert:
+            raise ValueError("experts_per_token, d_ff_expert, d_ff_shared and first_dense_layers need n_experts > 0")
+        if self.attention == "mla":
+            if not self.kv_lora_rank or not self.qk_rope_head_dim:
+                raise ValueError("multi-head latent attention needs kv_lora_rank and qk_rope_head_dim")
+        elif self.q_lora_rank or self.kv_lora_rank or self.qk_rope_head_dim or self.v_head_dim:
+            raise ValueError("q_lora_rank, kv_lora_rank, qk_rope_head_dim and v_head_dim need attention = 'mla'")
         return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer ``i`` has a MoE feed-forward (else a dense one of width d_ff)."""
+        return self.n_experts > 0 and i >= self.first_dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.first_dense_layers if self.n_experts else 0
+
+    @property
+    def expert_width(self) -> int:
+        return self.d_ff_expert or self.d_ff
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of one head's query and key: head_dim, plus the decoupled RoPE part under MLA."""
+        return self.head_dim + self.qk_rope_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     @property
     def head_dim(self) -> int:
@@ -139,8 +204,9 @@ Recompute = Literal["none", "selective", "full"]
 
 _NUM_TOKEN = re.compile(r"^([a-z]+)(\d+)$")
 # number tokens -> the Layout field they set (a later parallel dimension, e.g. ``ep``, is one more entry)
-_NUM_FIELDS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "mb": "mb", "v": "v", "zero": "zero", "hsdp": "hsdp"}
-_GRAMMAR = ("tpN, cpN, ppN, dpN, fsdpN, zero0-3, hsdpN, mbN, vN, gpipe|1f1b|interleaved, "
+_NUM_FIELDS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "mb": "mb", "v": "v", "zero": "zero", "hsdp": "hsdp",
+               "ep": "ep"}
+_GRAMMAR = ("tpN, cpN, ppN, dpN, fsdpN, epN, zero0-3, hsdpN, mbN, vN, gpipe|1f1b|interleaved, "
             "rc=none|selective|full, sp|nosp")
 
 
@@ -159,6 +225,13 @@ class Layout(_Spec):
       2 optimizer state and gradients sharded, the weights gathered for a micro-batch's forward and kept
       through its backward (FSDP2 ``reshard_after_forward=False``); 3 everything sharded, the weights
       gathered for each use and freed after (FSDP, ``reshard_after_forward=True``).
+    - ``epN`` [1] expert parallelism (a MoE model only): each MoE layer's routed experts are split over N
+      of the data-parallel ranks, which send each token to its experts' rank and back (all-to-all). N
+      divides dp (with ZeRO, dp / hsdp: one replica group's shard ranks); it adds no ranks: the N ranks
+      still read different data and shard the dense weights as before, while each expert's weights and
+      optimizer state live on one of them (then sharded/replicated over the other dp ranks holding that
+      expert). The expert weights are not split by tensor parallelism (TP covers attention and the dense
+      layers).
     - ``fsdpN`` is ``dpN,zero3``. ``hsdpN`` [1] (zero >= 1): the dp ranks form N replica groups, each
       sharding over dp/N ranks (hybrid sharding).
     - ``mbN`` [1] sequences per micro-batch, for the planner and the runtime alike: a step runs
@@ -179,6 +252,7 @@ class Layout(_Spec):
     dp: int = Field(default=1, gt=0)
     zero: int = Field(default=0, ge=0, le=3)
     hsdp: int = Field(default=1, gt=0)
+    ep: int = Field(default=1, gt=0)
     mb: int = Field(default=1, gt=0)
     v: int = Field(default=1, gt=0)
     schedule: Schedule = "1f1b"
@@ -198,6 +272,9 @@ class Layout(_Spec):
             raise ValueError(f"hsdp{self.hsdp} must divide dp{self.dp}")
         if self.hsdp > 1 and self.zero == 0:
             raise ValueError("hsdp needs a sharded data-parallel mode (zero1-3 or fsdp)")
+        if (self.dp // self.hsdp) % self.ep:
+            where = f"dp{self.dp}" if self.hsdp == 1 else f"dp{self.dp} / hsdp{self.hsdp} = {self.dp // self.hsdp}"
+            raise ValueError(f"ep{self.ep} must divide {where} (expert parallelism splits data-parallel ranks)")
         if self.v > 1 and self.schedule != "interleaved":
             raise ValueError(f"v{self.v} (virtual stages) needs the interleaved schedule")
         if self.schedule != "1f1b" and self.pp == 1:
@@ -210,11 +287,13 @@ class Layout(_Spec):
 
     @property
     def dp_replicate(self) -> int:
-        return self.dp if self.zero == 0 else self.hsdp
+        """Data-parallel replica groups (outermost mesh dim): with zero0 every dp rank outside an EP group."""
+        return self.dp // self.ep if self.zero == 0 else self.hsdp
 
     @property
     def dp_shard(self) -> int:
-        return 1 if self.zero == 0 else self.dp // self.hsdp
+        """The dp ranks of one replica group outside its EP group (ZeRO's shard group is dp_shard x ep)."""
+        return 1 if self.zero == 0 else self.dp // (self.hsdp * self.ep)
 
     @classmethod
     def parse(cls, text: str) -> Layout:
@@ -260,6 +339,8 @@ class Layout(_Spec):
             parts.append(self.schedule)
             if self.v > 1:
                 parts.append(f"v{self.v}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         parts.append(f"zero{self.zero}")
         if self.hsdp > 1:
             parts.append(f"hsdp{self.hsdp}")
@@ -351,7 +432,8 @@ def load_model(ref: str | Path | dict[str, Any]) -> ModelSpec:
 
 # How each Hugging Face ``model_type`` names the fields a ModelSpec needs (transformers' configuration_*.py).
 _HF_FIELDS: dict[str, dict[str, Any]] = {
-    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "mixtral": {},
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {},
+    "deepseek_v2": {}, "deepseek_v3": {},
     "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
              "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
     "gpt_neox": {"norm_eps": "layer_norm_eps", "rope_pct": "rotary_pct"},
@@ -385,8 +467,9 @@ def _check_hf_config(path: Path) -> None:
 
 
 def model_from_hf_config(path: Path) -> ModelSpec:
-    """A Hugging Face ``config.json`` read by its ``model_type``: Llama-style (llama, mistral, qwen2, qwen3,
-    mixtral's dense shape), GPT-style (gpt2, gpt_neox, opt, bloom, mpt). An unknown type is refused."""
+    """A Hugging Face ``config.json`` read by its ``model_type``: Llama-style (llama, mistral, qwen2, qwen3),
+    mixture-of-experts (mixtral, qwen2_moe, qwen3_moe, deepseek_v2/v3 with their multi-head latent
+    attention), GPT-style (gpt2, gpt_neox, opt, bloom, mpt). An unknown type is refused."""
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -397,9 +480,7 @@ def model_from_hf_config(path: Path) -> ModelSpec:
     if mt not in _HF_FIELDS:
         raise TrainscaleError(f"model file {path} has model_type {mt!r}, which trainscale does not read; known: "
                               f"{', '.join(sorted(_HF_FIELDS))}")
-    if mt == "mixtral" or cfg.get("num_local_experts", 1) > 1:
-        raise TrainscaleError(f"model file {path} is a mixture of experts, which trainscale does not model yet")
-    llama = mt in ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+    llama = mt in _LLAMA_TYPES
     keys = {**_LLAMA_KEYS, **_HF_FIELDS[mt]}
     if mt == "mpt":
         cfg = {**cfg, "d_ff": cfg.get("d_model", 0) * cfg.get("expansion_ratio", 4)}
@@ -438,7 +519,55 @@ def model_from_hf_config(path: Path) -> ModelSpec:
     }
     if llama and cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // heads:
         data["head_dim"] = cfg["head_dim"]
+    data.update(_hf_moe_fields(cfg, mt, path))
     return _build(ModelSpec, data, f"model file {path}")
+
+
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+
+
+def _hf_moe_fields(cfg: dict[str, Any], mt: str, path: Path) -> dict[str, Any]:
+    """The mixture-of-experts and MLA fields of a Hugging Face config (transformers' configuration_mixtral,
+    _qwen2_moe, _qwen3_moe, _deepseek_v3 name them differently); {} for a dense model."""
+    def num(key: str, default: Any = 0) -> Any:
+        v = cfg.get(key, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise TrainscaleError(f"model file {path}: {key} must be a non-negative integer, not {v!r}")
+        return v
+
+    out: dict[str, Any] = {}
+    if mt == "mixtral" or (mt in ("mistral", "llama") and num("num_local_experts", 1) > 1):
+        out = {"n_experts": num("num_local_experts", 8), "experts_per_token": num("num_experts_per_tok", 2),
+               "d_ff_expert": cfg["intermediate_size"], "router_norm_topk": True}
+    elif mt in ("qwen2_moe", "qwen3_moe"):
+        if num("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+            raise TrainscaleError(f"model file {path}: dense layers interleaved among MoE layers (decoder_sparse_step "
+                                  "or mlp_only_layers) are not modelled")
+        out = {"n_experts": num("num_experts"), "experts_per_token": num("num_experts_per_tok"),
+               "d_ff_expert": num("moe_intermediate_size"), "router_norm_topk": bool(cfg.get("norm_topk_prob", False))}
+        if mt == "qwen2_moe" and num("shared_expert_intermediate_size"):
+            out.update(d_ff_shared=num("shared_expert_intermediate_size"), shared_expert_gate=True)
+    elif mt in ("deepseek_v2", "deepseek_v3"):
+        if num("moe_layer_freq", 1) != 1:
+            raise TrainscaleError(f"model file {path}: moe_layer_freq other than 1 is not modelled")
+        out = {"n_experts": num("n_routed_experts"), "experts_per_token": num("num_experts_per_tok"),
+               "d_ff_expert": num("moe_intermediate_size"),
+               "d_ff_shared": num("n_shared_experts") * num("moe_intermediate_size"),
+               "first_dense_layers": num("first_k_dense_replace"),
+               "router_norm_topk": bool(cfg.get("norm_topk_prob", mt == "deepseek_v3")),
+               "attention": "mla", "q_lora_rank": num("q_lora_rank"), "kv_lora_rank": num("kv_lora_rank"),
+               "qk_rope_head_dim": num("qk_rope_head_dim"), "v_head_dim": num("v_head_dim"),
+               "head_dim": num("qk_nope_head_dim") or None}
+    else:
+        return out
+    if not out["n_experts"]:  # no routed experts: a dense model (MLA, if any, stays)
+        moe = ("n_experts", "experts_per_token", "d_ff_expert", "d_ff_shared", "shared_expert_gate",
+               "first_dense_layers", "router_norm_topk")
+        return {k: v for k, v in out.items() if k not in moe}
+    out["aux_loss_coef"] = float(cfg.get("router_aux_loss_coef", cfg.get("aux_loss_alpha", 0.01)) or 0.0)
+    return out
 
 
 def load_gpu(ref: str | Path) -> GPUSpec:
