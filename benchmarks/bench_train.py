@@ -71,17 +71,26 @@ def bench(name: str, steps: int, warmup: int = 3) -> dict:
     plain = plain_loop(cfg, loader)
     ours, hand = [], []
     for i in range(steps + warmup):
-        a = trainer.train_step()["step_time_s"]
-        b = plain()
+        if i % 2:  # alternate which loop goes first, so neither always follows the other's cache state
+            b = plain()
+            a = trainer.train_step()["step_time_s"]
+        else:
+            a = trainer.train_step()["step_time_s"]
+            b = plain()
         if i >= warmup:
             ours.append(a)
             hand.append(b)
     tokens = cfg.train.global_batch * cfg.train.seq_len
     t_ours, t_hand = statistics.median(ours), statistics.median(hand)
+    # the ratio of each step pair (taken seconds apart) cancels load that drifts over minutes, which the
+    # ratio of the two medians does not; its quartiles say how far one pair can be trusted
+    pair = sorted(x / y for x, y in zip(ours, hand, strict=True))
+    q1, q3 = statistics.quantiles(pair, n=4)[0], statistics.quantiles(pair, n=4)[2]
     fpt = measure.flops_per_token(cfg.model, cfg.train.seq_len)
     return {"config": name, "params": sum(p.numel() for p in trainer.params), "tokens_per_step": tokens,
             "trainscale_tokens_per_s": tokens / t_ours, "plain_tokens_per_s": tokens / t_hand,
-            "overhead_ratio": t_ours / t_hand, "flops_per_token": fpt,
+            "overhead_ratio": t_ours / t_hand, "paired_ratio": statistics.median(pair), "paired_q1": q1,
+            "paired_q3": q3, "flops_per_token": fpt,
             "trainscale_mfu": measure.mfu(tokens / t_ours, fpt, trainer.peak),
             "plain_mfu": measure.mfu(tokens / t_hand, fpt, trainer.peak), "steps": steps}
 
@@ -133,11 +142,12 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, load average {load:.1f}; CPU fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
     print("| config | params | tokens/step | trainscale tok/s | plain loop tok/s | step time trainscale / plain "
-          "| trainscale MFU | plain MFU |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| paired ratio, median [quartiles] | trainscale MFU | plain MFU |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['params'] / 1e6:.2f}M | {r['tokens_per_step']:,} | "
               f"{r['trainscale_tokens_per_s']:,.0f} | {r['plain_tokens_per_s']:,.0f} | {r['overhead_ratio']:.3f} | "
+              f"{r['paired_ratio']:.3f} [{r['paired_q1']:.3f}, {r['paired_q3']:.3f}] | "
               f"{r['trainscale_mfu']:.1%} | {r['plain_mfu']:.1%} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"peak_flops": peak, "rows": rows}, indent=2))

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from trainscale.errors import TrainscaleError
-from trainscale.estimate.params import active_params, expert_params, param_count, tensor_inventory, numel
+from trainscale.estimate.params import active_params, expert_params, numel, param_count, tensor_inventory
 from trainscale.specs import Layout, ModelSpec, load_model
 
 DEEPSEEK_V3 = dict(model_type="deepseek_v3", num_hidden_layers=61, hidden_size=7168, num_attention_heads=128,
