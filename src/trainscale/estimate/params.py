@@ -63,7 +63,8 @@ def attention_tensors(m: ModelSpec, i: int) -> list[Tensor]:
         else:
             out.append((p + "wq.weight", (h * qk, d)))
         out += [(p + "wkv_a.weight", (m.kv_lora_rank + m.qk_rope_head_dim, d)),
-                (p + "kv_norm.weight", (m.kv_lora_rank,)), (p + "wkv_b.weight", (h * (m.head_dim + v), m.kv_lora_rank)), (p + "wo.weight", (d, h * v))]
+                (p + "kv_norm.weight", (m.kv_lora_rank,)), (p + "wkv_b.weight", (h * (m.head_dim + v), m.kv_lora_rank)),
+                (p + "wo.weight", (d, h * v))]
         return out
     out = []
     for name, rows in (("wq", m.q_dim), ("wk", m.kv_dim), ("wv", m.kv_dim)):
