@@ -20,7 +20,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.comms import Topology
 from trainscale.estimate.pipeline import layer_placement
-from trainscale.estimate.software import Software, load_software
+from trainscale.estimate.software import PRECISIONS, Software, load_software, with_knobs
 from trainscale.estimate.step import (
     RECOMPUTE,
     SCHEDULE,
@@ -553,15 +553,25 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
             global_batch_tokens: int = 2**24, tokens: float | None = None, cluster: str | None = None,
             profile: str | None = None, overrides: dict[str, float] | None = None,
             software: str | Software | None = None, fix: str | dict[str, Any] | None = None,
-            forbid: str | tuple[str, ...] | None = None, max_v: int | None = None) -> Problem:
-    """Build a planning problem from catalog names (or files), with the catalog's default efficiencies."""
+            forbid: str | tuple[str, ...] | None = None, max_v: int | None = None,
+            precision: str | None = None) -> Problem:
+    """Build a planning problem from catalog names (or files), with the catalog's default efficiencies.
+    ``precision`` (bf16 | fp8) replaces the software's."""
     m = load_model(model)
     cl, g = pick_cluster(gpu, gpus, cluster)
+    sw = load_software(software)
+    if precision is not None:
+        if precision not in PRECISIONS:
+            raise TrainscaleError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+        sw = with_knobs(sw, precision=precision)
+    if sw.precision == "fp8" and not g.peak_fp8_flops:
+        raise TrainscaleError(f"{g.name} has no FP8 tensor cores (catalog/gpus.toml gives it no FP8 peak), so FP8 "
+                              "training cannot be planned on it; use --precision bf16")
     eff = load_efficiencies(g.name, profile, overrides, g.peak_bf16_flops, g.hbm_bandwidth, g.scale_up_bandwidth)
     if max_v is not None and max_v < 1:
         raise TrainscaleError(f"--max-v must be at least 1, not {max_v}")
     return Problem(m, g, cl, cluster_topology(cl, g, eff), eff, gpus, seq, global_batch_tokens, tokens,
-                   load_software(software), fix or {}, forbid or (), max_v)
+                   sw, fix or {}, forbid or (), max_v)
 
 
 FLOP_CONVENTION = ("MFU = model FLOPs (6N, N with the LM head, + 12·L·H·Q·T attention halved for causal masking) / "
