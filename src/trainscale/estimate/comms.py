@@ -128,10 +128,9 @@ def all_to_all_time(nbytes: Any, n: Any, n_local: Any, topo: Topology, remote_co
     (Megatron-Core's token dispatcher, NCCL all_to_all / DeepEP): (n-1)/n of the bytes leave the rank, the share
     bound for the other n_local - 1 domain members on NVLink and the rest, (n - n_local)/n, on this GPU's own NIC
     (each GPU sends its own off-node traffic: an all-to-all cannot pool a server's NICs the way a ring does).
-    ``remote_copies``, when given, replaces the off-node share by that many copies of the per-copy bytes
-    nbytes / k... as a fraction of nbytes (node-limited routing sends one copy per target node and forwards it on
-    NVLink: DeepSeek-V3, arXiv 2412.19437 Sec. 3.2.2). Both links run at once: the slower sets the time, plus one
-    latency per peer group. Scalars or numpy arrays."""
+    ``remote_copies``, when given, is the off-node share of ``nbytes`` instead (node-limited routing sends one
+    copy per target node and forwards it on NVLink: DeepSeek-V3, arXiv 2412.19437 Sec. 3.2.2). Both links run at
+    once: the slower sets the time, plus one network (or NVLink) latency. Scalars or numpy arrays."""
     n, n_local = np.asarray(n, dtype=float), np.asarray(n_local, dtype=float)
     up = topo.scale_up_bandwidth * topo.scale_up_efficiency
     net = topo.network_bandwidth * topo.network_efficiency

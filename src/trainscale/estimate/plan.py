@@ -462,7 +462,8 @@ class SearchResult:
         r, c, p = self.res, self.cfg, self.problem
         ep, dom = int(c["ep"][b]), p.topo.scale_up_domain
         inside = bool(r["ep_in_scale_up"][b])
-        where = f"inside one {dom}-GPU NVLink domain" if inside else f"across {int(c['ep'][b] * c['tp'][b] * c['cp'][b]) // dom} scale-up domains"
+        span = int(c["ep"][b] * c["tp"][b] * c["cp"][b])
+        where = f"inside one {dom}-GPU NVLink domain" if inside else f"across {-(-span // dom)} scale-up domains"
         a2a = float(r["a2a_per_layer_s"][b])
         line = (f"EP{ep} splits the {p.model.n_experts} experts of each MoE layer {where}: its dispatch + combine "
                 f"all-to-all takes {a2a * 1e3:.2f} ms per MoE layer per micro-batch, {r['t_ep_comm'][b]:.2f} s of the "

@@ -155,8 +155,9 @@ def walkthrough(model: str = "llama3.1-405b", tokens: float | None = None, gpu: 
 
     s = Section(f"Running {hm.name} at home")
     hn = param_count(hm)
-    s.add("inference_flops_per_token", f"inference FLOPs per token ({m.name})", inference.inference_flops_per_token(n_c),
-          "FLOP", "2N", "Kaplan et al. 2020")
+    s.add("inference_flops_per_token", f"inference FLOPs per token ({m.name})",
+          inference.inference_flops_per_token(n_c), "FLOP", "2N" if not m.is_moe else "2 x active",
+          "Kaplan et al. 2020")
     s.add("home_params", f"parameters of {hm.name}", hn, "params", "exact count", hm.source)
     q = {
         "bf16": inference.quantized_model_bytes(hm, "bf16"),
