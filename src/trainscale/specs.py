@@ -145,6 +145,9 @@ class GPUSpec(_Spec):
     name: str = "custom"
     source: str = ""
     peak_bf16_flops: float = Field(gt=0, le=_FLOPS)
+    peak_fp8_flops: float = Field(default=0.0, ge=0, le=_FLOPS,
+                                  description="dense FP8 tensor peak (0: no FP8 tensor cores, e.g. A100)")
+    peak_fp8_flops_source: str = ""
     memory_bytes: float = Field(gt=0, le=_BYTES)
     hbm_bandwidth: float = Field(gt=0, le=_BYTES)
     tdp_watts: float = Field(gt=0, le=1e6)

@@ -1,4 +1,5 @@
-"""`trainscale plan`: the best 4D layout (TP x CP x PP x DP) for a model on N GPUs, or one layout evaluated."""
+"""`trainscale plan`: the best layout (TP x CP x PP x DP, and EP for a mixture of experts) for a model on N GPUs,
+or one layout evaluated."""
 
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def plan(
     fix: str = typer.Option(None, help="search only layouts with these choices, e.g. tp=8,pp=16"),
     forbid: str = typer.Option(None, help="search without these, e.g. cp,zero3,interleaved,rc=full"),
     max_v: int = typer.Option(None, "--max-v", help="at most this many virtual stages per GPU"),
+    precision: str = typer.Option(None, help="bf16 | fp8: the layers' GEMMs at the GPU's FP8 peak (default: the "
+                                  "software's); weights, gradients and Adam state as the software keeps them"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days."""
@@ -82,7 +85,7 @@ def plan(
     if gpus is None:
         gpus = lay.world_size if lay is not None else 16384
     p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_), software,
-                        fix, forbid, max_v)
+                        fix, forbid, max_v, precision)
     head = _header(p)
     if lay is not None:
         row = p.evaluate_layout(lay)
@@ -146,7 +149,8 @@ def _print_header(p: Any) -> None:
     console.print(f"[bold]{p.model.name}[/bold] on {p.n_gpus:,} x {p.gpu.name} ({t.name}: {t.scale_up_domain}-GPU "
                   f"NVLink domains at {t.scale_up_bandwidth / 1e9:,.0f} GB/s, {t.network_bandwidth / 1e9:,.0f} GB/s "
                   f"per GPU between them{pods}); seq {p.seq:,}, {p.global_batch_tokens:,} tokens "
-                  f"({p.global_seqs:,} sequences) per step; software {p.software.name}")
+                  f"({p.global_seqs:,} sequences) per step; software {p.software.name}"
+                  + (f", {p.software.precision.upper()} GEMMs" if p.software.precision != "bf16" else ""))
 
 
 def _print_rows(rows: list[dict[str, Any]], title: str, breakdown: bool = True) -> None:

@@ -31,7 +31,8 @@ def validate(
               title_justify="left", show_edge=False, pad_edge=False)
     for col in ("run", "figure", "FLOPs", "reported", "predicted", "error"):
         t.add_column(col, justify="left" if col in ("run", "figure", "FLOPs") else "right", no_wrap=True)
-    unit = {"tokens_per_s_per_gpu": "tok/s/GPU", "step_time_s": "s/step", "tflops_per_gpu": "TFLOP/s"}
+    unit = {"tokens_per_s_per_gpu": "tok/s/GPU", "step_time_s": "s/step", "tflops_per_gpu": "TFLOP/s",
+            "gpu_hours": "GPU-hours"}
     for r in out["runs"]:
         err = r["error"]
         style = "green" if abs(err) <= 0.05 else "yellow" if abs(err) <= 0.10 else "red"

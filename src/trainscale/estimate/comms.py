@@ -121,3 +121,21 @@ def reduce_scatter_time(nbytes: Any, n: Any, bw: Any, latency: Any) -> Any:
 def p2p_time(nbytes: Any, bw: Any, latency: Any) -> Any:
     """Point to point (pipeline activations): bytes / bandwidth + one latency."""
     return np.asarray(nbytes) / bw + latency
+
+
+def all_to_all_time(nbytes: Any, n: Any, n_local: Any, topo: Topology, remote_copies: Any = None) -> Any:
+    """An all-to-all of ``nbytes`` per rank over n ranks, ``n_local`` of them inside this rank's scale-up domain
+    (Megatron-Core's token dispatcher, NCCL all_to_all / DeepEP): (n-1)/n of the bytes leave the rank, the share
+    bound for the other n_local - 1 domain members on NVLink and the rest, (n - n_local)/n, on this GPU's own NIC
+    (each GPU sends its own off-node traffic: an all-to-all cannot pool a server's NICs the way a ring does).
+    ``remote_copies``, when given, is the off-node share of ``nbytes`` instead (node-limited routing sends one
+    copy per target node and forwards it on NVLink: DeepSeek-V3, arXiv 2412.19437 Sec. 3.2.2). Both links run at
+    once: the slower sets the time, plus one network (or NVLink) latency. Scalars or numpy arrays."""
+    n, n_local = np.asarray(n, dtype=float), np.asarray(n_local, dtype=float)
+    up = topo.scale_up_bandwidth * topo.scale_up_efficiency
+    net = topo.network_bandwidth * topo.network_efficiency
+    off = (n - n_local) / np.maximum(n, 1) if remote_copies is None else np.asarray(remote_copies, dtype=float)
+    t_up = nbytes * (n - 1) / np.maximum(n, 1) / up
+    t_net = nbytes * off / net
+    lat = np.where(n > n_local, topo.network_latency_s, topo.scale_up_latency_s)
+    return np.where(n > 1, np.maximum(t_up, t_net) + lat, 0.0)

@@ -27,9 +27,15 @@ def training_flops(n_params: float, tokens: float) -> float:
 def attention_flops_per_token(m: ModelSpec, seq_len: int, causal: bool = False) -> float:
     """12·L·H·Q·T training FLOPs per token for attention scores (PaLM, arXiv 2204.02311 App. B).
 
-    With ``causal`` the score and value matmuls skip the masked half: 6·L·H·Q·T.
+    The score product QK^T runs over the query/key head width and the value product over the value width, so
+    the general form is 6·L·H·T·(d_qk + d_v): 12·L·H·Q·T when both are the head dim Q; under multi-head latent
+    attention (DeepSeek-V2, arXiv 2405.04434 Sec. 2.1) d_qk = head_dim + the decoupled RoPE dim (192 for
+    DeepSeek-V3) and d_v = v_head_dim (128). With ``causal`` the score and value matmuls skip the masked half.
     """
-    full = 12.0 * m.n_layers * m.n_heads * m.head_dim * seq_len
+    if m.attention == "mla":
+        full = 6.0 * m.n_layers * m.n_heads * (m.qk_head_dim + m.value_head_dim) * seq_len
+    else:
+        full = 12.0 * m.n_layers * m.n_heads * m.head_dim * seq_len
     return full / 2 if causal else full
 
 

@@ -47,3 +47,12 @@ def pipeline_time(stage_time: Any, m: Any, p: Any, v: Any = 1) -> Any:
 def fill_drain_hops(p: Any) -> Any:
     """Pipeline hops on the critical path that no steady-state compute hides: p-1 to fill, p-1 to drain."""
     return 2 * (np.asarray(p) - 1)
+
+
+def dualpipe_bubble_fraction(p: Any, m: Any) -> Any:
+    """DualPipe's idle time over the ideal (DeepSeek-V3, arXiv 2412.19437 Table 2): a bubble of
+    (PP/2 - 1)(F&B + B - 3W), F&B a forward and a backward chunk run together, W the weight-gradient part of B.
+    With F = 1/3, B = 2/3 and W = 1/3 of a micro-batch's stage time t (backward = 2 x forward, half of it the
+    weight gradients), F&B = t and the bubble is (PP/2 - 1) x 2t/3, over m x t of work."""
+    p, m = (np.asarray(x, dtype=float) for x in (p, m))
+    return np.maximum(p / 2 - 1, 0) * (2.0 / 3.0) / m

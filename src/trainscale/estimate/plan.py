@@ -20,7 +20,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.comms import Topology
 from trainscale.estimate.pipeline import layer_placement
-from trainscale.estimate.software import Software, load_software
+from trainscale.estimate.software import PRECISIONS, Software, load_software, with_knobs
 from trainscale.estimate.step import (
     RECOMPUTE,
     SCHEDULE,
@@ -42,7 +42,7 @@ from trainscale.specs import (
     load_model,
 )
 
-KEYS = ("tp", "cp", "pp", "dp", "mb", "v", "schedule", "recompute", "zero", "hsdp", "sp")
+KEYS = ("tp", "cp", "pp", "dp", "mb", "v", "schedule", "recompute", "zero", "hsdp", "sp", "ep")
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro-batch sizes (sequences) the search tries
 ZERO_STAGES = (0, 1, 2, 3)
 STEP_PARTS = {"t_compute": "compute", "t_recompute": "recompute", "t_tp_comm": "tp_comm", "t_cp_comm": "cp_comm",
@@ -116,13 +116,18 @@ class Problem:
         """Each divisibility rule as a boolean array (True = satisfied)."""
         m = self.model
         tp, cp, pp, dp, mb, v, sched = (np.asarray(c[k]) for k in ("tp", "cp", "pp", "dp", "mb", "v", "schedule"))
+        ep = np.asarray(c["ep"]) if "ep" in c else np.ones_like(tp)
         ve = np.where(sched == 2, v, 1)
+        # a MoE's layers are unequal (dense leading layers, MoE ones) so no cut balances them exactly: any cut that
+        # leaves every stage a layer is searched, each judged by its slowest and its heaviest stage
+        layers_ok = (pp * ve <= m.n_layers) if m.is_moe else layer_placement(m.n_layers, pp, ve)["valid"]
         return {
             "world": tp * cp * pp * dp == self.n_gpus,
             "heads": m.n_heads % tp == 0,
             "kv_heads": (m.n_kv_heads % tp == 0) | (tp % m.n_kv_heads == 0),
             "ffn": m.d_ff % tp == 0,
-            "layers": (pp <= m.n_layers) & layer_placement(m.n_layers, pp, ve)["valid"],
+            "experts": (ep == 1) | (m.is_moe & (m.n_experts % np.maximum(ep, 1) == 0)),
+            "layers": (pp <= m.n_layers) & layers_ok,
             "seq": (cp == 1) | (self.seq % (2 * cp) == 0),
             "batch": self.global_seqs % (dp * mb) == 0,
             # interleaving only shortens the bubble once every stage has a micro-batch (Narayanan 2021 Sec. 2.2.2)
@@ -139,6 +144,12 @@ class Problem:
             fix = (f"dp{n // mp} would fill them" if n % mp == 0 else
                    f"tp x cp x pp = {mp} must divide {n:,}")
             return f"layout {lay} uses {lay.world_size:,} GPUs (tp x cp x pp x dp), not the {n:,} asked for; {fix}"
+        if not ok["experts"][0]:
+            if not m.is_moe:
+                return (f"ep{lay.ep} asks for expert parallelism, and {m.name} is a dense model with no experts; "
+                        "drop the ep token")
+            good = [int(e) for e in divisors(m.n_experts) if (lay.dp // lay.hsdp) % e == 0][-6:]
+            return (f"ep{lay.ep} does not split {m.name}'s {m.n_experts} experts evenly; use ep in {good}")
         if not ok["heads"][0] or not ok["kv_heads"][0] or not ok["ffn"][0]:
             good = [int(t) for t in divisors(n) if self.constraints(_cfg([lay], tp=int(t)))["heads"][0]
                     and self.constraints(_cfg([lay], tp=int(t)))["kv_heads"][0] and m.d_ff % t == 0][:8]
@@ -175,14 +186,26 @@ class Problem:
         keep &= np.where(pp == 1, (v == 1) & (sched == 1), np.where(v == 1, sched < 2, sched == 2))
         tp, cp, pp, v, sched = (a[keep] for a in (tp, cp, pp, v, sched))
         dp = n // (tp * cp * pp)
-        keep = layer_placement(m.n_layers, pp, v)["valid"] & (self.global_seqs % dp == 0)
+        if m.is_moe:
+            keep = (pp * v <= m.n_layers) & (self.global_seqs % dp == 0)
+        else:
+            keep = layer_placement(m.n_layers, pp, v)["valid"] & (self.global_seqs % dp == 0)
         base = {"tp": tp[keep], "cp": cp[keep], "pp": pp[keep], "dp": dp[keep], "v": v[keep], "schedule": sched[keep]}
+        base["ep"] = np.ones_like(base["tp"])
+        if m.is_moe:
+            # expert parallelism: every degree that divides the experts and the data-parallel ranks (it adds none)
+            eps = divisors(m.n_experts)
+            i, e = (a.ravel() for a in np.meshgrid(np.arange(base["tp"].size), eps, indexing="ij"))
+            keep = base["dp"][i] % e == 0
+            base = {k: a[i[keep]] for k, a in base.items()}
+            base["ep"] = e[keep]
         # expand: micro-batch x recompute x ZeRO stage
         nb = base["tp"].size
         i, mb, rc, z = (a.ravel() for a in np.meshgrid(np.arange(nb), np.array(MICRO_BATCHES), np.arange(3),
                                                           np.array(ZERO_STAGES), indexing="ij"))
         cfg = {k: a[i] for k, a in base.items()}
         cfg.update(mb=mb, recompute=rc, zero=z, hsdp=np.ones_like(mb), sp=np.ones(mb.shape, dtype=bool))
+        # expert parallelism with zero0 replicates the experts over dp / ep; the EP group is any factor of dp
         generated = cfg["tp"].size
         ok = np.logical_and.reduce(list(self.constraints(cfg).values()))
         # ZeRO over a single replica is ZeRO 0; keep one of each
@@ -261,6 +284,10 @@ class Problem:
             "tp_in_scale_up": bool(res["tp_in_scale_up"][i]),
             "days": None, "gpu_hours": None,
         }
+        if self.model.is_moe:
+            out["step_time_parts_s"]["ep_comm"] = float(res["t_ep_comm"][i])
+            out["ep_in_scale_up"] = bool(res["ep_in_scale_up"][i])
+            out["a2a_per_moe_layer_s"] = float(res["a2a_per_layer_s"][i])
         if self.train_tokens:
             secs = self.train_tokens / tps
             out["days"] = secs / flops.SECONDS_PER_DAY
@@ -281,7 +308,8 @@ class Problem:
                 "global_batch_tokens": self.global_batch_tokens, "global_batch_sequences": self.global_seqs,
                 "train_tokens": self.train_tokens, "cluster": self.cluster.name,
                 "peak_flops": self.gpu.peak_bf16_flops, "memory_bytes": self.gpu.memory_bytes,
-                "software": self.software.name if self.software else None, "fix": self.fix,
+                "software": self.software.name if self.software else None,
+                "precision": self.software.precision if self.software else "bf16", "fix": self.fix,
                 "forbid": list(self.forbid), "max_v": self.max_v}
 
     def suggestions(self, lay: Layout, limit: int = 3) -> list[dict[str, Any]]:
@@ -353,6 +381,8 @@ class SearchResult:
         b = self.best()
         if b is None:
             return []
+        if self.problem.model.is_moe and "ep" not in keys:
+            keys = (*keys, "ep")
         fits = self.res["fits"]
         rank = np.empty(self.order.size, dtype=np.int64)
         rank[self.order] = np.arange(self.order.size)
@@ -384,7 +414,8 @@ class SearchResult:
             reason = (f"{-slower:.1%} faster, but needs {r['mem_total'][i] / 1e9:,.1f} GB per GPU against "
                       f"{cap / 1e9:,.0f} GB")
         else:
-            deltas = {name: float(r[k][i] - r[k][b]) for k, name in STEP_PARTS.items()}
+            parts = {**STEP_PARTS, "t_ep_comm": "ep_comm"} if p.model.is_moe else STEP_PARTS
+            deltas = {name: float(r[k][i] - r[k][b]) for k, name in parts.items()}
             worst = max(deltas, key=deltas.get)
             reason = f"{slower:.1%} slower: {_because(worst, deltas[worst], self, i)}"
         return {"layout": str(lay), "differs_in": differs, "step_time_s": float(r["step_time_s"][i]),
@@ -409,6 +440,8 @@ class SearchResult:
                        f"{r['bubble_fraction'][b]:.1%} bubble; its first stage holds {int(r['layers_first_stage'][b])} "
                        f"layers" + (" (the end stages give a layer's slot to the embedding and head, as Llama 3 does)"
                                     if r["balanced_ends"][b] else "") + ".")
+        if p.model.is_moe:
+            out.append(self.why_ep(b))
         if cp > 1:
             out.append(f"CP{cp} splits each sequence {cp} ways, dividing activations by {cp} for "
                        f"{r['t_cp_comm'][b]:.2f} s of exposed K/V all-gather per step.")
@@ -422,6 +455,27 @@ class SearchResult:
         out.append(f"Searched {self.generated:,} candidates: {self.n_valid:,} divide, {self.n_fit:,} fit; "
                    f"{n_faster:,} faster layouts do not fit in memory.")
         return out
+
+    def why_ep(self, b: int) -> str:
+        """Where the winner's expert-parallel group sits and what its all-to-all costs, against the fastest
+        fitting layout whose EP group sits on the other side of the scale-up boundary."""
+        r, c, p = self.res, self.cfg, self.problem
+        ep, dom = int(c["ep"][b]), p.topo.scale_up_domain
+        inside = bool(r["ep_in_scale_up"][b])
+        span = int(c["ep"][b] * c["tp"][b] * c["cp"][b])
+        where = f"inside one {dom}-GPU NVLink domain" if inside else f"across {-(-span // dom)} scale-up domains"
+        a2a = float(r["a2a_per_layer_s"][b])
+        line = (f"EP{ep} splits the {p.model.n_experts} experts of each MoE layer {where}: its dispatch + combine "
+                f"all-to-all takes {a2a * 1e3:.2f} ms per MoE layer per micro-batch, {r['t_ep_comm'][b]:.2f} s of the "
+                f"step exposed")
+        other = r["fits"] & (r["ep_in_scale_up"] != inside) & (c["ep"] > 1)
+        if other.any():
+            j = int(np.flatnonzero(other)[np.argmax(r["tokens_per_s"][other])])
+            side = "across nodes" if inside else "inside a node"
+            line += (f"; the best layout with EP {side}, {layout_at(c, j)}, spends {r['a2a_per_layer_s'][j] * 1e3:.2f} "
+                     f"ms per MoE layer ({r['t_ep_comm'][j]:.2f} s exposed) and is "
+                     f"{r['step_time_s'][j] / r['step_time_s'][b] - 1:.1%} slower")
+        return line + "."
 
     def nothing_fits(self) -> str:
         """One sentence: why nothing fits and what would."""
@@ -469,6 +523,7 @@ def _because(part: str, delta: float, s: SearchResult, i: int) -> str:
         "pipeline_p2p": "pipeline point-to-point transfers",
         "dp_comm": f"exposed ZeRO-{int(c['zero'][i])} data-parallel traffic",
         "optimizer": "the optimizer step",
+        "ep_comm": "the expert all-to-all" + ("" if r["ep_in_scale_up"][i] else " leaving the NVLink domain"),
     }[part]
     return f"{what}, +{delta:.2f} s per step"
 
@@ -477,6 +532,7 @@ def _cfg(lays: list[Layout], **override: int) -> dict[str, np.ndarray]:
     rows = [{**lay.model_dump(), **override} for lay in lays]
     return {
         "tp": np.array([r["tp"] for r in rows]), "cp": np.array([r["cp"] for r in rows]),
+        "ep": np.array([r["ep"] for r in rows]),
         "pp": np.array([r["pp"] for r in rows]), "dp": np.array([r["dp"] for r in rows]),
         "mb": np.array([r["mb"] for r in rows]), "v": np.array([r["v"] for r in rows]),
         "schedule": np.array([SCHEDULE.index(r["schedule"]) for r in rows]),
@@ -490,31 +546,42 @@ def layout_at(cfg: dict[str, np.ndarray], i: int) -> Layout:
     pp, sched, v = int(cfg["pp"][i]), SCHEDULE[int(cfg["schedule"][i])], int(cfg["v"][i])
     return Layout(tp=int(cfg["tp"][i]), cp=int(cfg["cp"][i]), pp=pp, dp=int(cfg["dp"][i]), mb=int(cfg["mb"][i]),
                   v=v, schedule=sched if pp > 1 else "1f1b", recompute=RECOMPUTE[int(cfg["recompute"][i])],
-                  zero=int(cfg["zero"][i]), hsdp=int(cfg["hsdp"][i]), sp=bool(cfg["sp"][i]))
+                  zero=int(cfg["zero"][i]), hsdp=int(cfg["hsdp"][i]), sp=bool(cfg["sp"][i]),
+                  ep=int(cfg["ep"][i]) if "ep" in cfg else 1)
 
 
 def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: int = 16384, seq: int = 8192,
             global_batch_tokens: int = 2**24, tokens: float | None = None, cluster: str | None = None,
             profile: str | None = None, overrides: dict[str, float] | None = None,
             software: str | Software | None = None, fix: str | dict[str, Any] | None = None,
-            forbid: str | tuple[str, ...] | None = None, max_v: int | None = None) -> Problem:
-    """Build a planning problem from catalog names (or files), with the catalog's default efficiencies."""
+            forbid: str | tuple[str, ...] | None = None, max_v: int | None = None,
+            precision: str | None = None) -> Problem:
+    """Build a planning problem from catalog names (or files), with the catalog's default efficiencies.
+    ``precision`` (bf16 | fp8) replaces the software's."""
     m = load_model(model)
     cl, g = pick_cluster(gpu, gpus, cluster)
+    sw = load_software(software)
+    if precision is not None:
+        if precision not in PRECISIONS:
+            raise TrainscaleError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+        sw = with_knobs(sw, precision=precision)
+    if sw.precision == "fp8" and not g.peak_fp8_flops:
+        raise TrainscaleError(f"{g.name} has no FP8 tensor cores (catalog/gpus.toml gives it no FP8 peak), so FP8 "
+                              "training cannot be planned on it; use --precision bf16")
     eff = load_efficiencies(g.name, profile, overrides, g.peak_bf16_flops, g.hbm_bandwidth, g.scale_up_bandwidth)
     if max_v is not None and max_v < 1:
         raise TrainscaleError(f"--max-v must be at least 1, not {max_v}")
     return Problem(m, g, cl, cluster_topology(cl, g, eff), eff, gpus, seq, global_batch_tokens, tokens,
-                   load_software(software), fix or {}, forbid or (), max_v)
+                   sw, fix or {}, forbid or (), max_v)
 
 
 FLOP_CONVENTION = ("MFU = model FLOPs (6N, N with the LM head, + 12·L·H·Q·T attention halved for causal masking) / "
                    "peak; HFU adds the recomputed FLOPs")
-FIXABLE = {"tp": int, "cp": int, "pp": int, "dp": int, "mb": int, "v": int, "zero": int, "hsdp": int,
+FIXABLE = {"tp": int, "cp": int, "pp": int, "dp": int, "mb": int, "v": int, "zero": int, "hsdp": int, "ep": int,
            "schedule": SCHEDULE.index, "recompute": RECOMPUTE.index, "rc": RECOMPUTE.index}
 # --forbid tokens: a dimension (forbids degrees > 1) or one choice
 FORBID: dict[str, tuple[str, int | None]] = {
-    "tp": ("tp", None), "cp": ("cp", None), "pp": ("pp", None),
+    "tp": ("tp", None), "cp": ("cp", None), "pp": ("pp", None), "ep": ("ep", None),
     **{f"zero{z}": ("zero", z) for z in range(4)}, "fsdp": ("zero", 3),
     **{name: ("schedule", i) for i, name in enumerate(SCHEDULE)},
     **{f"rc={name}": ("recompute", i) for i, name in enumerate(RECOMPUTE)},

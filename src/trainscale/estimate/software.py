@@ -39,6 +39,11 @@ class Software:
     cp: bool
     max_v: int
     attention_speed: float = 1.0  # the fused kernel's rate relative to FlashAttention-2's (planner.toml), 1 = FA2
+    precision: str = "bf16"  # "bf16" | "fp8": the layers' GEMMs at the GPU's FP8 peak (master state unchanged)
+    moe_node_limit: int = 0  # a token's routed experts lie on at most this many nodes (0: no limit)
+    a2a_overlap: float = 0.0  # fraction of a MoE layer's compute the expert all-to-all can hide under
+    pipeline: str = "standard"  # "standard" (the layout's schedule) | "dualpipe" (DeepSeek-V3 Sec. 3.2.1)
+    comm_sms: int = 0  # SMs the communication kernels take from the GEMMs while they overlap
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -52,7 +57,10 @@ class Software:
 
 
 _KNOBS = tuple(f.name for f in fields(Software) if f.name not in ("name", "source", "sources"))
-_OPTIONAL = {"attention_speed": 1.0}  # knobs a preset may leave out, with their default
+# knobs a preset may leave out, with their default
+_OPTIONAL = {"attention_speed": 1.0, "precision": "bf16", "moe_node_limit": 0, "a2a_overlap": 0.0,
+             "pipeline": "standard", "comm_sms": 0}
+PRECISIONS = ("bf16", "fp8")
 
 
 @cache
@@ -87,6 +95,15 @@ def _build(name: str, data: dict[str, Any], where: str) -> Software:
             raise TrainscaleError(f"software {where}: {k} must be in [0, 1]")
     if not 0 < float(vals["attention_speed"]) <= 4:
         raise TrainscaleError(f"software {where}: attention_speed must be in (0, 4]")
+    if vals["precision"] not in PRECISIONS:
+        raise TrainscaleError(f"software {where}: precision must be bf16 or fp8, not {vals['precision']!r}")
+    if vals["pipeline"] not in ("standard", "dualpipe"):
+        raise TrainscaleError(f"software {where}: pipeline must be standard or dualpipe, not {vals['pipeline']!r}")
+    if not 0 <= float(vals["a2a_overlap"]) <= 1:
+        raise TrainscaleError(f"software {where}: a2a_overlap must be in [0, 1]")
+    for k in ("moe_node_limit", "comm_sms"):
+        if isinstance(vals[k], bool) or not isinstance(vals[k], int) or not 0 <= vals[k] <= 4096:
+            raise TrainscaleError(f"software {where}: {k} must be a whole number from 0 to 4096")
     sources = {k: str(data.get(f"{k}_source", "")) for k in _KNOBS}
     return Software(name=name, source=str(data.get("source", "")), sources=sources, **vals)
 

@@ -26,6 +26,7 @@ FIGURES = {
     "tokens_per_s_per_gpu": "tokens/s per GPU",
     "step_time_s": "seconds per step",
     "tflops_per_gpu": "TFLOP/s per GPU (in the row's flop_convention)",
+    "gpu_hours": "GPU-hours for the row's training tokens",
 }
 
 # short labels for the 80-column table
@@ -97,6 +98,7 @@ class Run:
     published_mfu: float | None = None  # the source's own MFU (0-1), checked against its throughput + convention
     note: str = ""
     published_memory_gib: float | None = None  # peak memory per GPU the source reports, GiB
+    tokens: float | None = None  # training tokens, for a gpu_hours figure
 
 
 def load_runs(path: str | Path | None = None) -> list[Run]:
@@ -115,6 +117,8 @@ def load_runs(path: str | Path | None = None) -> list[Run]:
             raise TrainscaleError(f"run {i + 1} in {path or 'catalog/runs.toml'} is malformed: {e}") from None
         if run.figure not in FIGURES:
             raise TrainscaleError(f"run {run.id}: figure must be one of {', '.join(FIGURES)}, not {run.figure!r}")
+        if run.figure == "gpu_hours" and not (run.tokens and run.tokens > 0):
+            raise TrainscaleError(f"run {run.id}: a gpu_hours figure needs the training tokens (tokens = ...)")
         for conv in (run.flop_convention, run.alt_flop_convention):
             if conv is not None and conv not in CONVENTIONS:
                 raise TrainscaleError(f"run {run.id}: flop_convention must be one of {', '.join(CONVENTIONS)}, "
@@ -134,12 +138,14 @@ def predict(run: Run, overrides: dict[str, float] | None = None) -> dict[str, An
     tps_gpu = row["tokens_per_s"] / run.gpus
     m = p.model
     fpt = convention_flops_per_token(run.flop_convention, m, run.seq, run.convention_params)
+    gpu_h = (run.tokens or 0.0) / tps_gpu / 3600.0
     value = {"tokens_per_s_per_gpu": tps_gpu, "step_time_s": row["step_time_s"],
-             "tflops_per_gpu": tps_gpu * fpt / 1e12}[run.figure]
+             "tflops_per_gpu": tps_gpu * fpt / 1e12, "gpu_hours": gpu_h}[run.figure]
     # what the published figure says in tokens/s per GPU, read with the source's own convention
     published_tps = {"tokens_per_s_per_gpu": run.published,
                      "step_time_s": run.global_batch_tokens / run.published / run.gpus,
-                     "tflops_per_gpu": run.published * 1e12 / fpt}[run.figure]
+                     "tflops_per_gpu": run.published * 1e12 / fpt,
+                     "gpu_hours": (run.tokens or 0.0) / (run.published * 3600.0)}[run.figure]
     # the source's own MFU recomputed from its throughput and its formula: a check that the convention is read right
     mfu_check = published_tps * fpt / p.gpu.peak_bf16_flops
     alt = None
@@ -160,7 +166,7 @@ def predict(run: Run, overrides: dict[str, float] | None = None) -> dict[str, An
         "published_mfu": run.published_mfu, "mfu_from_convention": mfu_check,
         "predicted_mfu_in_convention": tps_gpu * fpt / p.gpu.peak_bf16_flops, "alt_convention": alt,
         # as a throughput error for every figure: + means predicted faster than published
-        "error": run.published / value - 1 if run.figure == "step_time_s" else value / run.published - 1,
+        "error": run.published / value - 1 if run.figure in ("step_time_s", "gpu_hours") else value / run.published - 1,
         "mfu": row["mfu"], "hfu": row["hfu"], "fits": row["fits"],
         "memory_per_gpu_bytes": row["memory_per_gpu_bytes"]["total"], "note": run.note,
         "published_memory_gib": run.published_memory_gib,
@@ -178,8 +184,8 @@ def validate(path: str | Path | None = None, overrides: dict[str, float] | None 
     return {"runs": rows, "mean_abs_error": sum(errs) / len(errs), "worst_abs_error": errs[worst],
             "worst_run": rows[worst]["id"], "overrides": overrides or {},
             "memory_mean_abs_error": sum(mem) / len(mem) if mem else None,
-            "fitted": "one constant per GPU generation, sustained_clock_fraction, fitted once over this whole public "
-                      "set; every other constant from datasheets and published microbenchmarks (catalog/planner.toml); "
+            "fitted": "one constant per GPU generation, sustained_clock_fraction, fitted once over the 14 dense runs "
+                      "of this public set (the DeepSeek-V3 row, added later, was not in the fit); every other constant from datasheets and published microbenchmarks (catalog/planner.toml); "
                       "software knobs from the frameworks (catalog/software.toml)",
             "flop_convention": plan.FLOP_CONVENTION,  # of the "mfu"/"hfu" fields; each row's figure: its own
             "conventions": {k: {"formula": f, "source": src} for k, (f, src) in CONVENTIONS.items()}}

@@ -12,7 +12,7 @@ from typing import Any
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops, inference, memory, power
-from trainscale.estimate.params import param_count
+from trainscale.estimate.params import active_params, embedding_params, expert_params, param_count
 from trainscale.specs import facts, load_facility, load_gpu, load_model
 
 
@@ -56,18 +56,40 @@ def walkthrough(model: str = "llama3.1-405b", tokens: float | None = None, gpu: 
         gpu_hours = run["gpu_hours"]
 
     n = param_count(m)
-    c = flops.training_flops(n, tokens)
+    # a mixture of experts: compute follows the parameters a token passes through (active), memory all of them
+    n_c = active_params(m) if m.is_moe else n
+    c = flops.training_flops(n_c, tokens)
     sections: list[Section] = []
 
     s = Section("Counting the math")
-    s.add("params", f"parameters of {m.name}", n, "params", "embeddings + L x (attention + MLP + norms) + head",
-          m.source)
-    s.add("forward_flops_per_token", "forward FLOPs per token", flops.forward_flops_per_token(n), "FLOP",
-          "2N", "Kaplan et al. 2020 (arXiv 2001.08361)")
-    s.add("backward_flops_per_token", "backward FLOPs per token", flops.backward_flops_per_token(n), "FLOP",
-          "4N", "Kaplan et al. 2020 (arXiv 2001.08361)")
+    if m.is_moe:
+        conv = "embedding in, as DeepSeek-V3's 671B/37B and Mixtral's 46.7B/12.9B count"
+        s.add("params", "total parameters (embedding in)", n, "params",
+              f"embeddings + {m.first_dense_layers} dense + {m.n_moe_layers} MoE layers (router, "
+              f"{m.n_experts} routed experts{', shared expert' if m.d_ff_shared else ''}) + head", m.source)
+        s.add("expert_params", "of which routed experts", expert_params(m), "params",
+              f"{m.n_moe_layers} layers x {m.n_experts} experts x FFN({m.d_model} x {m.expert_width})")
+        s.add("active_params", "active per token (embedding in)", n_c, "params",
+              f"total - routed x (1 - {m.experts_per_token}/{m.n_experts}); router, shared in full; {conv}",
+              "estimate/params.py active_params")
+        s.add("active_params_no_embedding", "active per token (embedding out)", active_params(m, embeddings=False),
+              "params", "active - vocab x d_model (a lookup, no multiply-adds)")
+        s.add("memory_follows_total", "memory: state of ALL parameters", 16.0 * n, "bytes",
+              "16 B x total: bf16 weights + grads + Adam (every expert is held and trained)",
+              "ZeRO (arXiv 1910.02054) Sec. 3.1")
+        s.add("time_follows_active", "time: training FLOPs per token", 6.0 * n_c, "FLOP",
+              f"6 x active only (active/total = {n_c / n:.1%})", "Kaplan et al. 2020 (arXiv 2001.08361)")
+        s.add("embedding_params", "embedding table", embedding_params(m), "params", "vocab x d_model")
+    else:
+        s.add("params", f"parameters of {m.name}", n, "params", "embeddings + L x (attention + MLP + norms) + head",
+              m.source)
+    s.add("forward_flops_per_token", "forward FLOPs per token", flops.forward_flops_per_token(n_c), "FLOP",
+          "2N" if not m.is_moe else "2 x active", "Kaplan et al. 2020 (arXiv 2001.08361)")
+    s.add("backward_flops_per_token", "backward FLOPs per token", flops.backward_flops_per_token(n_c), "FLOP",
+          "4N" if not m.is_moe else "4 x active", "Kaplan et al. 2020 (arXiv 2001.08361)")
     s.add("tokens", "training tokens", tokens, "tokens", "given", run["tokens_source"] if is_seed else "")
-    s.add("training_flops", "training compute", c, "FLOP", "6 x N x D", f["scaling_rule"]["source"])
+    s.add("training_flops", "training compute", c, "FLOP", "6 x N x D" if not m.is_moe else "6 x active x D",
+          f["scaling_rule"]["source"])
     if is_seed:
         s.add("reported_flops", "Meta's reported compute", run["reported_flops"], "FLOP", "published",
               run["reported_flops_source"])
@@ -133,8 +155,9 @@ def walkthrough(model: str = "llama3.1-405b", tokens: float | None = None, gpu: 
 
     s = Section(f"Running {hm.name} at home")
     hn = param_count(hm)
-    s.add("inference_flops_per_token", f"inference FLOPs per token ({m.name})", inference.inference_flops_per_token(n),
-          "FLOP", "2N", "Kaplan et al. 2020")
+    s.add("inference_flops_per_token", f"inference FLOPs per token ({m.name})",
+          inference.inference_flops_per_token(n_c), "FLOP", "2N" if not m.is_moe else "2 x active",
+          "Kaplan et al. 2020")
     s.add("home_params", f"parameters of {hm.name}", hn, "params", "exact count", hm.source)
     q = {
         "bf16": inference.quantized_model_bytes(hm, "bf16"),
@@ -174,6 +197,7 @@ def walkthrough(model: str = "llama3.1-405b", tokens: float | None = None, gpu: 
         "inputs": {"model": m.name, "tokens": tokens, "gpu": g.name, "gpus": gpus, "mfu": mfu,
                    "home_gpu": home.name, "home_model": hm.name},
         "params": n,
+        "active_params": n_c,
         "training_flops": c,
         "one_gpu_years_at_peak": years_peak,
         "one_gpu_years_at_mfu": years_mfu,
