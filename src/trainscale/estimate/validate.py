@@ -185,7 +185,8 @@ def validate(path: str | Path | None = None, overrides: dict[str, float] | None 
             "worst_run": rows[worst]["id"], "overrides": overrides or {},
             "memory_mean_abs_error": sum(mem) / len(mem) if mem else None,
             "fitted": "one constant per GPU generation, sustained_clock_fraction, fitted once over the 14 dense runs "
-                      "of this public set (the DeepSeek-V3 row, added later, was not in the fit); every other constant from datasheets and published microbenchmarks (catalog/planner.toml); "
+                      "of this public set (the DeepSeek-V3 row, added later, was not in the fit); every other "
+                      "constant from datasheets and published microbenchmarks (catalog/planner.toml); "
                       "software knobs from the frameworks (catalog/software.toml)",
             "flop_convention": plan.FLOP_CONVENTION,  # of the "mfu"/"hfu" fields; each row's figure: its own
             "conventions": {k: {"formula": f, "source": src} for k, (f, src) in CONVENTIONS.items()}}
