@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainscale.errors import TrainscaleError
+from trainscale.runtime.config import check_model
 from trainscale.runtime.moe import FFN, MoE
 from trainscale.specs import ModelSpec
 
@@ -196,16 +196,6 @@ class Transformer(nn.Module):
         if self.output is not None:
             return self.output(h)
         return F.linear(h, self.tok_embeddings.weight)  # tied embeddings
-
-
-def check_model(spec: ModelSpec) -> None:
-    """What this runtime cannot build, refused in one sentence each (the planner models more)."""
-    if spec.attention == "mla":
-        raise TrainscaleError(f"model {spec.name} uses multi-head latent attention, which trainscale plans but "
-                              "does not train (the runtime has multi-head and grouped-query attention only)")
-    if spec.is_moe and spec.capacity_factor:
-        raise TrainscaleError(f"model {spec.name} has capacity_factor {spec.capacity_factor}: the runtime routes "
-                              "dropless only (capacity_factor = 0)")
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
