@@ -36,7 +36,7 @@ TOL = 1e-4
 JOBS: dict[int, list[str]] = {
     1: ["mb8"],
     2: ["dp2,ep2", "fsdp2,ep2", "dp2,ep2,mb2", "tp2,mb8"],
-    4: ["dp4,ep2", "dp4,zero3,ep4", "dp4,ep4,mb2", "dp4,zero2,hsdp2,ep2", "dp2,ep2,tp2", "dp2,ep2,tp2,nosp",
+    4: ["dp4,ep2", "dp4,zero3,ep4", "dp4,zero3,ep2", "dp4,ep4,mb2", "dp4,zero2,hsdp2,ep2", "dp2,ep2,tp2", "dp2,ep2,tp2,nosp",
         "dp2,ep2,cp2,mb4", "pp2,dp2,ep2,mb2", "pp2,fsdp2,ep2,rc=full"],
 }
 
@@ -158,3 +158,42 @@ def test_cli_refuses_what_the_runtime_cannot_run(tmp_path, config_edit, layout, 
     assert p.returncode == 2, p.stdout + p.stderr
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and says in err[0] and "Traceback" not in p.stderr, p.stderr
+
+
+# ----------------------------------------------------------------------------- --compare-plan
+
+COMPARE = {2: ["dp2,ep2,mb4", "fsdp2,ep2,mb4", "tp2,mb8"], 4: ["dp4,zero3,ep2,mb2"]}
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory) -> dict[str, dict]:
+    from trainscale.runtime.compare import compare, compare_command
+    from trainscale.specs import Layout
+
+    tmp = tmp_path_factory.mktemp("moe-compare")
+    cfg = load_config(CONFIG)
+    got = {}
+    for world, layouts in COMPARE.items():
+        out = tmp / f"world{world}.json"
+        proc = subprocess.run(compare_command(CONFIG, layouts, out, steps=1, warmup=0), capture_output=True, text=True,
+                              timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        for layout, ranks in json.loads(out.read_text()).items():
+            got[layout] = compare(cfg, Layout.parse(layout), ranks, None)
+    return got
+
+
+@pytest.mark.parametrize("layout", [lay for lays in COMPARE.values() for lay in lays])
+def test_compare_plan_moe_state_flops_and_all_to_all(compared, layout):
+    """Each rank's parameter, gradient and AdamW bytes equal estimate/rank.py's exactly (experts split over
+    ep, sharded on dim 1 over expert_shard); FLOPs and all-to-all bytes are predicted for balanced routing,
+    so each rank's figure is within the routing's imbalance and the ranks' sum is exact."""
+    res = compared[layout]
+    assert res["state_exact"], [r["state"] for r in res["ranks"]]
+    flops = [r["flops"] for r in res["ranks"]]
+    assert sum(f["measured"] for f in flops) == pytest.approx(sum(f["predicted"] for f in flops), rel=1e-9)
+    assert all(f["measured"] == pytest.approx(f["predicted"], rel=0.2) for f in flops)
+    if "ep" in layout:
+        assert res["a2a_bytes_measured"] == res["a2a_bytes_predicted"] > 0
+        assert res["a2a_max_error"] < 0.5
+        assert all(r["a2a"]["seconds"]["measured"] > 0 for r in res["ranks"])

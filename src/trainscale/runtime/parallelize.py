@@ -247,6 +247,8 @@ def apply_fsdp(model: Transformer, mesh: ParallelMesh, layout: Layout, precision
             fully_shard(experts, mesh=mesh.expert_fsdp_mesh(), reshard_after_forward=reshard,
                         shard_placement_fn=lambda _p: Shard(1), **kw)
             experts.set_gradient_divide_factor(float(layout.dp * layout.cp))
+            if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM: sum, then divide
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kw)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, **kw)
 
