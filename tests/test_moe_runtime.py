@@ -36,8 +36,8 @@ TOL = 1e-4
 JOBS: dict[int, list[str]] = {
     1: ["mb8"],
     2: ["dp2,ep2", "fsdp2,ep2", "dp2,ep2,mb2", "tp2,mb8"],
-    4: ["dp4,ep2", "dp4,zero3,ep4", "dp4,zero3,ep2", "dp4,ep4,mb2", "dp4,zero2,hsdp2,ep2", "dp2,ep2,tp2", "dp2,ep2,tp2,nosp",
-        "dp2,ep2,cp2,mb4", "pp2,dp2,ep2,mb2", "pp2,fsdp2,ep2,rc=full"],
+    4: ["dp4,ep2", "dp4,zero3,ep4", "dp4,zero3,ep2", "dp4,ep4,mb2", "dp4,zero2,hsdp2,ep2", "dp2,ep2,tp2",
+        "dp2,ep2,tp2,nosp", "dp2,ep2,cp2,mb4", "pp2,dp2,ep2,mb2", "pp2,fsdp2,ep2,rc=full"],
 }
 
 

@@ -9,6 +9,9 @@ the math here:
   context parallelism replaces it with one that gathers K/V across the cp group.
 - ``Transformer.forward(tokens, positions=None)`` takes the positions of the local tokens, so a
   rank that holds a (load-balanced) slice of the sequence rotates by the right angles.
+- A MoE model's layers from ``first_dense_layers`` on hold ``moe`` (runtime/moe.py: router, routed
+  experts, shared expert, the balance loss) instead of ``feed_forward``; expert parallelism sets its
+  groups from outside too. Multi-head latent attention is planner-only (``config.check_model``).
 Head counts are inferred from tensor shapes (``view(b, s, -1, head_dim)``), so a tensor-parallel
 shard that holds n_heads / tp heads runs unchanged.
 """

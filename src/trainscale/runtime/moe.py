@@ -26,7 +26,7 @@ backward is the reverse all-to-all.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
