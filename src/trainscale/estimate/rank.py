@@ -8,7 +8,10 @@ rank by rank, so that ``trainscale train --compare-plan`` can check every figure
   (the stages a rank runs, ``trainscale.placement``), by tensor parallelism (the TP plan of
   ``trainscale.placement``: which dim each weight is sharded on) and by FSDP2 (dim 0 over the
   dp_shard x cp group), both with ``torch.chunk``'s sizes (ceil-sized pieces, the last ones short or
-  empty). Gradients have the parameters' local shapes; AdamW keeps two moments of that shape and one
+  empty). A MoE layer's routed experts (``moe.experts.*``, [E, ...]) are split over ep on dim 0 (E/ep
+  each, DTensor Shard(0)) and sharded by FSDP2 on dim 1 over the expert_shard group (dp_shard x cp: the
+  ranks holding the same experts); every other tensor is FSDP-sharded over dp_shard x ep x cp. Gradients
+  have the parameters' local shapes; AdamW keeps two moments of that shape and one
   fp32 step counter per tensor (Loshchilov & Hutter 2019, arXiv 1711.05101; torch.optim.AdamW's state
   layout).
 - activations: the tensors autograd saves for the backward pass of one micro-batch through a rank's
@@ -17,7 +20,13 @@ rank by rank, so that ``trainscale train --compare-plan`` can check every figure
   Sec. 4.1) do for Megatron's layer, applied to this layer (RMSNorm, GQA, RoPE, SwiGLU, no dropout).
 - FLOPs: the matmul FLOPs a rank executes in one step, forward + backward + recomputation, in the
   convention torch's FlopCounterMode counts them (dense attention matmuls; a FlashAttention backward
-  recomputes QK^T, Dao et al. 2022 arXiv 2205.14135 Algorithm 4).
+  recomputes QK^T, Dao et al. 2022 arXiv 2205.14135 Algorithm 4). A MoE layer counts its active
+  matmuls: the router, k expert FFNs per token and the shared expert; under EP a rank computes the rows
+  routed to its experts, k x its tokens when the routing is balanced (the prediction; the measured
+  figure follows the real routing, and the ep group's sum is exact either way).
+- all-to-all: per MoE layer and micro-batch, four all_to_all_single calls on the ep group (dispatch and
+  combine, each again in the backward pass) of k x tokens rows of d_model each way (balanced routing).
+  Activations are counted for dense layers only (a MoE layer's are not modelled yet).
 """
 
 from __future__ import annotations
@@ -62,10 +71,19 @@ def rank_tensors(m: ModelSpec, layout: Layout, rank: int) -> list[tuple[str, tup
         if s == n_stages - 1:
             tensors += head_tensors(m)
     fsdp = layout.zero > 0
-    n_shard, shard_idx = layout.dp_shard * layout.cp, c["dp_shard"] * layout.cp + c["cp"]
+    # FSDP's groups (placement.FLAT_DIMS), rank index row-major: dense dp_shard x ep x cp, experts dp_shard x cp
+    n_shard, shard_idx = layout.dp_shard * layout.ep * layout.cp, (c["dp_shard"] * layout.ep + c["ep"]) * layout.cp \
+        + c["cp"]
+    n_expert_shard, expert_idx = layout.dp_shard * layout.cp, c["dp_shard"] * layout.cp + c["cp"]
     out = []
     for name, shape in tensors:
         local = list(shape)
+        if is_expert_tensor(name):  # not split by TP; E/ep experts here, FSDP on dim 1
+            local[0] = chunk_len(local[0], layout.ep, c["ep"])
+            if fsdp:
+                local[1] = chunk_len(local[1], n_expert_shard, expert_idx)
+            out.append((name, tuple(local)))
+            continue
         dim = tp_shard_dim(name) if layout.tp > 1 else None
         if dim is not None:
             local[dim] = chunk_len(local[dim], layout.tp, c["tp"])
@@ -73,6 +91,11 @@ def rank_tensors(m: ModelSpec, layout: Layout, rank: int) -> list[tuple[str, tup
             local[0] = chunk_len(local[0], n_shard, shard_idx)
         out.append((name, tuple(local)))
     return out
+
+
+def is_expert_tensor(name: str) -> bool:
+    """A MoE layer's routed-expert weight (what expert parallelism splits)."""
+    return ".moe.experts." in name
 
 
 @dataclass(frozen=True)
@@ -193,9 +216,29 @@ def stage_saved_bytes(m: ModelSpec, micro_batch: int, seq: int, layout: Layout, 
 # ----------------------------------------------------------------------------- FLOPs
 
 
-def layer_matmul_params(m: ModelSpec) -> int:
-    """Weights of one layer's matrix multiplies (2-D tensors; biases are adds)."""
-    return sum(prod(s) for _, s in layer_tensors(m, 0) if len(s) == 2)
+def layer_matmul_params(m: ModelSpec, i: int = 0) -> int:
+    """Weights of layer ``i``'s matrix multiplies one token goes through (2-D tensors; biases are adds; of a
+    MoE layer's routed experts, the k a token is sent to)."""
+    n = sum(prod(s) for _, s in layer_tensors(m, i) if len(s) == 2)
+    if m.is_moe_layer(i):
+        n += m.experts_per_token * expert_matmul_params(m)
+    return n
+
+
+def expert_matmul_params(m: ModelSpec) -> int:
+    """Weights of one routed expert's FFN (SwiGLU: w1, w3, w2; GELU: w1, w2)."""
+    return (3 if m.mlp == "swiglu" else 2) * m.expert_width * m.d_model
+
+
+def _moe_params(m: ModelSpec, i: int) -> int:
+    """Matmul weights per token of MoE layer ``i``'s router, k routed experts and shared expert."""
+    return sum(prod(s) for n, s in layer_tensors(m, i) if len(s) == 2 and ".moe." in n) \
+        + m.experts_per_token * expert_matmul_params(m)
+
+
+def a2a_rows(m: ModelSpec, tokens: float) -> float:
+    """Rows one all-to-all of a MoE layer moves from a rank, balanced routing: k per token."""
+    return m.experts_per_token * tokens
 
 
 def attention_matmul_flops(m: ModelSpec, q_tokens: int, keys: int, tp: int = 1) -> tuple[float, float]:
@@ -217,27 +260,69 @@ def rank_step_flops(m: ModelSpec, layout: Layout, rank: int, seq: int, global_ba
     ranges = stage_layers(m.n_layers, n_stages)
     tokens = global_batch // layout.dp * seq // layout.cp  # this rank's tokens per step
     n_seqs = global_batch // layout.dp
-    n_layers = sum(len(ranges[s]) for s in local_stage_ids(layout, c["pp"]))
+    layer_ids = [i for s in local_stage_ids(layout, c["pp"]) for i in ranges[s]]
+    n_layers = len(layer_ids)
     has_head = (n_stages - 1) in local_stage_ids(layout, c["pp"])
-    w_layer = layer_matmul_params(m) / layout.tp
     a_fwd, a_bwd = attention_matmul_flops(m, n_seqs * seq // layout.cp, seq, layout.tp)
-    dense = 6.0 * w_layer * tokens * n_layers
+    sp = layout.tp > 1 and layout.sp
+    moe_tokens = tokens / layout.tp if sp else tokens  # a MoE layer routes the residual stream's rows
+    dense = rc_dense = counted_dense = 0.0
+    for i in layer_ids:
+        moe = _moe_params(m, i) if m.is_moe_layer(i) else 0  # run whole on each tp rank, on its rows
+        tp_part = (layer_matmul_params(m, i) - moe) / layout.tp
+        dense += 6.0 * (tp_part * tokens + moe * moe_tokens)
+        counted_dense += 6.0 * (layout.tp * tp_part * tokens + moe * moe_tokens)
+        if layout.recompute == "full":
+            # torch's checkpoint stops recomputing once every tensor the backward needs exists again
+            # (torch.utils.checkpoint early stop): the layer's last matmul (MLP down) is not redone
+            last = 0.0 if m.is_moe_layer(i) else m.d_model * m.d_ff / layout.tp
+            rc = 2.0 * ((tp_part - last) * tokens + moe * moe_tokens)
+            rc_dense += rc
+            counted_dense += 2.0 * (layout.tp * (tp_part - last) * tokens + moe * moe_tokens)
     attention = (a_fwd + a_bwd) * n_layers
     head = 6.0 * m.d_model * m.vocab_size / layout.tp * tokens if has_head else 0.0
-    rc_dense, rc_attn = 0.0, 0.0
-    if layout.recompute == "full":
-        # torch's checkpoint stops recomputing once every tensor the backward needs exists again
-        # (torch.utils.checkpoint early stop): the layer's last matmul (MLP down) is not redone
-        last = m.d_model * m.d_ff / layout.tp
-        rc_dense, rc_attn = 2.0 * (w_layer - last) * tokens * n_layers, a_fwd * n_layers
-    elif layout.recompute == "selective":
-        rc_attn = a_fwd * n_layers
+    rc_attn = a_fwd * n_layers if layout.recompute in ("full", "selective") else 0.0
     total = dense + attention + head + rc_dense + rc_attn
     # torch's FlopCounterMode runs above DTensor's dispatch: the tensor-parallel projections (DTensor inputs)
-    # count at their global shapes, i.e. the whole TP group's work, while the attention kernel gets local tensors
-    counted = layout.tp * (dense + head + rc_dense) + attention + rc_attn
+    # count at their global shapes, i.e. the whole TP group's work, while the attention kernel and the MoE
+    # layers get local tensors
+    counted = counted_dense + layout.tp * head + attention + rc_attn
     return {"dense": dense, "attention": attention, "head": head, "recompute_dense": rc_dense,
             "recompute_attention": rc_attn, "total": total, "flop_counter": counted}
+
+
+# ----------------------------------------------------------------------------- all-to-all
+
+
+def rank_a2a(m: ModelSpec, layout: Layout, rank: int, seq: int, global_batch: int, micro_batch: int,
+             mach: Any = None) -> dict[str, float]:
+    """The expert-parallel all-to-alls ``rank`` runs in one step: 4 per MoE layer it holds and micro-batch
+    (dispatch and combine, and each again backwards; 6 with full recomputation, which redoes the forward's),
+    each sending k x its tokens rows of d_model fp32 (the tokens it routes: the micro-batch's local sequence,
+    / tp under sequence parallelism), balanced routing assumed. -> calls, bytes sent (this rank's own
+    chunk included, as all_to_all_single's input is) and, given a measured machine, seconds (its
+    all-to-all row, else its all-gather's: both move (n-1)/n of the buffer per rank)."""
+    if layout.ep == 1 or not m.is_moe:
+        return {"calls": 0, "bytes": 0.0, "seconds": 0.0}
+    c = coords(layout, rank)
+    ranges = stage_layers(m.n_layers, layout.pp * layout.v)
+    n_moe = sum(m.is_moe_layer(i) for s in local_stage_ids(layout, c["pp"]) for i in ranges[s])
+    n_micro = global_batch // layout.dp // micro_batch
+    tokens = micro_batch * seq // layout.cp // (layout.tp if layout.tp > 1 and layout.sp else 1)
+    one = a2a_rows(m, tokens) * m.d_model * FP32
+    calls = (6 if layout.recompute == "full" else 4) * n_moe * n_micro
+    out = {"calls": calls, "bytes": calls * one, "seconds": 0.0}
+    if mach is not None:
+        out["seconds"] = calls * a2a_time(mach, one, layout.ep)
+    return out
+
+
+def a2a_time(mach: Any, nbytes: float, n: int) -> float:
+    """Seconds of one all-to-all of ``nbytes`` over ``n`` ranks on a measured machine."""
+    try:
+        return mach.collective_time("all_to_all", nbytes, n)
+    except KeyError:  # calibrate's table has no all-to-all row: an all-gather moves as much per rank
+        return mach.collective_time("all_gather", nbytes, n)
 
 
 # ----------------------------------------------------------------------------- step time
@@ -330,10 +415,17 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
                    else mach.collective_time("all_reduce", act, lo.tp))
     t_p2p = 2 * lo.v * mach.collective_time("send_recv", act / (lo.tp if sp else 1), 2) if lo.pp > 1 else 0.0
 
+    # a MoE layer's all-to-alls per micro-batch (rank_a2a), added to its layer time
+    a2a_layer = 0.0
+    if lo.ep > 1 and m.is_moe:
+        rows = a2a_rows(m, tokens / (lo.tp if sp else 1))
+        a2a_layer = (6 if lo.recompute == "full" else 4) * a2a_time(mach, rows * m.d_model * e, lo.ep)
+
     def micro_time(pp_rank: int) -> float:
         """One micro-batch through the stages of pipeline rank ``pp_rank``."""
         ids = local_stage_ids(lo, pp_rank)
-        t = sum(len(ranges[s]) for s in ids) * t_layer + t_p2p
+        n_moe = sum(m.is_moe_layer(i) for s in ids for i in ranges[s])
+        t = sum(len(ranges[s]) for s in ids) * t_layer + n_moe * a2a_layer + t_p2p
         return t + (t_head if n_stages - 1 in ids else 0.0) + (t_embed if 0 in ids else 0.0)
 
     t_micro = micro_time(c["pp"])
@@ -343,8 +435,8 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
     # data parallel and the optimizer, on this rank's shards
     tensors = rank_tensors(m, lo, rank)
     local = sum(prod(s) for _, s in tensors)
-    full = local * (lo.dp_shard * lo.cp if lo.zero > 0 else 1)  # this rank's share before FSDP's cut
-    n_shard = lo.dp_shard * lo.cp
+    n_shard = lo.dp_shard * lo.ep * lo.cp  # the dense FSDP group (a MoE's experts shard over dp_shard x cp)
+    full = local * (n_shard if lo.zero > 0 else 1)  # this rank's share before FSDP's cut
     if lo.zero == 0:
         t_dp = mach.collective_time("all_reduce", full * e, lo.dp * lo.cp)
     else:
@@ -356,4 +448,5 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
     t_opt = local * mach.optimizer_seconds_per_param
     total = t_compute + t_dp + t_norm + t_opt
     return {"compute": t_compute, "data_parallel": t_dp, "optimizer": t_opt + t_norm, "total": total,
-            "per_microbatch": t_micro}
+            "per_microbatch": t_micro,
+            "all_to_all": rank_a2a(m, lo, rank, seq, global_batch, micro_batch, mach)["seconds"]}

@@ -189,6 +189,8 @@ def measure(trainer: Trainer, steps: int = 3, warmup: int = 1) -> dict[str, Any]
     trainer.train_step()  # the first step also creates AdamW's state
     trainer.after_update = None
     got["flops"] = step_flops(trainer)
+    got["a2a"] = {"bytes": sum(m.stats.a2a_bytes for m in trainer.moes),  # that step's expert all-to-alls
+                  "seconds": sum(m.stats.a2a_seconds for m in trainer.moes)}
     for _ in range(warmup):
         trainer.train_step()
     times = [trainer.train_step()["step_time_s"] for _ in range(steps)]
@@ -268,6 +270,7 @@ def compare(cfg: Any, layout: Layout, measured: list[dict[str, Any]], profile: d
         r = got["rank"]
         state = R.rank_state_bytes(m, layout, r).as_dict()
         flops = R.rank_step_flops(m, layout, r, t.seq_len, t.global_batch)
+        a2a = R.rank_a2a(m, layout, r, t.seq_len, t.global_batch, mb, mach)
         acts = [{"stage": a["stage"], "measured": a["bytes"],
                  "predicted": R.stage_saved_bytes(m, mb, t.seq_len, layout, a["stage"]).total}
                 for a in got["activations"]]
@@ -277,6 +280,10 @@ def compare(cfg: Any, layout: Layout, measured: list[dict[str, Any]], profile: d
                "activations": acts,
                "flops": {"predicted": flops["flop_counter"], "measured": got["flops"], "executed": flops["total"]},
                "step_time_s": {"measured": got["step_time_s"], "samples": got["step_times"]}}
+        if m.is_moe and layout.ep > 1 and "a2a" in got:
+            row["a2a"] = {"bytes": {"predicted": a2a["bytes"], "measured": got["a2a"]["bytes"]},
+                          "seconds": {"predicted": a2a["seconds"] if mach is not None else None,
+                                      "measured": got["a2a"]["seconds"]}}
         if mach is not None:
             st = R.rank_step_time(m, layout, r, t.seq_len, t.global_batch, mach, mb)
             row["step_time_s"].update(predicted=st["total"], breakdown=st)
@@ -288,6 +295,11 @@ def compare(cfg: Any, layout: Layout, measured: list[dict[str, Any]], profile: d
     out: dict[str, Any] = {"layout": str(layout), "world_size": layout.world_size, "micro_batch": mb,
                            "ranks": ranks, "state_exact": state_exact, "activation_max_error": act_err,
                            "flops_max_error": flop_err, "step_time_measured_s": step_meas}
+    if any("a2a" in r for r in ranks):  # balanced routing predicted per rank; the ranks' sum is exact
+        pred, meas = (sum(r["a2a"]["bytes"][k] for r in ranks) for k in ("predicted", "measured"))
+        out.update(a2a_bytes_predicted=pred, a2a_bytes_measured=meas,
+                   a2a_max_error=max(abs(_err(r["a2a"]["bytes"]["predicted"], r["a2a"]["bytes"]["measured"]))
+                                     for r in ranks))
     if mach is not None:
         step_pred = max(r["step_time_s"]["predicted"] for r in ranks)
         out.update(step_time_predicted_s=step_pred, step_time_error=_err(step_pred, step_meas),

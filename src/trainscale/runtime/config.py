@@ -204,9 +204,25 @@ def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = 
     return config_from_dict(data, f"config {path}")
 
 
+def check_model(spec: ModelSpec) -> None:
+    """What this runtime cannot build, refused in one sentence each (the planner models more)."""
+    if spec.attention == "mla":
+        raise TrainscaleError(f"model {spec.name} uses multi-head latent attention, which trainscale plans but "
+                              "does not train (the runtime has multi-head and grouped-query attention only)")
+    if spec.is_moe and spec.capacity_factor:
+        raise TrainscaleError(f"model {spec.name} has capacity_factor {spec.capacity_factor}: the runtime routes "
+                              "dropless only (capacity_factor = 0)")
+
+
 def check_layout(cfg: TrainConfig, layout: Layout) -> None:
     """Everything a layout must divide, said in one sentence each."""
     m, t = cfg.model, cfg.train
+    check_model(m)
+    if layout.ep > 1 and not m.is_moe:
+        raise TrainscaleError(f"ep{layout.ep} (expert parallelism) needs a mixture-of-experts model, and "
+                              f"{m.name} is dense")
+    if layout.ep > 1 and m.n_experts % layout.ep:
+        raise TrainscaleError(f"ep{layout.ep} must divide the model's {m.n_experts} experts")
     if m.n_heads % layout.tp or m.n_kv_heads % layout.tp:
         raise TrainscaleError(f"tp{layout.tp} must divide the model's {m.n_heads} heads and {m.n_kv_heads} KV heads")
     if m.d_ff % layout.tp:

@@ -124,6 +124,13 @@ class ParallelMesh:
             return DeviceMesh._concatenate([self.world["dp_replicate"], self.flat["dp_shard_cp"]])
         return self.flat["dp_shard_cp"]
 
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """FSDP's mesh for a MoE layer's routed experts (each rank's E/ep of them): the ranks holding the same
+        experts, 1-D (expert_shard = dp_shard x cp), or 2-D (dp_replicate, expert_shard) for HSDP."""
+        if self.layout.dp_replicate > 1:
+            return DeviceMesh._concatenate([self.world["dp_replicate"], self.flat["expert_shard"]])
+        return self.flat["expert_shard"]
+
     @property
     def pp_rank(self) -> int:
         return self.coord("pp")

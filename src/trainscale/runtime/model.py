@@ -9,6 +9,9 @@ the math here:
   context parallelism replaces it with one that gathers K/V across the cp group.
 - ``Transformer.forward(tokens, positions=None)`` takes the positions of the local tokens, so a
   rank that holds a (load-balanced) slice of the sequence rotates by the right angles.
+- A MoE model's layers from ``first_dense_layers`` on hold ``moe`` (runtime/moe.py: router, routed
+  experts, shared expert, the balance loss) instead of ``feed_forward``; expert parallelism sets its
+  groups from outside too. Multi-head latent attention is planner-only (``config.check_model``).
 Head counts are inferred from tensor shapes (``view(b, s, -1, head_dim)``), so a tensor-parallel
 shard that holds n_heads / tp heads runs unchanged.
 """
@@ -23,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainscale.runtime.config import check_model
+from trainscale.runtime.moe import FFN, MoE
 from trainscale.specs import ModelSpec
 
 
@@ -92,36 +97,31 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x) (Shazeer 2020, arXiv 2002.05202); GELU: w2(gelu(w1 x))."""
+class FeedForward(FFN):
+    """The dense feed-forward of width d_ff (SwiGLU or GELU, runtime/moe.py's FFN)."""
 
     def __init__(self, spec: ModelSpec) -> None:
-        super().__init__()
-        self.gated = spec.mlp == "swiglu"
-        self.w1 = nn.Linear(spec.d_model, spec.d_ff, bias=spec.bias)
-        if self.gated:
-            self.w3 = nn.Linear(spec.d_model, spec.d_ff, bias=spec.bias)
-        self.w2 = nn.Linear(spec.d_ff, spec.d_model, bias=spec.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        super().__init__(spec, spec.d_ff)
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(x)); the ffn is ``moe`` (runtime/moe.py)
+    in a MoE model's layers from ``first_dense_layers`` on, else ``feed_forward``."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = make_norm(spec)
         self.attention = Attention(spec)
         self.ffn_norm = make_norm(spec)
-        self.feed_forward = FeedForward(spec)
+        if spec.is_moe_layer(layer):
+            self.moe = MoE(spec)
+        else:
+            self.feed_forward = FeedForward(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return x + ffn(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
@@ -135,7 +135,7 @@ class Transformer(nn.Module):
         self.pos_embeddings: nn.Module | None = (
             nn.Embedding(spec.max_seq_len, spec.d_model) if spec.positions == "learned" else None
         )
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, i) for i in range(spec.n_layers)})
         self.norm: nn.Module | None = make_norm(spec)
         self.output: nn.Module | None = (
             None if spec.tied_embeddings else nn.Linear(spec.d_model, spec.vocab_size, bias=False)
@@ -158,7 +158,7 @@ class Transformer(nn.Module):
                 elif p.ndim == 1:
                     p.fill_(1.0)
                 else:
-                    s = resid if name.endswith(("wo.weight", "w2.weight")) else std
+                    s = resid if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
                     if isinstance(p, DTensor):  # built on meta and sharded: DTensor's RNG fills each shard
                         nn.init.normal_(p, std=s)
                     else:
@@ -203,6 +203,7 @@ class Transformer(nn.Module):
 
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
     """Build the model; on the ``meta`` device no memory is allocated (for counting 405B)."""
+    check_model(spec)
     with torch.device(device):
         model = Transformer(spec)
     if str(device) != "meta":

@@ -2,6 +2,8 @@
 
   1. tensor parallel + sequence parallel  DTensor ``parallelize_module`` (Megatron-LM, Shoeybi et al.
      2019; SP: Korthikanti et al. 2022, arXiv 2205.05198)
+  1b. expert parallel                      a MoE's routed experts split over the "ep" mesh dim
+                                           (``apply_expert_parallel``; the all-to-alls are runtime/moe.py's)
   2. context parallel                      ``context.apply_context_parallel`` (the attention kernel)
   3. activation checkpointing              none / selective (the attention core) / full (each block)
   4. torch.compile                         each transformer block compiled in place (``--compile``)
@@ -28,7 +30,7 @@ import functools
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -42,6 +44,7 @@ from trainscale.placement import EMBEDDINGS, tp_plan
 from trainscale.runtime import context
 from trainscale.runtime.mesh import ParallelMesh
 from trainscale.runtime.model import Transformer
+from trainscale.runtime.moe import MoE
 from trainscale.specs import Layout
 
 # ----------------------------------------------------------------------------- 1. tensor parallel
@@ -82,6 +85,9 @@ def apply_tensor_parallel(model: Transformer, mesh: ParallelMesh, sp: bool) -> N
         plan = {name: _tp_style(style, name, sp, _GATHER_INPUTS.get(name, 1)) for name, style in block_plan.items()
                 if _has(block, name)}  # w3 only in a gated (SwiGLU) MLP
         parallelize_module(block, tp, plan)
+        if sp and _has(block, "moe"):  # the MoE takes this rank's seq/tp tokens as a plain tensor (see below)
+            parallelize_module(block, tp, {"moe": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)})
 
 
 def _has(module: nn.Module, name: str) -> bool:
@@ -89,6 +95,58 @@ def _has(module: nn.Module, name: str) -> bool:
         return module.get_submodule(name) is not None
     except AttributeError:
         return False
+
+
+# ----------------------------------------------------------------------------- 1b. expert parallel
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def apply_expert_parallel(model: Transformer, mesh: ParallelMesh, layout: Layout) -> None:
+    """Each MoE layer's routed experts split over the mesh's "ep" dim: ``w1``/``w3``/``w2`` become DTensors
+    sharded on the expert dim 0 (rank r of the ep group holds experts r E/ep .. (r+1) E/ep - 1), so the
+    checkpoint (DCP) stores whole tensors and loads them under any ep. The MoE layer learns its groups:
+    the ep group for the all-to-alls, and the groups that hold other tokens of its sequences (the
+    balance loss counts per sequence).
+
+    Tensor parallelism does not split a MoE layer (it covers attention and the dense FFNs). Without
+    sequence parallelism the tp ranks hold the same tokens and run the MoE layer identically (their
+    gradients are equal copies, as for any replicated weight). With SP each tp rank routes its own
+    seq/tp tokens (``apply_tensor_parallel`` hands them over as a plain tensor): the MoE weights' gradients
+    are then partial sums over the tp ranks, which ``sum_moe_gradients_over_tp`` adds up."""
+    layers = moe_layers(model)
+    lo = layout
+    seq_groups = ([mesh.group("cp")] if lo.cp > 1 else []) + ([mesh.group("tp")] if lo.tp > 1 and lo.sp else [])
+    for moe in layers:
+        moe.seq_groups = tuple(seq_groups)
+        moe.seq_split = lo.tp if lo.tp > 1 and lo.sp else 1
+        if lo.ep == 1:
+            continue
+        moe.ep_group = mesh.group("ep")
+        for name, p in list(moe.experts.named_parameters(recurse=False)):
+            shard = distribute_tensor(p.data, mesh["ep"], [Shard(0)], src_data_rank=None)  # every rank has p whole
+            moe.experts.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The routed experts' weights (what EP splits; averaged over expert_dp, not dp_cp)."""
+    return [p for m in moe_layers(model) for p in m.experts.parameters()]
+
+
+def sum_moe_gradients_over_tp(params: list[nn.Parameter], mesh: ParallelMesh) -> None:
+    """Under sequence parallelism each tp rank ran its MoE layers on its own tokens: add the partial
+    gradients of the MoE weights (router, experts, shared expert) over the tp group."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=mesh.group("tp"))
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 # ----------------------------------------------------------------------------- 3. activation checkpointing
@@ -180,6 +238,17 @@ def apply_fsdp(model: Transformer, mesh: ParallelMesh, layout: Layout, precision
     reshard = layout.zero == 3
     kw = {"mp_policy": policy} if (policy := mixed_precision_policy(precision)) is not None else {}
     for block in model.layers.values():
+        if _has(block, "moe"):
+            # a MoE layer's routed experts: their own unit, sharded over the ranks that hold the same experts
+            # (expert_shard: dp_shard x cp; with HSDP, x dp_replicate replicas), on dim 1, since the ep dim
+            # already splits dim 0 (as torchtitan's apply_fsdp does when experts are few). Their gradient is
+            # the sum of every ep rank's tokens': divided by all dp x cp ranks, like the dense weights'.
+            experts = block.moe.experts
+            fully_shard(experts, mesh=mesh.expert_fsdp_mesh(), reshard_after_forward=reshard,
+                        shard_placement_fn=lambda _p: Shard(1), **kw)
+            experts.set_gradient_divide_factor(float(layout.dp * layout.cp))
+            if dist.get_backend() == "gloo":  # gloo has no PREMUL_SUM: sum, then divide
+                experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kw)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, **kw)
 
@@ -201,14 +270,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Replicated data parallel (DDP's math): average gradients over ``group`` in one flat bucket."""
+def allreduce_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None,
+                        divide: int | None = None) -> None:
+    """Replicated data parallel (DDP's math): average gradients over ``group`` in one flat bucket (sum, then
+    divide by ``divide``, by default the group's size; ``group`` None: divide only)."""
     grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    flat /= dist.get_world_size(group)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    flat /= divide if divide is not None else dist.get_world_size(group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -273,10 +345,11 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMe
 
 def parallelize(model: Transformer, mesh: ParallelMesh, layout: Layout, seq_len: int, precision: str = "fp32",
                 compile: bool = False) -> None:
-    """TP+SP -> CP -> activation checkpointing -> compile -> FSDP, in place, on one model (or pipeline
+    """TP+SP -> EP -> CP -> activation checkpointing -> compile -> FSDP, in place, on one model (or pipeline
     stage). ``precision`` is resolved ("bf16" or "fp32"; see ``resolve_precision``)."""
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh, sp=layout.sp)
+    apply_expert_parallel(model, mesh, layout)
     positions = context.local_positions(seq_len, layout.cp, mesh.cp_rank)
     model.positions = positions
     if layout.cp > 1:

@@ -2,7 +2,8 @@
 ``tensorboard --logdir runs`` shows every run by its folder name.
 
 Per step: train/loss, train/lr, train/grad_norm, perf/tokens_per_s, perf/mfu, perf/step_time_s and
-memory/peak_bytes (the device's peak allocation on a GPU, the process's peak resident set on CPU). At the
+memory/peak_bytes (the device's peak allocation on a GPU, the process's peak resident set on CPU); a MoE run
+adds moe/aux_loss, moe/a2a_s, moe/a2a_share and moe/layer{i}/expert{e} (tokens routed per expert). At the
 end: job/goodput (useful step time / wall time) and its parts, and eval/val_loss against eval/unigram_loss.
 A resumed run passes ``purge_step``: TensorBoard then drops the events a crashed attempt wrote past the
 step the run resumed from, as metrics.jsonl's readers do."""
@@ -14,7 +15,8 @@ from typing import Any
 
 STEP_TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
              "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "step_time_s": "perf/step_time_s",
-             "memory_bytes": "memory/peak_bytes"}
+             "memory_bytes": "memory/peak_bytes", "moe_aux_loss": "moe/aux_loss", "a2a_s": "moe/a2a_s",
+             "a2a_share": "moe/a2a_share"}
 END_TAGS = {"goodput": "job/goodput", "useful_step_s": "job/useful_step_s", "wall_s": "job/wall_s",
             "checkpoint_s": "job/checkpoint_s", "restarts": "job/restarts", "eval_loss": "eval/val_loss",
             "unigram_loss": "eval/unigram_loss"}
@@ -35,6 +37,9 @@ class TensorBoardLog:
         for key, tag in STEP_TAGS.items():
             if row.get(key) is not None:
                 self.writer.add_scalar(tag, float(row[key]), int(row["step"]))
+        for layer, counts in (row.get("expert_tokens") or {}).items():
+            for e, n in enumerate(counts):
+                self.writer.add_scalar(f"moe/layer{layer}/expert{e}", float(n), int(row["step"]))
 
     def summary(self, values: dict[str, Any], step: int) -> None:
         for key, tag in END_TAGS.items():

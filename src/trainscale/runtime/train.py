@@ -52,10 +52,13 @@ from trainscale.runtime.parallelize import (
     allreduce_gradients,
     autocast_for,
     clip_grad_norm,
+    expert_parameters,
     gradient_group,
+    moe_layers,
     parallelize,
     resolve_precision,
     settle_gradient_placements,
+    sum_moe_gradients_over_tp,
     uses_fsdp,
 )
 from trainscale.runtime.pipeline import Pipeline, split_model
@@ -139,6 +142,15 @@ class Trainer:
         self.n_micro = t.global_batch // layout.dp // self.micro
         self.pipeline = Pipeline(self.parts, layout, self.mesh, self.device, self.n_micro) if layout.pp > 1 else None
         self.grad_group = gradient_group(self.mesh)
+        # a MoE's layers: the balance loss's gradient carries the LM loss's 1 / micro-batches (the pipeline
+        # schedule divides the accumulated gradients by it instead); with EP the experts average apart
+        self.moes = [m for _, part in self.parts for m in moe_layers(part)]
+        for m in self.moes:
+            m.aux_scale = 1.0 if self.pipeline is not None else 1.0 / self.n_micro
+        experts = {id(p) for _, part in self.parts for p in expert_parameters(part)} if layout.ep > 1 else set()
+        self.expert_params = [p for p in self.params if id(p) in experts]
+        self.dense_params = [p for p in self.params if id(p) not in experts]
+        self.moe_params = [p for _, part in self.parts for m in moe_layers(part) for p in m.parameters()]
         self.step = 0
         # called after the optimizer step, before the gradients are freed (runtime/compare.py measures there)
         self.after_update: Callable[[Trainer], None] | None = None
@@ -234,9 +246,16 @@ class Trainer:
         inputs, targets = self.loader.next_batch()
         if self.layout.cp > 1:
             inputs, targets = shard_sequence(inputs, self.positions), shard_sequence(targets, self.positions)
+        for m in self.moes:
+            m.stats.reset()
         loss = self._forward_backward(inputs.to(self.device), targets.to(self.device))
+        lo = self.layout
+        if self.moes and lo.tp > 1 and lo.sp:
+            sum_moe_gradients_over_tp(self.moe_params, self.mesh)
         if self.grad_group is not None:
-            allreduce_gradients(self.params, self.grad_group)
+            allreduce_gradients(self.dense_params, self.grad_group)
+            if self.expert_params:  # summed over the ranks holding the same experts, divided by all dp x cp
+                allreduce_gradients(self.expert_params, self.mesh.group("expert_dp"), divide=lo.dp * lo.cp)
         settle_gradient_placements(self.params)  # each rank keeps only its shard of every gradient
         grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip, self.mesh)
         for opt in self.optimizers:
@@ -255,9 +274,47 @@ class Trainer:
         tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
         tps = tokens / dt
         self.step += 1
-        return {"step": self.step, "loss": value, "tokens_per_s": tps, "flops_per_s": tps * self.flops_per_token,
-                "mfu": measure.mfu(tps, self.flops_per_token, self.peak), "lr": lr, "grad_norm": grad_norm,
-                "step_time_s": dt, "memory_bytes": measure.peak_memory_bytes(self.device)}
+        row = {"step": self.step, "loss": value, "tokens_per_s": tps, "flops_per_s": tps * self.flops_per_token,
+               "mfu": measure.mfu(tps, self.flops_per_token, self.peak), "lr": lr, "grad_norm": grad_norm,
+               "step_time_s": dt, "memory_bytes": measure.peak_memory_bytes(self.device)}
+        if self.cfg.model.is_moe:
+            row.update(self._moe_metrics(dt))
+        return row
+
+    def _moe_metrics(self, step_time: float) -> dict[str, Any]:
+        """The step's routing and all-to-all numbers, the same on every rank (collectives over the world):
+        ``expert_tokens`` {layer: [tokens routed to each expert, whole global batch]} (a token counts once
+        per expert it is sent to, so a layer's counts add up to k x tokens); ``moe_aux_loss`` the balance
+        loss summed over the MoE layers (mean over micro-batches); ``a2a_s`` the slowest rank's seconds in
+        the expert-parallel all-to-alls (forward, backward and any recompute), ``a2a_share`` that over the
+        step time, ``a2a_bytes`` the bytes the busiest rank sent. Under a pipeline, step 1 also counts the
+        schedule's shape-inference forward pass."""
+        spec, lo = self.cfg.model, self.layout
+        counts = torch.zeros(spec.n_layers, spec.n_experts, dtype=torch.float64)
+        aux = torch.zeros(1, dtype=torch.float64)
+        a2a = torch.tensor([0.0, 0.0], dtype=torch.float64)
+        for _, part in self.parts:
+            for name, block in part.layers.items():
+                m = getattr(block, "moe", None)
+                if m is None:
+                    continue
+                if m.stats.tokens is not None:
+                    counts[int(name)] += m.stats.tokens.double().cpu()
+                aux += m.stats.aux
+                a2a[0] += m.stats.a2a_seconds
+                a2a[1] += m.stats.a2a_bytes
+        copies = lo.tp // (lo.tp if lo.sp else 1)  # without SP the tp ranks route the same tokens
+        n_micro = self.n_micro
+        if self.world > 1:
+            dist.all_reduce(counts)
+            dist.all_reduce(aux)
+            dist.all_reduce(a2a, op=dist.ReduceOp.MAX)
+        counts /= copies
+        moe_ids = [i for i in range(spec.n_layers) if spec.is_moe_layer(i)]
+        return {"expert_tokens": {str(i): [int(round(c)) for c in counts[i].tolist()] for i in moe_ids},
+                "moe_aux_loss": float(aux) / (lo.dp * lo.cp * lo.tp / (lo.tp // copies)) / n_micro,
+                "a2a_s": float(a2a[0]), "a2a_share": float(a2a[0]) / step_time if step_time > 0 else 0.0,
+                "a2a_bytes": int(a2a[1])}
 
     # ------------------------------------------------------------------ the loop
 
