@@ -17,14 +17,14 @@ import time
 
 import torch
 
-from trainscale.estimate import flops
-from trainscale.estimate.params import embedding_params, param_count
+from trainscale.estimate import flops, step
 from trainscale.specs import ModelSpec, catalog_names, load_gpu
 
 
 def matmul_params(spec: ModelSpec) -> int:
-    n = param_count(spec) - embedding_params(spec)
-    return n + (spec.vocab_size * spec.d_model if spec.tied_embeddings else 0)
+    """N of the MFU the runtime reports: the planner's (``estimate.step.matmul_params``), so a MoE counts
+    its active parameters, as the plan it is compared with does."""
+    return step.matmul_params(spec)
 
 
 def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
