@@ -9,6 +9,9 @@ step() { printf '\n\033[1m== %s ==\033[0m\n' "$*"; }
 step "1. Why training takes a data center (the seed's running example, recomputed)"
 $TS explain
 
+step "1b. A mixture of experts: DeepSeek-V3's 671B parameters, 37B of them active per token"
+$TS explain --model deepseek-v3 --tokens 14.8e12 --gpu h800 --gpus 2048
+
 mkdir -p runs
 step "2. Plan: the best 4D layout for Llama 3.1 405B on 16,384 H100s (seq 8192, 16M-token batches)"
 $TS plan --model llama3.1-405b --gpu h100-sxm --gpus 16384 --seq 8192 --global-batch-tokens 16777216 \
@@ -19,11 +22,14 @@ $TS plan --model llama3.1-405b --gpu h100-sxm --gpus 16384 --seq 8192 --global-b
 step "2b. Validate: the planner against published training runs (Llama 3, torchtitan, llm-foundry, BLOOM, OPT)"
 $TS validate
 
+step "2c. Plan a mixture of experts: Mixtral 8x7B on 64 H100s, expert parallelism placed by its all-to-all"
+$TS plan --model mixtral-8x7b --gpu h100-sxm --gpus 64 --seq 4096 --global-batch-tokens 4194304 --tokens 1e12 --top 3
+
 step "3. Failures and checkpoints: the Llama 3-like run"
 $TS reliability --trials 300
 
 step "4. Train the tiny model on 4 processes (dp2 x tp2), checkpoint every 5 steps, one injected crash"
-rm -rf runs/demo runs/demo-int4 runs/own-data runs/demo-report  # a fresh run folder each time (identity)
+rm -rf runs/demo runs/demo-int4 runs/own-data runs/demo-report runs/moe-tiny  # a fresh run folder each time (identity)
 $TS train --config configs/demo.toml --layout dp2,tp2 --inject crash@step=12,rank=3 --max-restarts 6
 
 step "4b. Your own data: a JSONL file (made here), tokenised once into shards, trained on for 60 steps"
@@ -39,6 +45,9 @@ PY
 $TS prepare-data --config configs/own-data.toml
 $TS prepare-data --config configs/own-data.toml   # the same inputs again: nothing to do
 $TS train --config configs/own-data.toml --layout dp2
+
+step "4c. Train a small mixture of experts (8 experts, top-2, a shared expert) with expert parallelism: dp2 x ep2"
+$TS train --config configs/moe-tiny.toml --layout dp2,ep2
 
 step "5. Quantize what it trained to int4 (groups of 32) and generate from it"
 $TS quantize runs/demo --format int4 --group-size 32 --out runs/demo-int4
