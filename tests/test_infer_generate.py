@@ -31,6 +31,43 @@ def test_cached_forward_equals_full_forward(fields):
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("fields", [GQA, {**GQA, "mlp": "gelu", "norm": "layernorm", "positions": "learned"}])
+def test_generation_with_cache_equals_full_recompute(fields):
+    """Greedy tokens and every step's logits (fp32, within 1e-5) of cached generation are those of running
+    the whole sequence again each step; the cache goes through runtime/model.py's one attention block."""
+    spec = load_model(fields)
+    model = build_model(spec, seed=3).eval()
+    calls = []
+    for block in model.layers.values():  # count the shared attention kernel's calls with a cache
+        core = block.attention.core
+        block.attention.core = lambda q, k, v, core=core: calls.append(k.shape[2]) or core(q, k, v)
+    prompt = [5, 17, 42, 8, 64, 3, 11]
+    g = generate_ids(model, prompt, 16, Sampling(temperature=0), keep_logits=True)
+    assert calls[:spec.n_layers] == [len(prompt)] * spec.n_layers  # prefill: the prompt's keys
+    assert calls[-1] == len(prompt) + 15  # the last step: every cached key
+    seq = list(prompt)
+    with torch.no_grad():
+        for step in range(16):
+            full = model(torch.tensor([seq]))[0, -1]
+            assert torch.allclose(g.logits[step], full, atol=1e-5, rtol=0), step
+            seq.append(int(full.argmax()))
+    assert g.new_ids == seq[len(prompt):]
+
+
+def test_cache_takes_chunks_after_a_prefix():
+    """A chunk of several tokens after cached ones (queries the last s of t keys: the causal mask offset)."""
+    spec = load_model(GQA)
+    model = build_model(spec, seed=2).eval()
+    tokens = torch.randint(0, spec.vocab_size, (2, 18), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(spec, 2, 18)
+        parts = [forward_cached(model, tokens[:, a:b], cache) for a, b in ((0, 5), (5, 11), (11, 12), (12, 18))]
+        assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+        with pytest.raises(TrainscaleError, match="holds 18 positions"):
+            forward_cached(model, tokens[:, :1], cache)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kv_cache_bytes_equal_estimator(dtype):
     spec = load_model(GQA)
