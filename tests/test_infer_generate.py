@@ -18,17 +18,20 @@ GQA = {"n_layers": 3, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128,
 @pytest.mark.parametrize("fields", [GQA, {**GQA, "n_kv_heads": 1, "tied_embeddings": True},
                                     {**GQA, "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True}])
 def test_cached_forward_equals_full_forward(fields):
+    """The prompt prefilled in one chunk then one token at a time, or chunks of several tokens after cached ones
+    (the queries are the last s of t keys: the causal mask's offset), give the full forward pass's logits."""
     spec = load_model(fields)
     model = build_model(spec, seed=1).eval()
     tokens = torch.randint(0, spec.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(tokens)
-        cache = KVCache(spec, 2, 20)
-        parts = [forward_cached(model, tokens[:, :7], cache)]  # prefill a chunk, then one token at a time
-        for i in range(7, 20):
-            parts.append(forward_cached(model, tokens[:, i:i + 1], cache))
-    assert cache.length == 20
-    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+        for cuts in ([0, *range(7, 21)], [0, 5, 11, 12, 20]):
+            cache = KVCache(spec, 2, 20)
+            parts = [forward_cached(model, tokens[:, a:b], cache) for a, b in zip(cuts, cuts[1:], strict=False)]
+            assert cache.length == 20
+            assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+        with pytest.raises(TrainscaleError, match="holds 20 positions"):
+            forward_cached(model, tokens[:, :1], cache)
 
 
 @pytest.mark.parametrize("fields", [GQA, {**GQA, "mlp": "gelu", "norm": "layernorm", "positions": "learned"}])
@@ -52,20 +55,6 @@ def test_generation_with_cache_equals_full_recompute(fields):
             assert torch.allclose(g.logits[step], full, atol=1e-5, rtol=0), step
             seq.append(int(full.argmax()))
     assert g.new_ids == seq[len(prompt):]
-
-
-def test_cache_takes_chunks_after_a_prefix():
-    """A chunk of several tokens after cached ones (queries the last s of t keys: the causal mask offset)."""
-    spec = load_model(GQA)
-    model = build_model(spec, seed=2).eval()
-    tokens = torch.randint(0, spec.vocab_size, (2, 18), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = model(tokens)
-        cache = KVCache(spec, 2, 18)
-        parts = [forward_cached(model, tokens[:, a:b], cache) for a, b in ((0, 5), (5, 11), (11, 12), (12, 18))]
-        assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
-        with pytest.raises(TrainscaleError, match="holds 18 positions"):
-            forward_cached(model, tokens[:, :1], cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
