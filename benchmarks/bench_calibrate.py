@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainscale.runtime.calibrate import calibrate, write_profile
+from trainscale.estimate.profile import write_profile
+from trainscale.runtime.calibrate import calibrate
 from trainscale.runtime.compare import compare, compare_command
 from trainscale.runtime.config import load_config
 from trainscale.specs import Layout

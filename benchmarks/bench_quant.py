@@ -76,7 +76,7 @@ def main() -> None:
         for g in (32, 64, 128):
             for asym in (False, True):
                 cfg = QuantConfig(fmt, g, asym)
-                res = save_quantized(folder, tmp / f"{fmt}-{g}-{cfg.scheme}", cfg)
+                res = save_quantized(model, spec, folder, tmp / f"{fmt}-{g}-{cfg.scheme}", cfg)
                 lay = safetensors_layout(res.path)
                 pred = quantized_model_bytes(spec, fmt, g, asym)
                 assert lay["tensor_bytes"] == pred, (fmt, g, asym, lay, pred)

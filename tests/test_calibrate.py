@@ -15,6 +15,7 @@ from torch import nn
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import layer_tensors
+from trainscale.estimate.profile import PROFILE_VERSION
 from trainscale.runtime import calibrate as cal
 from trainscale.runtime.config import load_config
 from trainscale.runtime.model import Block
@@ -107,6 +108,7 @@ def test_optimizer_tensors_are_layer_shaped():
 
 
 def test_profile_round_trip(profile, tmp_path):
+    assert profile["version"] == PROFILE_VERSION  # a profile without one (older) reads as version 1
     odd = {**profile, "machine": {**profile["machine"], "device_name": 'Ryzen "X" \\ 9\tµ\n'}}
     for p in (profile, odd, {"machine": {"device": "cpu"}, "processes": {"1": {"matmul_flops": 1e10}},
                              "collectives": {}}):
@@ -119,8 +121,11 @@ def test_profile_round_trip(profile, tmp_path):
 def test_read_profile_errors(tmp_path):
     (tmp_path / "bad.toml").write_text("machine = [1,\n")
     (tmp_path / "other.toml").write_text("[machine]\ndevice = 'cpu'\n")
+    (tmp_path / "newer.toml").write_text(f"version = {PROFILE_VERSION + 1}\n[machine]\n[processes.1]\n")
+    (tmp_path / "odd.toml").write_text("version = 'one'\n[machine]\n[processes.1]\n")
     for name, words in (("missing.toml", "does not exist"), ("bad.toml", "not valid TOML"),
-                        ("other.toml", "no [processes] table")):
+                        ("other.toml", "no [processes] table"), ("newer.toml", f"is version {PROFILE_VERSION + 1}"),
+                        ("odd.toml", "not a positive integer")):
         with pytest.raises(TrainscaleError, match=words.replace("[", r"\[")) as e:
             cal.read_profile(tmp_path / name)
         assert "\n" not in str(e.value)

@@ -63,3 +63,30 @@ def test_errors_are_one_line_exit_2(small_model_dir, tmp_path):  # noqa: F811
         assert r.returncode == 2, (args, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("trainscale: error:") and words in lines[0], r.stderr
+
+
+def test_infer_modules_import_each_other_without_a_cycle():
+    """infer/'s own imports (at module level or inside a function: a function-local import that dodges a cycle is
+    still one) form a graph without cycles, and each module imports alone in a fresh interpreter."""
+    import ast
+    from graphlib import CycleError, TopologicalSorter
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "src" / "trainscale" / "infer"
+    graph: dict[str, set[str]] = {}
+    for path in sorted(folder.glob("*.py")):
+        deps = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainscale.infer."):
+                deps.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[2] for a in node.names if a.name.startswith("trainscale.infer.")}
+    try:
+        order = list(TopologicalSorter(graph).static_order())
+    except CycleError as e:
+        raise AssertionError(f"infer/ imports go round: {e.args[1]}") from None
+    assert {"load", "lora", "quantize"} <= set(order) and graph["lora"] == graph["quantize"] == set()
+    for name in ("lora", "quantize", "load", "export", "generate"):
+        r = subprocess.run([sys.executable, "-c", f"import trainscale.infer.{name}"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]

@@ -18,17 +18,43 @@ GQA = {"n_layers": 3, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128,
 @pytest.mark.parametrize("fields", [GQA, {**GQA, "n_kv_heads": 1, "tied_embeddings": True},
                                     {**GQA, "mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True}])
 def test_cached_forward_equals_full_forward(fields):
+    """The prompt prefilled in one chunk then one token at a time, or chunks of several tokens after cached ones
+    (the queries are the last s of t keys: the causal mask's offset), give the full forward pass's logits."""
     spec = load_model(fields)
     model = build_model(spec, seed=1).eval()
     tokens = torch.randint(0, spec.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(tokens)
-        cache = KVCache(spec, 2, 20)
-        parts = [forward_cached(model, tokens[:, :7], cache)]  # prefill a chunk, then one token at a time
-        for i in range(7, 20):
-            parts.append(forward_cached(model, tokens[:, i:i + 1], cache))
-    assert cache.length == 20
-    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+        for cuts in ([0, *range(7, 21)], [0, 5, 11, 12, 20]):
+            cache = KVCache(spec, 2, 20)
+            parts = [forward_cached(model, tokens[:, a:b], cache) for a, b in zip(cuts, cuts[1:], strict=False)]
+            assert cache.length == 20
+            assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
+        with pytest.raises(TrainscaleError, match="holds 20 positions"):
+            forward_cached(model, tokens[:, :1], cache)
+
+
+@pytest.mark.parametrize("fields", [GQA, {**GQA, "mlp": "gelu", "norm": "layernorm", "positions": "learned"}])
+def test_generation_with_cache_equals_full_recompute(fields):
+    """Greedy tokens and every step's logits (fp32, within 1e-5) of cached generation are those of running
+    the whole sequence again each step; the cache goes through runtime/model.py's one attention block."""
+    spec = load_model(fields)
+    model = build_model(spec, seed=3).eval()
+    calls = []
+    for block in model.layers.values():  # count the shared attention kernel's calls with a cache
+        core = block.attention.core
+        block.attention.core = lambda q, k, v, core=core: calls.append(k.shape[2]) or core(q, k, v)
+    prompt = [5, 17, 42, 8, 64, 3, 11]
+    g = generate_ids(model, prompt, 16, Sampling(temperature=0), keep_logits=True)
+    assert calls[:spec.n_layers] == [len(prompt)] * spec.n_layers  # prefill: the prompt's keys
+    assert calls[-1] == len(prompt) + 15  # the last step: every cached key
+    seq = list(prompt)
+    with torch.no_grad():
+        for step in range(16):
+            full = model(torch.tensor([seq]))[0, -1]
+            assert torch.allclose(g.logits[step], full, atol=1e-5, rtol=0), step
+            seq.append(int(full.argmax()))
+    assert g.new_ids == seq[len(prompt):]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -8,6 +8,7 @@ from infer_fixtures import small_model_dir  # noqa: F401  (session fixture)
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.inference import quantized_model_bytes
+from trainscale.infer.load import load_for_inference
 from trainscale.infer.quantize import (
     QuantConfig,
     dequantize_matrix,
@@ -86,7 +87,7 @@ def test_short_last_group(fmt, asym):
 @pytest.mark.parametrize("fmt,g,asym", [("int8", 32, False), ("int8", 128, True), ("int4", 32, False),
                                          ("int4", 64, True), ("int4", 128, False)])
 def test_file_tensor_bytes_equal_estimator(small_model_dir, tmp_path, fmt, g, asym):  # noqa: F811
-    res = save_quantized(small_model_dir, tmp_path / "q", QuantConfig(fmt, g, asym))
+    res = save_quantized(*load_for_inference(small_model_dir), tmp_path / "q", QuantConfig(fmt, g, asym))
     layout = safetensors_layout(res.path)
     assert layout["tensor_bytes"] == quantized_model_bytes(res.spec, fmt, g, asym)
     assert layout["file_bytes"] == layout["header_bytes"] + layout["tensor_bytes"]
@@ -96,10 +97,10 @@ def test_file_tensor_bytes_equal_estimator(small_model_dir, tmp_path, fmt, g, as
 def test_int4_g32_perplexity_within_a_few_percent_of_bf16(small_model_dir, tmp_path):  # noqa: F811
     from trainscale.infer.evaluate import eval_ids, perplexity
     from trainscale.infer.generate import Sampling, generate_ids
-    from trainscale.infer.load import load_for_inference, load_tokenizer_for
+    from trainscale.infer.load import load_tokenizer_for
     from trainscale.infer.quantize import model_from_state_dict
 
-    res = save_quantized(small_model_dir, tmp_path / "q4", QuantConfig("int4", 32))
+    res = save_quantized(*load_for_inference(small_model_dir), tmp_path / "q4", QuantConfig("int4", 32))
     tok = load_tokenizer_for(res.source)
     ids = eval_ids(tok, max_tokens=8192)
     bf16 = perplexity(model_from_state_dict(res.spec, {k: v.bfloat16() for k, v in res.original.items()}), ids)
@@ -111,11 +112,9 @@ def test_int4_g32_perplexity_within_a_few_percent_of_bf16(small_model_dir, tmp_p
 
 
 def test_quantized_folder_errors(small_model_dir, tmp_path):  # noqa: F811
-    from trainscale.infer.load import load_for_inference
-
-    res = save_quantized(small_model_dir, tmp_path / "q", QuantConfig("int8", 64))
+    res = save_quantized(*load_for_inference(small_model_dir), tmp_path / "q", QuantConfig("int8", 64))
     res.path.write_bytes(res.path.read_bytes()[:1000])
     with pytest.raises(TrainscaleError, match="corrupt"):
         load_for_inference(tmp_path / "q")
     with pytest.raises(TrainscaleError, match="overwrite"):
-        save_quantized(small_model_dir, small_model_dir, QuantConfig("int8", 64))
+        save_quantized(*load_for_inference(small_model_dir), small_model_dir, QuantConfig("int8", 64))

@@ -27,7 +27,11 @@ CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 @pytest.mark.parametrize("name", catalog_names("models"))
 def test_built_model_has_the_estimators_parameters(name):
     spec = load_model(name)
-    model = build_model(spec, "meta")  # no memory: 405B included
+    if spec.attention == "mla":  # multi-head latent attention is planned, not run: refused in one sentence
+        with pytest.raises(TrainscaleError, match="latent attention"):
+            build_model(spec, "meta")
+        return
+    model = build_model(spec, "meta")  # no memory: 405B and Mixtral 8x7B included
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert shapes == dict(tensor_inventory(spec))
     assert sum(p.numel() for p in model.parameters()) == param_count(spec)

@@ -89,6 +89,7 @@ def calibrate_command(
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from trainscale.estimate.profile import write_profile
     from trainscale.runtime import calibrate as cal
 
     path = Path(out) if out is not None else cal.default_profile_path()
@@ -102,7 +103,7 @@ def calibrate_command(
         task = bar.add_task(f"calibrating {spec.name}", total=cal.calibration_steps(counts))
         profile = cal.calibrate(spec, seq, mb, counts, quick=quick,
                                 progress=lambda msg: bar.update(task, advance=1, description=msg))
-    cal.write_profile(profile, path)
+    write_profile(profile, path)
     seconds = time.perf_counter() - t0
     if as_json:
         emit_json({"path": str(path), "seconds": seconds, "profile": profile})

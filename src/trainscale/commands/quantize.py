@@ -59,7 +59,7 @@ def quantize(
     out = out or src.resolve().with_name(f"{src.resolve().name}-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
     check_output(out, "--out", folder=True, inputs=(src, checkpoint))
     t0 = time.perf_counter()
-    res = save_quantized(src, out, cfg)
+    res = save_quantized(*load_for_inference(src), out, cfg)
     secs = time.perf_counter() - t0
     spec = res.spec
     layout = safetensors_layout(res.path)

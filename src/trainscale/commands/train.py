@@ -266,7 +266,8 @@ def _compare_plan(config: Path, layouts: str | None, steps: int | None, profile:
 
 
 def _load_profile(cfg, config: Path, profile: Path | None, world: int, quiet: bool) -> dict[str, Any]:
-    from trainscale.runtime.calibrate import calibrate, default_profile_path, read_profile, write_profile
+    from trainscale.estimate.profile import read_profile, write_profile
+    from trainscale.runtime.calibrate import calibrate, default_profile_path
 
     if profile is not None:
         return read_profile(profile)

@@ -1,12 +1,13 @@
 """A measured machine: what ``trainscale calibrate`` wrote, as the step-time model uses it.
 
-The profile (TOML) holds, per number of processes sharing the machine, what one process achieves
-(``[processes.N]``: matmul and attention FLOP/s at a model's shapes, the non-matmul time of a real
-layer per token, memory bandwidth, AdamW seconds per parameter), and per group size the backend's
-collectives (``[collectives.N.op]``: latency and bus bandwidth). Collective time follows the ring
-model of estimate/comms.py with the measured figures: latency + factor x bytes / bus bandwidth,
-factor 2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter (NCCL-tests
-PERFORMANCE.md), 1 for a point-to-point send.
+The profile (TOML; its tables and figures are described once, in estimate/profile.py) holds, per
+number of processes sharing the machine, what one process achieves (``[processes.N]``: matmul and
+attention FLOP/s at a model's shapes, the non-matmul time of a real layer per token, memory
+bandwidth, AdamW seconds per parameter), and per group size the backend's collectives
+(``[collectives.N.op]``: latency and bus bandwidth). Collective time follows the ring model of
+estimate/comms.py with the measured figures: latency + factor x bytes / bus bandwidth, factor
+2(n-1)/n for all-reduce and (n-1)/n for all-gather and reduce-scatter (NCCL-tests PERFORMANCE.md),
+1 for a point-to-point send.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainscale.errors import TrainscaleError
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-COMPUTE_KEYS = ("matmul_flops", "attention_flops", "memory_bandwidth", "optimizer_seconds_per_param")
+from trainscale.estimate.profile import COLLECTIVES, REQUIRED_COMPUTE_KEYS
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -79,7 +78,7 @@ def machine_from_profile(profile: dict[str, Any], processes: int) -> Machine:
     """The figures of ``profile`` for ``processes`` processes at once (the nearest count measured)."""
     try:
         n, row = _nearest(profile.get("processes", {}), processes, "per-process compute")
-        missing = [k for k in COMPUTE_KEYS if k not in row]
+        missing = [k for k in REQUIRED_COMPUTE_KEYS if k not in row]
         if missing:
             raise TrainscaleError(f"the profile's [processes.{n}] lacks {', '.join(missing)}")
         coll = {int(k): {op: (float(v[op]["latency_s"]), float(v[op]["bus_bandwidth"]))

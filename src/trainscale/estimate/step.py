@@ -34,6 +34,7 @@ from trainscale.estimate.params import (
     numel,
 )
 from trainscale.estimate.pipeline import bubble_fraction, dualpipe_bubble_fraction, layer_placement, pipeline_time
+from trainscale.estimate.profile import check_profile, is_hardware_profile
 from trainscale.estimate.software import Software, load_software
 from trainscale.specs import ClusterSpec, GPUSpec, ModelSpec, load_gpu
 
@@ -155,8 +156,9 @@ def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
             extra = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
         except (OSError, ValueError) as e:
             raise TrainscaleError(f"profile {path} cannot be read: {e}") from None
-        if "processes" in extra:  # a `trainscale calibrate` hardware profile
-            extra = profile_efficiencies(extra, path, peak_flops, hbm_bandwidth, scale_up_bandwidth)
+        if is_hardware_profile(extra):  # a `trainscale calibrate` hardware profile
+            extra = profile_efficiencies(check_profile(extra, path), path, peak_flops, hbm_bandwidth,
+                                         scale_up_bandwidth)
         if "matmul_flops" in extra:
             if not peak_flops:
                 raise TrainscaleError("a profile's matmul_flops needs the GPU's peak to become an efficiency")

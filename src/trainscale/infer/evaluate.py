@@ -8,13 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from trainscale.errors import TrainscaleError
+from trainscale.runtime.data import corpus_text
 
 
 def eval_ids(tokenizer, text: str | None = None, max_tokens: int = 32768) -> list[int]:
     """Token ids of held-out text (default: the corpus's held-out plays), at most ``max_tokens``."""
     if text is None:
-        from trainscale.runtime.data import corpus_text
-
         text = corpus_text("val", max_chars=max_tokens * 8)
     ids = tokenizer.encode(text).ids[:max_tokens]
     if len(ids) < 2:

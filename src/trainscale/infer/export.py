@@ -24,8 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from trainscale.errors import TrainscaleError
+from trainscale.estimate.inference import gguf_name, gguf_tensor_types
+from trainscale.infer.load import load_for_inference, load_tokenizer_for
+from trainscale.infer.quantize import safetensors_layout
 from trainscale.specs import ModelSpec
 
 GGUF_TYPES = ("f16", "q8_0", "q4_0")
@@ -141,11 +145,6 @@ def hf_config(spec: ModelSpec, dtype: str, special: dict[str, Any]) -> dict[str,
 def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32") -> dict[str, Any]:
     """Write OUT/{config.json, generation_config.json, model.safetensors, tokenizer.json,
     tokenizer_config.json, special_tokens_map.json} for transformers' LlamaForCausalLM."""
-    from safetensors.torch import save_file
-
-    from trainscale.infer.load import load_for_inference, load_tokenizer_for
-    from trainscale.infer.quantize import safetensors_layout
-
     if dtype not in HF_DTYPES:
         raise TrainscaleError(f"HF export dtype must be one of {', '.join(HF_DTYPES)}, not {dtype!r}")
     model, spec, src = load_for_inference(model_dir)
@@ -199,8 +198,6 @@ def export_gguf(model_dir: str | Path, out: str | Path, ftype: str = "f16") -> d
     import gguf
     from gguf import GGMLQuantizationType as Q
 
-    from trainscale.estimate.inference import gguf_name, gguf_tensor_types
-    from trainscale.infer.load import load_for_inference
 
     if ftype not in GGUF_TYPES:
         raise TrainscaleError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, not {ftype!r}")

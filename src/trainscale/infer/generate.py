@@ -1,11 +1,9 @@
 """Text generation with a KV cache: prefill the prompt once, then one token per step.
 
-The cache holds K and V of every layer for every position so far, preallocated for the prompt plus
-the new tokens: [L, batch, n_kv_heads, capacity, head_dim] each, so its bytes are exactly
-``estimate.memory.kv_cache_bytes`` (2 · L · n_kv_heads · head_dim · bytes per value per token).
-
-The cached forward pass reuses runtime/model.py's modules and functions (norms, projections, RoPE,
-MLP); only the attention's keys and values come from the cache instead of the current chunk.
+The cache (runtime/model.py's ``KVCache``) holds K and V of every layer for every position so far,
+preallocated for the prompt plus the new tokens, so its bytes are exactly ``estimate.memory.kv_cache_bytes``.
+The cached forward pass is runtime/model.py's own (``model(tokens, cache=cache)``): the same attention
+block as training, its keys and values read from the cache.
 Sampling: temperature, then top-k, then top-p (nucleus, Holtzman et al. 2019, arXiv 1904.09751);
 temperature 0 is greedy.
 """
@@ -15,74 +13,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from trainscale.errors import TrainscaleError
-from trainscale.specs import ModelSpec
+from trainscale.runtime.model import KVCache, Transformer
+
+__all__ = ["Generation", "KVCache", "Sampling", "forward_cached", "generate_ids", "sample_next"]
 
 
-class KVCache:
-    """Preallocated keys and values for ``capacity`` positions of ``batch`` sequences."""
-
-    def __init__(self, spec: ModelSpec, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
-        shape = (spec.n_layers, batch, spec.n_kv_heads, capacity, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity
-        self.length = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the real K and V tensors."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
-
-def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits [b, s, vocab] for ``tokens`` [b, s] that follow the ``cache.length`` cached positions."""
-    from trainscale.runtime.model import apply_rope, rope_angles
-
-    spec = model.spec
-    bsz, seq = tokens.shape
-    start = cache.length
-    if start + seq > cache.capacity:
-        raise TrainscaleError(f"the KV cache holds {cache.capacity} positions; {start + seq} were asked for")
-    if start + seq > spec.max_seq_len and spec.positions == "learned":
-        raise TrainscaleError(f"the model has learned positions up to {spec.max_seq_len}, not {start + seq}")
-    positions = torch.arange(start, start + seq, device=tokens.device)
-    h = model.tok_embeddings(tokens)
-    if model.pos_embeddings is not None:
-        h = h + model.pos_embeddings(positions[None])
-    cos, sin = rope_angles(positions, spec.head_dim, spec.rope_theta)
-    end = start + seq
-    # query j (position start + j) sees cached keys 0 .. start + j
-    mask = None
-    if seq > 1:
-        mask = torch.arange(end, device=tokens.device)[None, :] <= positions[:, None]
-    for i, layer in enumerate(model.layers.values()):
-        attn = layer.attention
-        x = layer.attention_norm(h)
-        q = attn.wq(x).view(bsz, seq, -1, spec.head_dim)
-        k = attn.wk(x).view(bsz, seq, -1, spec.head_dim)
-        v = attn.wv(x).view(bsz, seq, -1, spec.head_dim)
-        if attn.rope:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.k[i, :, :, start:end] = k.transpose(1, 2).to(cache.k.dtype)
-        cache.v[i, :, :, start:end] = v.transpose(1, 2).to(cache.v.dtype)
-        keys = cache.k[i, :, :, :end].to(q.dtype)
-        values = cache.v[i, :, :, :end].to(q.dtype)
-        qh = q.transpose(1, 2)
-        if keys.shape[1] != qh.shape[1]:  # GQA: each K/V head serves n_heads / n_kv_heads query heads
-            rep = qh.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask)
-        h = h + attn.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
-        h = h + layer.feed_forward(layer.ffn_norm(h))
-    cache.length = end
-    h = model.norm(h)
-    if model.output is not None:
-        return model.output(h)
-    return F.linear(h, model.tok_embeddings.weight)
+    end = cache.length + tokens.shape[1]
+    if end > model.spec.max_seq_len and model.spec.positions == "learned":
+        raise TrainscaleError(f"the model has learned positions up to {model.spec.max_seq_len}, not {end}")
+    return model(tokens, cache=cache)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """One loader for every folder infer/ reads: a model folder (or a run folder's final/), a quantized
 folder (quantized.safetensors, dequantized to fp32 on load) and a LoRA adapter folder (adapter.json
-naming its base; the adapters are folded into the base weights on load)."""
+naming its base; the adapters are folded into the base weights on load).
+
+It sits above the folder formats it reads (infer/quantize.py, infer/lora.py, runtime/artifact.py), which
+import nothing from it: the pipelines that start from a folder (commands/, export) load through here."""
 
 from __future__ import annotations
 
@@ -8,8 +11,14 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from trainscale.errors import TrainscaleError
+from trainscale.infer.lora import fold_adapter, read_adapter_config
+from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, read_quant_config
+from trainscale.runtime.artifact import load_model_dir
+from trainscale.runtime.data import load_tokenizer
+from trainscale.runtime.model import build_model
 from trainscale.safeio import check_folder_files, read_text
 from trainscale.specs import ModelSpec, load_model
 
@@ -42,8 +51,6 @@ def read_spec(folder: Path) -> ModelSpec:
 
 
 def folder_kind(folder: Path) -> str:
-    from trainscale.infer.quantize import QUANT_FILE
-
     if (folder / QUANT_FILE).exists():
         return "quantized"
     if (folder / "model.safetensors").exists():
@@ -55,8 +62,6 @@ def folder_kind(folder: Path) -> str:
 
 def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
     """-> (Transformer in eval mode, ModelSpec, folder) for any folder kind infer/ writes."""
-    from trainscale.runtime.artifact import load_model_dir
-
     folder = find_folder(path)
     spec = read_spec(folder)
     kind = folder_kind(folder)
@@ -65,17 +70,17 @@ def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
         return model, spec, folder
     if kind == "quantized":
         return _load_quantized(folder, spec, dtype), spec, folder
-    from trainscale.infer.lora import load_adapter_folder
+    return _load_adapter(folder, dtype), spec, folder
 
-    return load_adapter_folder(folder, dtype), spec, folder
+
+def _load_adapter(folder: Path, dtype: torch.dtype):
+    """The base model adapter.json names (any folder kind but this one), with the adapters folded in."""
+    cfg = read_adapter_config(folder)
+    base, base_spec, _ = load_for_inference(cfg.base, torch.float32)
+    return fold_adapter(base, base_spec, folder, cfg).to(dtype).eval()
 
 
 def _load_quantized(folder: Path, spec: ModelSpec, dtype: torch.dtype):
-    from safetensors.torch import load_file
-
-    from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, read_quant_config
-    from trainscale.runtime.model import build_model
-
     path = folder / QUANT_FILE
     cfg = read_quant_config(path)
     try:
@@ -93,8 +98,6 @@ def _load_quantized(folder: Path, spec: ModelSpec, dtype: torch.dtype):
 
 
 def load_tokenizer_for(folder: Path):
-    from trainscale.runtime.data import load_tokenizer
-
     path = folder / "tokenizer.json"
     if not path.exists():
         raise TrainscaleError(f"{folder} has no tokenizer.json")

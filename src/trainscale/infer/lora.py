@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from trainscale.errors import TrainscaleError
+from trainscale.estimate.lora import lora_targets
+from trainscale.runtime.data import corpus_text
+from trainscale.runtime.model import lm_loss
+from trainscale.safeio import read_text
 
 ADAPTER_FILE = "adapter.safetensors"
 
@@ -122,12 +128,8 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
 def read_data(data: str, tokenizer) -> list[int]:
     """Token ids of ``data``: a text file, or corpus:train / corpus:val (the Shakespeare corpus)."""
     if data in ("corpus:train", "corpus:val"):
-        from trainscale.runtime.data import corpus_text
-
         text = corpus_text(data.split(":")[1])
     else:
-        from trainscale.safeio import read_text
-
         text = read_text(Path(data), "data file", limit=1 << 30)
     ids = tokenizer.encode(text).ids
     if len(ids) < 64:
@@ -138,8 +140,6 @@ def read_data(data: str, tokenizer) -> list[int]:
 def train_lora(model, ids: list[int], steps: int, batch: int, seq_len: int, lr: float, seed: int = 0,
                progress=None) -> dict[str, Any]:
     """Adam on the adapters only, random windows of ``ids``; -> losses and measured state bytes."""
-    from trainscale.runtime.model import lm_loss
-
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise TrainscaleError("the model has no trainable parameters; apply LoRA adapters first")
@@ -165,8 +165,6 @@ def train_lora(model, ids: list[int], steps: int, batch: int, seq_len: int, lr: 
 
 
 def save_adapter_folder(out: Path, model, spec, base_folder: Path, config: dict[str, Any]) -> Path:
-    from safetensors.torch import save_file
-
     out.mkdir(parents=True, exist_ok=True)
     save_file(adapter_state_dict(model), str(out / ADAPTER_FILE), metadata={"producer": "trainscale", "kind": "lora"})
     (out / "adapter.json").write_text(json.dumps({"base": str(base_folder.resolve()), **config}, indent=2))
@@ -177,13 +175,18 @@ def save_adapter_folder(out: Path, model, spec, base_folder: Path, config: dict[
     return out
 
 
-def load_adapter_folder(folder: Path, dtype: torch.dtype = torch.float32):
-    """Base model (from adapter.json's ``base``) with the folder's adapters folded in."""
-    from safetensors.torch import load_file
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What an adapter folder's adapter.json says: its base model folder and the adapters' shape."""
 
-    from trainscale.infer.load import load_for_inference
-    from trainscale.safeio import read_text
+    base: str
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
 
+
+def read_adapter_config(folder: Path) -> AdapterConfig:
+    """adapter.json of ``folder``, checked: rank and alpha in range, the base another folder than this one."""
     try:
         cfg = json.loads(read_text(folder / "adapter.json", "adapter description"))
         base, rank, alpha, targets = cfg["base"], int(cfg["rank"]), float(cfg["alpha"]), tuple(cfg["targets"])
@@ -194,19 +197,19 @@ def load_adapter_folder(folder: Path, dtype: torch.dtype = torch.float32):
     if not isinstance(base, str) or Path(base).resolve() == Path(folder).resolve() or \
             Path(folder).resolve() in Path(base).resolve().parents:
         raise TrainscaleError(f"{folder / 'adapter.json'}: its base {base!r} must be another model folder")
-    if Path(base).resolve() == folder.resolve():
-        raise TrainscaleError(f"{folder / 'adapter.json'} names its own folder as the base model")
-    from trainscale.estimate.lora import lora_targets
+    return AdapterConfig(base, rank, alpha, targets)
 
-    model, spec, _ = load_for_inference(base, torch.float32)
+
+def fold_adapter(model, spec, folder: Path, cfg: AdapterConfig):
+    """The base ``model`` (fp32) with ``folder``'s adapters applied and merged into its weights."""
     try:
-        names = lora_targets(spec, targets)
+        names = lora_targets(spec, cfg.targets)
     except ValueError as e:
         raise TrainscaleError(f"{folder / 'adapter.json'}: {e}") from None
-    apply_lora(model, rank, alpha, names)
+    apply_lora(model, cfg.rank, cfg.alpha, names)
     try:
         sd = load_file(str(folder / ADAPTER_FILE))
     except Exception as e:  # safetensors raises its own error types
         raise TrainscaleError(f"{folder / ADAPTER_FILE} is corrupt or unreadable: {e}") from None
     load_adapter_weights(model, sd)
-    return merge_lora(model).to(dtype).eval()
+    return merge_lora(model)

@@ -29,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from trainscale.errors import TrainscaleError
+from trainscale.runtime.model import build_model
 
 QUANT_FILE = "quantized.safetensors"
 FORMATS = {"int8": 8, "int4": 4, "bf16": 16}
@@ -195,14 +198,10 @@ class QuantResult:
     restored: dict[str, torch.Tensor]
 
 
-def save_quantized(model_dir: str | Path, out: str | Path, cfg: QuantConfig) -> QuantResult:
-    """Quantize a model folder into OUT (quantized.safetensors + model.json + tokenizer.json)."""
-    from safetensors.torch import save_file
-
-    from trainscale.infer.load import load_for_inference
-
+def save_quantized(model, spec, src: Path, out: str | Path, cfg: QuantConfig) -> QuantResult:
+    """Quantize ``model`` (``spec``), loaded from the folder ``src`` (infer/load.py: ``save_quantized(
+    *load_for_inference(folder), out, cfg)``), into OUT (quantized.safetensors + model.json + tokenizer.json)."""
     cfg.check()
-    model, spec, src = load_for_inference(model_dir)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     qsd = quantize_state_dict(sd, cfg)
     out = Path(out)
@@ -223,16 +222,12 @@ def save_quantized(model_dir: str | Path, out: str | Path, cfg: QuantConfig) -> 
 
 def model_from_state_dict(spec, sd: dict[str, torch.Tensor]):
     """A Transformer in eval mode holding ``sd`` (fp32)."""
-    from trainscale.runtime.model import build_model
-
     model = build_model(spec, "meta")
     model.load_state_dict({k: v.float() for k, v in sd.items()}, assign=True)
     return model.eval()
 
 
 def read_quant_config(path: str | Path) -> QuantConfig:
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}

@@ -12,6 +12,8 @@ the math here:
 - A MoE model's layers from ``first_dense_layers`` on hold ``moe`` (runtime/moe.py: router, routed
   experts, shared expert, the balance loss) instead of ``feed_forward``; expert parallelism sets its
   groups from outside too. Multi-head latent attention is planner-only (``config.check_model``).
+- ``Transformer.forward(tokens, cache=KVCache(...))`` is inference's path (infer/generate.py): the
+  tokens follow the cached positions, their K/V are appended and the same attention attends over all.
 Head counts are inferred from tensor shapes (``view(b, s, -1, head_dim)``), so a tensor-parallel
 shard that holds n_heads / tp heads runs unchanged.
 """
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainscale.errors import TrainscaleError
 from trainscale.runtime.config import check_model
 from trainscale.runtime.moe import FFN, MoE
 from trainscale.specs import ModelSpec
@@ -67,11 +70,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(QK^T / sqrt(d) + causal mask) V on [b, h, s, d]; K/V heads repeated for GQA."""
+    """softmax(QK^T / sqrt(d) + causal mask) V on [b, h, s, d]; K/V heads repeated for GQA. With a KV
+    cache K/V hold t >= s positions and the queries are the last s of them: query j sees keys 0..t-s+j."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    s, t = q.shape[2], k.shape[2]
+    if s == t:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if s == 1:  # one new token sees every cached key
+        return F.scaled_dot_product_attention(q, k, v)
+    mask = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - s, t, device=q.device)[:, None]  # [s, t]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class KVCache:
+    """Keys and values of every layer for the positions so far, preallocated for ``capacity`` positions of
+    ``batch`` sequences: [L, batch, n_kv_heads, capacity, head_dim] each, so its bytes are exactly
+    ``estimate.memory.kv_cache_bytes`` (2 · L · n_kv_heads · head_dim · bytes per value per token)."""
+
+    def __init__(self, spec: ModelSpec, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        shape = (spec.n_layers, batch, spec.n_kv_heads, capacity, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0  # positions cached; Transformer.forward advances it after all layers
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the real K and V tensors."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def next_positions(self, seq: int, device: torch.device) -> torch.Tensor:
+        """Positions [seq] of ``seq`` tokens that follow the cached ones."""
+        if self.length + seq > self.capacity:
+            raise TrainscaleError(f"the KV cache holds {self.capacity} positions; {self.length + seq} were asked for")
+        return torch.arange(self.length, self.length + seq, device=device)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``layer``'s k, v [b, kv_heads, s, d] after the cached positions -> all its keys and values
+        [b, kv_heads, length + s, d], as stored (in the cache's dtype), in k's dtype."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k.to(self.k.dtype)
+        self.v[layer, :, :, self.length:end] = v.to(self.v.dtype)
+        return self.k[layer, :, :, :end].to(k.dtype), self.v[layer, :, :, :end].to(v.dtype)
 
 
 class Attention(nn.Module):
@@ -86,14 +129,19 @@ class Attention(nn.Module):
         self.wo = nn.Linear(spec.q_dim, d, bias=b)
         self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
+        """x [b, s, d] -> [b, s, d]; with ``cache``, x's K/V join layer ``layer``'s cached ones first."""
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, head_dim]
+        if cache is not None:
+            k, v = cache.append(layer, k, v)  # [b, kv_heads, cached + s, head_dim]
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -118,8 +166,10 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(spec)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                layer: int = 0) -> torch.Tensor:
+        # the cache as keywords: tensor parallelism prepares the positional inputs (x, cos, sin) only
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache=cache, layer=layer)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return x + ffn(self.ffn_norm(x))
 
@@ -180,18 +230,24 @@ class Transformer(nn.Module):
         part.positions = self.positions
         return part
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens [b, s] (ints; or hidden states [b, s, d] on a later pipeline stage) -> logits or
-        hidden states. ``positions`` [s] are the global positions of the local tokens."""
-        if positions is None:
+        hidden states. ``positions`` [s] are the global positions of the local tokens. ``cache``: the
+        tokens follow the cached positions (their positions), and their K/V are added to it."""
+        if cache is not None:
+            positions = cache.next_positions(tokens.shape[1], tokens.device)
+        elif positions is None:
             positions = self.positions if self.positions is not None else torch.arange(tokens.shape[1])
         positions = positions.to(tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions[None])
         cos, sin = rope_angles(positions, self.spec.head_dim, self.spec.rope_theta)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        for key, layer in self.layers.items():
+            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache, int(key))
+        if cache is not None:
+            cache.length += tokens.shape[1]
         if self.norm is not None:
             h = self.norm(h)
         if not self.has_head:

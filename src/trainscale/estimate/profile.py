@@ -1,0 +1,137 @@
+"""The hardware profile: the one description of what ``trainscale calibrate`` writes and what the planner
+(estimate/step.py) and the rank-by-rank model (estimate/machine.py) read -- its tables, their figures, its
+version, the TOML it is stored as, and reading and checking it. No torch, so ``trainscale plan`` reads it.
+
+Tables (process counts as strings):
+
+- ``version``: ``PROFILE_VERSION``; a profile without one is version 1 (written before it was recorded).
+- ``[machine]``: where and how it was measured (device, device_name, host, cores, torch, dtype, model, ...).
+- ``[processes.N]``: what ONE process achieves while N run the same measurement at once (``COMPUTE_KEYS``).
+- ``[collectives.N.op]`` for N >= 2 and op in ``COLLECTIVES``: latency_s, bus_bandwidth, algbw and the
+  raw times per message size.
+- ``[tensor_parallel.N]``: one layer under tensor parallelism over N processes, measured and composed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from trainscale.errors import TrainscaleError
+
+PROFILE_VERSION = 1
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+
+# every figure of a [processes.N] table calibrate writes
+COMPUTE_KEYS = ("matmul_flops", "head_matmul_flops", "attention_flops", "memory_bandwidth",
+                "optimizer_seconds_per_param", "optimizer_bytes_per_param", "layer_seconds",
+                "elementwise_seconds_per_token")
+# the ones a step-time prediction cannot do without (the others came later and have fallbacks)
+REQUIRED_COMPUTE_KEYS = ("matmul_flops", "attention_flops", "memory_bandwidth", "optimizer_seconds_per_param")
+
+TABLES = ("machine", "processes")  # what makes a file a hardware profile
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def is_hardware_profile(data: dict[str, Any]) -> bool:
+    """A calibrated hardware profile (rather than flat planner settings)?"""
+    return "processes" in data
+
+
+def check_profile(data: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """``data`` if it is a hardware profile this version of trainscale reads; else one-sentence TrainscaleError."""
+    for table in TABLES:
+        if not isinstance(data.get(table), dict):
+            raise TrainscaleError(f"hardware profile {path} has no [{table}] table; is it a trainscale profile?")
+    version = data.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise TrainscaleError(f"hardware profile {path} has version {version!r}, not a positive integer")
+    if version > PROFILE_VERSION:
+        raise TrainscaleError(f"hardware profile {path} is version {version}; this trainscale reads up to version "
+                              f"{PROFILE_VERSION} (update trainscale or run trainscale calibrate again)")
+    return data
+
+
+def read_profile(path: str | Path) -> dict[str, Any]:
+    """Read and check a hardware profile written by ``write_profile``."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise TrainscaleError(f"hardware profile {path} does not exist; `trainscale calibrate` writes one") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TrainscaleError(f"hardware profile {path} cannot be read: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TrainscaleError(f"hardware profile {path} is not valid TOML ({e})") from None
+    return check_profile(data, path)
+
+
+def write_profile(profile: dict[str, Any], path: str | Path) -> Path:
+    """Write ``profile`` as TOML to ``path`` (directories created, replaced atomically)."""
+    path = Path(path)
+    text = to_toml(profile)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as e:
+        raise TrainscaleError(f"cannot write the profile to {path}: {e.strerror or e}") from None
+    return path
+
+
+def to_toml(profile: dict[str, Any]) -> str:
+    """The profile as TOML (floats in repr form, so reading it back gives the same numbers)."""
+    lines = ["# trainscale hardware profile, written by `trainscale calibrate`"]
+    _toml_table(profile, [], lines)
+    return "\n".join(lines) + "\n"
+
+
+def _toml_key(k: Any) -> str:
+    k = str(k)
+    return k if _BARE_KEY.match(k) else _toml_str(k)
+
+
+def _toml_str(s: str) -> str:
+    out = []
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return _toml_str(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _toml_table(table: dict[str, Any], prefix: list[str], lines: list[str]) -> None:
+    scalars = [(k, v) for k, v in table.items() if not isinstance(v, dict)]
+    subs = [(k, v) for k, v in table.items() if isinstance(v, dict)]
+    if prefix and (scalars or not subs):
+        lines += ["", f"[{'.'.join(prefix)}]"]
+    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars]
+    for k, v in subs:
+        _toml_table(v, [*prefix, _toml_key(k)], lines)
