@@ -438,7 +438,20 @@ def _summary(info: dict[str, Any], rows: list[dict[str, Any]], run_dir: Path) ->
         t.add_row("recovery", f"{info['restarts']} restart(s), {info['lost_steps']} step(s) recomputed, "
                   f"{info['checkpoints']} checkpoint(s) in {info['checkpoint_s']:.1f} s, "
                   f"{info['restart_and_startup_s']:.1f} s starting/restarting")
+    moe = [r for r in rows if r.get("expert_tokens")]
+    if moe:
+        t.add_row("experts", _expert_summary(moe))
     if (run_dir / "final").exists():
         t.add_row("model folder", str(run_dir / "final"))
     console.print(t)
+
+
+def _expert_summary(rows: list[dict[str, Any]]) -> str:
+    """A MoE run in one line: how unevenly the router spread the last step's tokens (the busiest expert
+    over the mean, per layer, worst layer) and the expert all-to-all's median share of the step."""
+    last = rows[-1]["expert_tokens"]
+    worst = max(max(c) / (sum(c) / len(c)) for c in last.values() if sum(c))
+    shares = sorted(r["a2a_share"] for r in rows if r.get("a2a_share") is not None)
+    a2a = f"; all-to-all {shares[len(shares) // 2]:.0%} of a step (median)" if shares else ""
+    return f"{len(last)} MoE layer(s); busiest expert {worst:.2f}x the mean (last step){a2a}"
 
