@@ -126,3 +126,110 @@ def kv_cache_bytes_per_token(m: ModelSpec, bytes_per_value: float = 2) -> float:
 
 def kv_cache_bytes(m: ModelSpec, tokens: int, batch: int = 1, bytes_per_value: float = 2) -> float:
     return kv_cache_bytes_per_token(m, bytes_per_value) * tokens * batch
+
+
+# ------------------------------------------------- activations of MoE and MLA layers, from the shapes
+
+ACT = 2  # a bf16 activation value (Korthikanti et al. 2022 Sec. 4.1)
+ROUTER_BYTES = 4  # fp32 router scores / gate weights (DeepEP dispatch carries float32 top-k weights)
+
+
+@dataclass(frozen=True)
+class ActivationCaching:
+    """What a MoE / MLA layer keeps for its backward, as the software's knobs say (catalog/software.toml).
+
+    Bytes per element of the cached Linear inputs (Wgrad operands), of the attention output (saved by the
+    attention kernel and read by the output projection) and of a MoE SwiGLU's inputs; which cheap forward
+    pieces are recomputed instead of kept (RMSNorm outputs, the MLA up-projections, the SwiGLU output); whether
+    the combine weights the expert outputs by the gate (and so keeps them) or the gate is applied on the expert
+    side and the combine is a plain sum (DeepEP)."""
+
+    linear_input_bytes: float = ACT
+    attn_out_bytes: float = ACT
+    swiglu_input_bytes: float = ACT
+    recompute_norms: bool = False
+    recompute_mla_up: bool = False
+    recompute_swiglu_output: bool = False
+    weighted_combine: bool = True
+
+
+def _sp_div(t: Any, sp: Any) -> Any:
+    """The divisor of a sequence-parallel region: t under sequence parallelism, 1 otherwise."""
+    return np.where(sp, t, 1)
+
+
+def mha_attention_bytes_per_token(h: int, t: Any, sp: Any) -> Any:
+    """Korthikanti Table 2's attention terms that an MLA count replaces, per token: the QKV input 2h (sequence-
+    parallel region) and Q, K, V and the output-projection input 8h/t (the softmax/score terms 5as/h stay)."""
+    return 2 * h / _sp_div(t, sp) + 8 * h / t
+
+
+def mla_attention_bytes_per_token(m: ModelSpec, t: Any, sp: Any, c: ActivationCaching) -> Any:
+    """Multi-head latent attention's saved activations per token on one TP rank (DeepSeek-V2, arXiv 2405.04434
+    Sec. 2.1; shapes from the ModelSpec): the down-projections' input (the normed x), the query latent c_q and
+    the key-value latent c_kv with the shared rope key (norm inputs), their normed copies (up-projection
+    inputs), the up-projected q, k (H x (nope + rope)) and v (H x v) the fused attention kernel keeps, its output
+    O (H x v, also the output projection's input) and its fp32 log-sum-exp (H). Heads split over TP, latents
+    whole on every rank."""
+    heads = m.n_heads / np.asarray(t, dtype=float)
+    lin, keep_norm = c.linear_input_bytes, 0.0 if c.recompute_norms else 1.0
+    x_norm = keep_norm * lin * m.d_model / _sp_div(t, sp)
+    latents = ACT * (m.kv_lora_rank + m.qk_rope_head_dim) + keep_norm * lin * m.kv_lora_rank
+    if m.q_lora_rank:
+        latents = latents + ACT * m.q_lora_rank + keep_norm * lin * m.q_lora_rank
+    qkv = 0.0 if c.recompute_mla_up else ACT * heads * (2 * m.qk_head_dim + m.value_head_dim)
+    out = c.attn_out_bytes * heads * m.value_head_dim + 4 * heads
+    return x_norm + latents + qkv + out
+
+
+def ffn_bytes_per_token(m: ModelSpec, t: Any, width: int, act_input_bytes: float, recompute_act_output: bool,
+                        c: ActivationCaching) -> Any:
+    """A dense FFN of ``width`` on one TP rank, per token, its input apart: the activation's inputs (w1 and w3
+    outputs under SwiGLU, w1's otherwise) and its output (w2's input, a cached Linear input) unless recomputed."""
+    ups = 2 if m.mlp == "swiglu" else 1
+    return width / np.asarray(t, dtype=float) * (ups * act_input_bytes
+                                                 + (0.0 if recompute_act_output else c.linear_input_bytes))
+
+
+def moe_ffn_bytes_per_token(m: ModelSpec, t: Any, imbalance: float, c: ActivationCaching) -> Any:
+    """A MoE layer's feed-forward activations per token on the busiest EP rank (each TP rank routes its own
+    tokens/t): router scores (fp32, n_experts); per routed copy (top-k x imbalance) the dispatched row (the
+    experts' w1/w3 input), the expert's SwiGLU inputs and output, and what the combine keeps (the expert output
+    when it weights by the gate, else the fp32 gate weight the dispatch carried); the shared expert as a dense
+    FFN. The layer's input (the normed x) is Korthikanti's fc1 input and stays there."""
+    rows = m.experts_per_token * imbalance / np.asarray(t, dtype=float)
+    per_row = (c.linear_input_bytes * m.d_model
+               + (ACT * m.d_model if c.weighted_combine else ROUTER_BYTES)
+               + ffn_bytes_per_token(m, 1, m.expert_width, c.swiglu_input_bytes, c.recompute_swiglu_output, c))
+    shared = ffn_bytes_per_token(m, t, m.d_ff_shared, c.swiglu_input_bytes, c.recompute_swiglu_output, c) \
+        if m.d_ff_shared else 0.0
+    return rows * per_row + shared + ROUTER_BYTES * m.n_experts / np.asarray(t, dtype=float)
+
+
+def shaped_layer_delta_bytes_per_token(m: ModelSpec, moe_layer: bool, t: Any, sp: Any, imbalance: float,
+                                       c: ActivationCaching) -> Any:
+    """What a MoE or MLA model's layer keeps per token beyond (or short of) Korthikanti's dense count
+    (``activation_bytes_per_layer`` / (s·b)), which assumes MHA with Q, K, V of width h and a 4h MLP:
+
+    - MLA: the MHA terms (``mha_attention_bytes_per_token``) out, ``mla_attention_bytes_per_token`` in;
+      under recompute_norms a non-MLA attention drops its QKV input (the normed x, recomputed)
+    - FFN: the 4h MLP's 16h/t out; the MoE FFN (``moe_ffn_bytes_per_token``) or the dense SwiGLU/GeLU FFN of
+      d_ff in (bf16 activation inputs: the FP8 exception is the MoE's, DeepSeek-V3 Sec. 3.3.3); under
+      recompute_norms its input (the normed x, Korthikanti's fc1 input 2h) recomputed
+    - dropout: Korthikanti's two 1-byte masks (sbh each) out; a ModelSpec has no dropout and the MoE / MLA
+      models it describes train without it (DeepSeek-V3 config.json attention_dropout 0.0; Mixtral none). The
+      dense count keeps them (unchanged, an overcount for dropout-free dense models)
+    """
+    h, t = m.d_model, np.asarray(t, dtype=float)
+    norm_in = 2 * h / _sp_div(t, sp)  # a normed x, Korthikanti's QKV or fc1 input
+    if m.attention == "mla":
+        attn = mla_attention_bytes_per_token(m, t, sp, c) - mha_attention_bytes_per_token(h, t, sp)
+    else:
+        attn = -norm_in if c.recompute_norms else 0.0
+    if moe_layer:
+        ffn = moe_ffn_bytes_per_token(m, t, imbalance, c)
+    else:
+        ffn = ffn_bytes_per_token(m, t, m.d_ff, ACT, False, c)
+    ffn = ffn - 16 * h / t - (norm_in if c.recompute_norms else 0.0)
+    masks = 2 * h / _sp_div(t, sp)  # Korthikanti's two dropout masks (1 byte each): these models have no dropout
+    return attn + ffn - masks

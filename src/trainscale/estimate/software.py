@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainscale.errors import TrainscaleError
+from trainscale.estimate.memory import ActivationCaching
 
 GEMM_NAMES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")  # runtime/model.py's Linear names (params.py)
 DEFAULT = "trainscale"  # the runtime this project ships; launch.py plans for it
@@ -44,12 +45,26 @@ class Software:
     a2a_overlap: float = 0.0  # fraction of a MoE layer's compute the expert all-to-all can hide under
     pipeline: str = "standard"  # "standard" (the layout's schedule) | "dualpipe" (DeepSeek-V3 Sec. 3.2.1)
     comm_sms: int = 0  # SMs the communication kernels take from the GEMMs while they overlap
+    # what a MoE / MLA layer caches for its backward (memory.ActivationCaching; dense layers keep Korthikanti's count)
+    linear_act_bytes: float = 2.0  # bytes per element of a cached Linear input (2: bf16; ~1 under FP8 caching)
+    attn_out_act_bytes: float = 2.0  # the attention output (attention backward + output projection input)
+    swiglu_in_act_bytes: float = 2.0  # a MoE SwiGLU's inputs
+    recompute_norms: bool = False  # RMSNorm outputs recomputed in the backward, not kept
+    recompute_mla_up: bool = False  # MLA up-projections (q, k, v) recomputed from the latents in the backward
+    recompute_swiglu_output: bool = False  # a MoE SwiGLU's output recomputed from its inputs in the backward
+    moe_weighted_combine: bool = True  # the combine weights expert outputs by the gate (keeps them); False: the gate
+    #                                    is applied on the expert side and the combine is a plain sum (DeepEP)
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def state_bytes_per_param(self) -> int:
         """Weights (2) + gradients (grad_bytes) + Adam's fp32 master, momentum, variance (12): ZeRO Sec. 3.1."""
         return 2 + self.grad_bytes + 12
+
+    def activation_caching(self) -> ActivationCaching:
+        return ActivationCaching(self.linear_act_bytes, self.attn_out_act_bytes, self.swiglu_in_act_bytes,
+                                 self.recompute_norms, self.recompute_mla_up, self.recompute_swiglu_output,
+                                 self.moe_weighted_combine)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
@@ -59,7 +74,9 @@ class Software:
 _KNOBS = tuple(f.name for f in fields(Software) if f.name not in ("name", "source", "sources"))
 # knobs a preset may leave out, with their default
 _OPTIONAL = {"attention_speed": 1.0, "precision": "bf16", "moe_node_limit": 0, "a2a_overlap": 0.0,
-             "pipeline": "standard", "comm_sms": 0}
+             "pipeline": "standard", "comm_sms": 0, "linear_act_bytes": 2.0, "attn_out_act_bytes": 2.0,
+             "swiglu_in_act_bytes": 2.0, "recompute_norms": False, "recompute_mla_up": False,
+             "recompute_swiglu_output": False, "moe_weighted_combine": True}
 PRECISIONS = ("bf16", "fp8")
 
 
@@ -104,6 +121,13 @@ def _build(name: str, data: dict[str, Any], where: str) -> Software:
     for k in ("moe_node_limit", "comm_sms"):
         if isinstance(vals[k], bool) or not isinstance(vals[k], int) or not 0 <= vals[k] <= 4096:
             raise TrainscaleError(f"software {where}: {k} must be a whole number from 0 to 4096")
+    for k in ("linear_act_bytes", "attn_out_act_bytes", "swiglu_in_act_bytes"):
+        if isinstance(vals[k], bool) or not isinstance(vals[k], int | float) or not 0.5 <= vals[k] <= 4:
+            raise TrainscaleError(f"software {where}: {k} must be a number of bytes from 0.5 to 4")
+        vals[k] = float(vals[k])
+    for k in ("recompute_norms", "recompute_mla_up", "recompute_swiglu_output", "moe_weighted_combine"):
+        if not isinstance(vals[k], bool):
+            raise TrainscaleError(f"software {where}: {k} must be true or false")
     sources = {k: str(data.get(f"{k}_source", "")) for k in _KNOBS}
     return Software(name=name, source=str(data.get("source", "")), sources=sources, **vals)
 

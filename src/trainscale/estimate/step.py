@@ -328,6 +328,7 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
         "tp", "cp", "pp", "dp", "mb", "v", "schedule", "recompute", "zero", "hsdp"))
     ep = np.asarray(cfg["ep"], dtype=np.int64) if "ep" in cfg else np.ones_like(tp)
     moe = m.is_moe
+    shaped = moe or m.attention == "mla"  # activations counted from the shapes (memory.shaped_layer_delta_...)
     fp8 = sw.precision == "fp8"
     if fp8 and not gpu.peak_fp8_flops:
         raise TrainscaleError(f"{gpu.name} has no FP8 tensor cores (catalog/gpus.toml gives it no FP8 peak), so FP8 "
@@ -362,13 +363,15 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
         else f_mm
 
     # --- compute per layer per micro-batch on one GPU (item 1: every GEMM at its sharded shape)
-    t_mm_f = t_mm_b = t_sel = 0.0
+    t_mm_f = t_mm_b = t_sel = t_up = 0.0
     att_names = attention_gemm_shapes(m, 1)
     for name, (k_in, n_out) in layer_gemm_shapes(m, tp).items():
         f, b = gemm_train_time(tokens, k_in, n_out, f_lay, hbm, sms, gap)
         t_mm_f, t_mm_b = t_mm_f + f, t_mm_b + b
         if name in sw.selective_gemms:
             t_sel = t_sel + f
+        if name in ("wq_b", "wkv_b"):
+            t_up = t_up + f  # MLA up-projections, forward (recomputed under sw.recompute_mla_up)
         if name == list(att_names)[-1]:
             t_att_f, t_att_b, t_sel_att = t_mm_f, t_mm_b, t_sel  # the attention projections alone
     # the attention core: fused (FlashAttention; causal halving) or unfused (full s x s products + score traffic)
@@ -455,11 +458,26 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     # element-wise ops between them (only saved ops are kept)
     sel_ew = ew_f if sw.selective_gemms else 0.0
     t_rc = np.select([rc == 2, rc == 1], [t_mm_f + t_attn_f + ew_f, t_attn_f + t_sel + sel_ew], 0.0)
+    # a MoE / MLA model under the software's memory-saving recomputation (DeepSeek-V3 Sec. 3.2.3, 3.3.3), short of
+    # full recompute (which redoes it all anyway): the MLA up-projection GEMMs forward again, each RMSNorm's
+    # forward (read x, write its output: the two layer norms over h, the latent norms over q/kv ranks), a MoE
+    # SwiGLU's output from its inputs (the forward activation pass, as ew_f_m counts it)
+    rc_knobs = rc_knobs_m = 0.0
+    if shaped:
+        rc_knobs = (t_up if sw.recompute_mla_up else 0.0) + (ACT_BYTES * 2 * (
+            2 * hidden_tok * h + tokens * (m.q_lora_rank + m.kv_lora_rank)) / hbm if sw.recompute_norms else 0.0)
+        rc_knobs_m = rc_knobs
+        if moe and sw.recompute_swiglu_output:
+            rc_knobs_m = rc_knobs_m + ACT_BYTES * sw.mlp_act_passes * (tokens * m.d_ff_shared / tp + rows * width) \
+                * ups / 2 / hbm
+        rc_knobs, rc_knobs_m = np.where(rc == 2, 0.0, rc_knobs), np.where(rc == 2, 0.0, rc_knobs_m)
+        t_rc = t_rc + rc_knobs
     tp_x = (1 - sw.tp_overlap) * (2 + (rc == 2)) * tp_one_way
     cp_x = (1 - eff.cp_overlap) * (cp_fwd + cp_bwd + (rc == 2) * cp_fwd)
     if moe:
         sel_ew_m = ew_f_m if sw.selective_gemms else 0.0
-        t_rc_m = np.select([rc == 2, rc == 1], [t_mm_f_m + t_attn_f + ew_f_m, t_attn_f + t_sel_att + sel_ew_m], 0.0)
+        t_rc_m = np.select([rc == 2, rc == 1], [t_mm_f_m + t_attn_f + ew_f_m, t_attn_f + t_sel_att + sel_ew_m], 0.0) \
+            + rc_knobs_m
 
     # the slowest stage: the fullest one, or the last one if the output head tips it over; each chunk pass of
     # a micro-batch also pays the software's fixed dispatch cost
@@ -615,28 +633,36 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     logits = tokens * m.vocab_size / tp * (ACT_BYTES + LOSS_BYTES)
     capacity = gpu.memory_bytes - eff.memory_reserve_bytes
 
-    if moe:
-        # a MoE layer's feed-forward activations in place of a dense 4h MLP's 16·sbh/t (Korthikanti Table 2: the
-        # fc1 and GeLU outputs): the routed rows' input, up/gate, activation and output, the shared expert's, the
-        # fp32 router logits (bf16 unless said); none of it kept under full recompute
+    if shaped:
+        # a MoE or MLA model's layers counted from their shapes, as a correction to Korthikanti's dense count (the MLA
+        # latents and up-projected q/k/v in place of MHA's Q, K, V; the routed rows, experts, combine and router
+        # and the shared expert, or the dense FFN of d_ff, in place of a 4h MLP's 16·sbh/t), under the software's
+        # caching and recompute knobs; none of it kept under full recompute
         tok_s = (S // cp) * mb
-        rows_a = tok_s / tp * m.experts_per_token * imbalance
-        moe_act = (ACT_BYTES * rows_a * (2 * h + m.expert_width * (ups + 1))
-                   + ACT_BYTES * tok_s * m.d_ff_shared / tp * (ups + 1) + 4 * tok_s / tp * m.n_experts
-                   - 16 * tok_s * h / tp)
-        moe_act = np.where(rc == 2, 0.0, moe_act)
+        cache_knobs = sw.activation_caching()
+        imb = m.capacity_factor if m.capacity_factor > 0 else eff.moe_imbalance
+        dense_act, moe_act = (np.where(rc == 2, 0.0, tok_s * memory.shaped_layer_delta_bytes_per_token(
+            m, kind, tp, sp, imb, cache_knobs)) for kind in (False, True))
+        if not moe:
+            moe_act = dense_act
     else:
-        moe_act = 0.0
-    act_scale = np.where((pp > 1) & (sw.pipeline == "dualpipe"), (pp + 1) / pp, 1.0)  # DualPipe: PP+1 in flight
+        dense_act = moe_act = 0.0
+
+    def held(r: Any) -> Any:
+        """Micro-batches of a stage's layers rank r holds at its peak. DualPipe (DeepSeek-V3 Table 2, "Activation
+        PP+1"): every rank holds its two chunks' PP + 1 in all, whatever its position."""
+        if sw.pipeline == "dualpipe":
+            return np.where(pp > 1, np.minimum(pp + 1, micro), in_flight(sched, pp, ve, micro, r))
+        return in_flight(sched, pp, ve, micro, r)
 
     def stage(r: Any, layers: Any, dense: Any, params: Any, experts: Any, is_last: Any) -> dict[str, Any]:
         st = memory.zero_state_bytes_per_gpu(params, n_shard, zero, grad_bytes=sw.grad_bytes)
         if moe:
             ex = memory.zero_state_bytes_per_gpu(experts, n_shard_e, zero, grad_bytes=sw.grad_bytes)
             st = memory.StateBytes(st.weights + ex.weights, st.gradients + ex.gradients, st.optimizer + ex.optimizer)
-            a = (per_layer * layers + moe_act * (layers - dense)) * in_flight(sched, pp, ve, micro, r) * act_scale
+            a = (per_layer * layers + dense_act * dense + moe_act * (layers - dense)) * held(r)
         else:
-            a = per_layer * layers * in_flight(sched, pp, ve, micro, r)
+            a = (per_layer + moe_act) * layers * held(r)
         buf = fsdp_buf + rc_buf + np.where(is_last, logits, 0.0)
         w, g, o = (np.asarray(x) + 0.0 for x in (st.weights, st.gradients, st.optimizer))
         return {"w": w, "g": g, "o": o, "a": a, "b": buf, "t": w + g + o + a + buf}
@@ -662,6 +688,9 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
                     rc, RECOMPUTE)
     sel_params = sum(int(np.prod(sh)) for name, sh in _full_shapes(m).items() if name in sw.selective_gemms)
     rpt = rpt + np.where(rc == 1, 2.0 * sel_params * L, 0.0)  # 2 FLOPs per weight per token, every layer
+    if shaped and sw.recompute_mla_up:  # the MLA up-projections again, every layer, short of full recompute
+        up_params = sum(int(np.prod(sh)) for name, sh in _full_shapes(m).items() if name in ("wq_b", "wkv_b"))
+        rpt = rpt + np.where(rc == 2, 0.0, 2.0 * up_params * L)
     tokens_step = float(global_seqs) * S
     tps = tokens_step / step
     mfu = flops.mfu(tps, fpt, world, peak)
