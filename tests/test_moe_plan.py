@@ -170,3 +170,56 @@ def test_moe_software_knobs_are_checked():
     assert all(sw.sources[k] for k in ("precision", "moe_node_limit", "a2a_overlap", "pipeline", "comm_sms"))
     with pytest.raises(TrainscaleError, match="no FP8 tensor cores"):
         plan.problem("llama3.1-8b", "a100-sxm-80gb", 8, 4096, 2**20, software=with_knobs(sw, precision="fp8"))
+
+
+def test_deepseek_v3_row_fits_an_h800_by_a_hand_count():
+    """pp16 DualPipe, dp128, ep64, zero1, mb1, seq 4096, software 'deepseek-v3' (arXiv 2412.19437 Sec. 3.2.3 and
+    3.3.3: RMSNorm and MLA up-projections recomputed, Linear inputs cached in FP8 (1 + 4/128 B with the 1x128 tile's
+    FP32 scale), the attention output in E5M6 (1.5 + 4/128 B), the MoE SwiGLU inputs in FP8 and its output
+    recomputed; the gate applied on the expert side, DeepEP's combine a plain sum).
+
+    Per token per MoE layer, bytes (busiest EP rank: top-8 x the planner's imbalance 1.25 = 10 routed rows):
+      the two RMSNorm inputs, kept to recompute them         2 x 2 x 7168            =  28,672
+      MLA: c_q 2 x 1536 + (c_kv + rope key) 2 x (512 + 64)   3,072 + 1,152           =   4,224
+           attention output O, E5M6: 1.53125 x 128 x 128 + fp32 log-sum-exp 4 x 128  =  25,600
+      MoE: per routed row the FP8 dispatched row 1.03125 x 7168 = 7,392, its fp32 gate weight 4, the FP8 SwiGLU
+           inputs 1.03125 x 2 x 2048 = 4,224: 11,620 x 10                             = 116,200
+           shared expert's FP8 SwiGLU inputs 4,224 + fp32 router scores 4 x 256       =   5,248
+                                                                                total = 179,944
+    The heaviest rank holds two 4-layer chunks (layers 61 on 16 stages: 3, 4 x 13, 3, 3) and DualPipe keeps PP + 1
+    = 17 micro-batches of a stage's layers (Table 2): 179,944 x 4096 x 4 x 17 = 50,119,442,432 B of activations,
+    + 28.27 GB of weights (bf16, 2 copies), fp32 gradients and ZeRO-1 Adam = 78.39 GB < 80 GB."""
+    p = plan.problem("deepseek-v3", None, 2048, 4096, 15360 * 4096, cluster="deepseek-h800", software="deepseek-v3")
+    row = p.evaluate_layout(Layout.parse("pp16,dp128,ep64,zero1,mb1"))
+    mem = row["memory_per_gpu_bytes"]
+    assert mem["activations"] == pytest.approx(179_944 * 4096 * 4 * 17, rel=1e-12)
+    assert mem["total"] == pytest.approx(78_389_473_280, rel=1e-9) and mem["total"] < 80e9
+    assert row["fits"]
+    # the memory savings cost recompute time (MLA up-projection GEMMs, norms, SwiGLU outputs), a small share
+    parts = row["step_time_parts_s"]
+    assert 0 < parts["recompute"] < 0.03 * row["step_time_s"]
+    # without the paper's techniques (bf16 caching, nothing recomputed, a weighting combine) it would not fit
+    from trainscale.estimate.software import load_software, with_knobs
+
+    plain = with_knobs(load_software("deepseek-v3"), linear_act_bytes=2.0, attn_out_act_bytes=2.0,
+                       swiglu_in_act_bytes=2.0, recompute_norms=False, recompute_mla_up=False,
+                       recompute_swiglu_output=False, moe_weighted_combine=True)
+    p2 = plan.problem("deepseek-v3", None, 2048, 4096, 15360 * 4096, cluster="deepseek-h800", software=plain)
+    assert not p2.evaluate_layout(Layout.parse("pp16,dp128,ep64,zero1,mb1"))["fits"]
+    sw = load_software("deepseek-v3")
+    assert all(sw.sources[k] for k in ("linear_act_bytes", "attn_out_act_bytes", "swiglu_in_act_bytes",
+                                       "recompute_norms", "recompute_mla_up", "recompute_swiglu_output",
+                                       "moe_weighted_combine"))
+
+
+@pytest.mark.parametrize("model,gpus,layout,software,total,acts", [
+    ("llama3.1-70b", 64, "tp8,pp4,dp2,zero1,mb1,rc=selective", None, 38_654_148_608, 11_408_506_880),
+    ("llama3.1-70b", 64, "tp8,pp2,dp4,zero1,mb1,sp", "torchtitan", 51_094_962_176, 11_408_506_880),
+    ("llama3.1-8b", 8, "dp8,zero1", None, 81_632_589_824, 18_253_611_008),
+])
+def test_dense_memory_unchanged_by_the_moe_mla_count(model, gpus, layout, software, total, acts):
+    """Dense MHA/GQA models keep Korthikanti Table 2's count: the figures from before the MoE/MLA count (main at
+    44c4b3b), to the byte."""
+    row = plan.problem(model, "h100-sxm", gpus, 4096, 2**22, software=software).evaluate_layout(Layout.parse(layout))
+    assert row["memory_per_gpu_bytes"]["total"] == total
+    assert row["memory_per_gpu_bytes"]["activations"] == acts
