@@ -64,7 +64,9 @@ def plain_loop(cfg, loader):
 
 def bench(name: str, steps: int, warmup: int = 3) -> dict:
     cfg = load_config(ROOT / "configs" / f"{name}.toml", {"train": {"steps": steps + warmup}})
-    trainer = Trainer(cfg, Layout(), out=None, log=lambda _m: None)
+    # the whole batch in one micro-batch, as the plain loop runs it (a layout without mbN means mb1: gradient
+    # accumulation over single sequences, a different computation with smaller matmuls)
+    trainer = Trainer(cfg, Layout(mb=cfg.train.global_batch), out=None, log=lambda _m: None)
     from trainscale.runtime.data import TokenLoader
 
     loader = TokenLoader(trainer.corpus.tokens("train"), cfg.train.seq_len, cfg.train.global_batch, seed=cfg.train.seed)
@@ -102,7 +104,7 @@ def profile(name: str, steps: int = 5) -> None:
     from trainscale.runtime.data import TokenLoader
 
     cfg = load_config(ROOT / "configs" / f"{name}.toml", {"train": {"steps": 2 * steps + 2}})
-    trainer = Trainer(cfg, Layout(), out=None, log=lambda _m: None)
+    trainer = Trainer(cfg, Layout(mb=cfg.train.global_batch), out=None, log=lambda _m: None)
     loader = TokenLoader(trainer.corpus.tokens("train"), cfg.train.seq_len, cfg.train.global_batch, seed=cfg.train.seed)
     plain = plain_loop(cfg, loader)
     for _ in range(2):
@@ -137,18 +139,21 @@ def main() -> None:
         return
     peak = measure.cpu_peak_flops(remeasure=True)  # the highest this machine has measured, now included
     os.environ["TRAINSCALE_CPU_PEAK"] = repr(peak)
-    rows = [bench(n, args.steps) for n in args.configs.split(",")]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, load average {load:.1f}; CPU fp32 matmul peak {peak / 1e9:.1f} GFLOP/s")
+          f"{torch.get_num_threads()} threads, load average {load:.1f} at the start; CPU fp32 matmul peak "
+          f"{peak / 1e9:.1f} GFLOP/s")
     print("| config | params | tokens/step | trainscale tok/s | plain loop tok/s | step time trainscale / plain "
           "| paired ratio, median [quartiles] | trainscale MFU | plain MFU |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for name in args.configs.split(","):  # each row as soon as it is measured
+        r = bench(name, args.steps)
+        rows.append(r)
         print(f"| {r['config']} | {r['params'] / 1e6:.2f}M | {r['tokens_per_step']:,} | "
               f"{r['trainscale_tokens_per_s']:,.0f} | {r['plain_tokens_per_s']:,.0f} | {r['overhead_ratio']:.3f} | "
               f"{r['paired_ratio']:.3f} [{r['paired_q1']:.3f}, {r['paired_q3']:.3f}] | "
-              f"{r['trainscale_mfu']:.1%} | {r['plain_mfu']:.1%} |")
+              f"{r['trainscale_mfu']:.1%} | {r['plain_mfu']:.1%} |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"peak_flops": peak, "rows": rows}, indent=2))
 
