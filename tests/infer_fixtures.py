@@ -64,3 +64,19 @@ def small_model_dir(tmp_path_factory) -> Path:
     if "small" not in _BUILT:
         _BUILT["small"] = train_small_model(tmp_path_factory.mktemp("infer") / "small")
     return _BUILT["small"]
+
+
+# Mixtral's shape: every layer MoE, SwiGLU experts, no shared expert, top-k weights renormalised (what the HF
+# and GGUF exports accept as a MoE). 300 steps (about a minute on 2 cores): its greedy text is not one token repeated.
+MIXTRAL_SMALL = {"name": "infer-moe-small", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2,
+                 "d_ff": 128, "n_experts": 4, "experts_per_token": 2, "d_ff_expert": 128, "router_norm_topk": True,
+                 "first_dense_layers": 0, "max_seq_len": 128}
+
+
+@pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory) -> Path:
+    """A small trained Mixtral-shaped MoE model folder, built once per session (do not write into it)."""
+    if "moe" not in _BUILT:
+        _BUILT["moe"] = train_small_model(tmp_path_factory.mktemp("infer") / "moe", steps=300,
+                                          spec_fields=MIXTRAL_SMALL, batch=16, seq_len=64, text_chars=200_000)
+    return _BUILT["moe"]
