@@ -12,12 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from infer_fixtures import MIXTRAL_SMALL, moe_model_dir  # noqa: F401  (session fixture)
+from infer_fixtures import MIXTRAL_SMALL, check_llama_cpp_f16, gguf_state_dict, moe_model_dir  # noqa: F401  (fixture)
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.inference import gguf_name, gguf_tensor_bytes, gguf_tensor_types
 from trainscale.infer.export import check_mixtral, export_gguf, export_hf
-from trainscale.infer.generate import Sampling, generate_ids
 from trainscale.infer.load import load_for_inference, load_tokenizer_for
 from trainscale.specs import load_model
 
@@ -96,43 +95,20 @@ def test_gguf_moe_tensors_and_metadata(moe_gguf, moe_model_dir):  # noqa: F811
 
 @needs_llama_cpp
 def test_llama_cpp_moe_f16_greedy_equals_trainscale(moe_gguf, moe_model_dir):  # noqa: F811
-    from llama_cpp import Llama
-
-    model, spec, folder = load_for_inference(moe_model_dir)
-    tok = load_tokenizer_for(folder)
-    ids = tok.encode(PROMPT).ids
-    llm = Llama(model_path=moe_gguf["f16"]["out"], n_ctx=spec.max_seq_len, n_threads=2, verbose=False,
-                logits_all=True, seed=0)
-    routers = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("router.weight")}
-    m16 = model.half().float()  # the f16 file's weights, computed in fp32; the routers stay F32 in the file
-    m16.load_state_dict(routers, strict=False)
-    ours = generate_ids(m16, ids, 32, Sampling(temperature=0)).new_ids
-    llm.reset()
-    llm.eval(ids)
-    with torch.no_grad():
-        ref = m16(torch.tensor([ids]))[0].numpy()
-    assert np.abs(np.array(llm.scores[:len(ids)]) - ref).max() < 2e-2
-    theirs = []
-    for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-        theirs.append(t)
-        if len(theirs) == 32:
-            break
-    assert theirs == ours
+    model, _, folder = load_for_inference(moe_model_dir)
+    _, ours = check_llama_cpp_f16(moe_gguf["f16"]["out"], model, load_tokenizer_for(folder).encode(PROMPT).ids)
     assert len(set(ours)) > 4  # a trained model's text, not one token repeated
 
 
 @needs_llama_cpp
 def test_llama_cpp_moe_q8_0_reads_the_expert_blocks_written(moe_gguf, moe_model_dir):  # noqa: F811
-    import gguf
     from llama_cpp import Llama
 
     from trainscale.infer.quantize import model_from_state_dict
 
     model, spec, folder = load_for_inference(moe_model_dir)
     ids = load_tokenizer_for(folder).encode(PROMPT).ids
-    by = {t.name: t for t in gguf.GGUFReader(moe_gguf["q8_0"]["out"]).tensors}
-    sd = {k: torch.from_numpy(np.array(gguf.quants.dequantize(by[gguf_name(k)].data, by[gguf_name(k)].tensor_type),
-                                       dtype=np.float32).reshape(v.shape)) for k, v in model.state_dict().items()}
+    sd = gguf_state_dict(moe_gguf["q8_0"]["out"], model)
     with torch.no_grad():
         ref = model_from_state_dict(spec, sd)(torch.tensor([ids]))[0].numpy()
     llm = Llama(model_path=moe_gguf["q8_0"]["out"], n_ctx=spec.max_seq_len, n_threads=2, verbose=False,
