@@ -64,3 +64,65 @@ def small_model_dir(tmp_path_factory) -> Path:
     if "small" not in _BUILT:
         _BUILT["small"] = train_small_model(tmp_path_factory.mktemp("infer") / "small")
     return _BUILT["small"]
+
+
+# Mixtral's shape: every layer MoE, SwiGLU experts, no shared expert, top-k weights renormalised (what the HF
+# and GGUF exports accept as a MoE). 300 steps (about a minute on 2 cores): its greedy text is not one token repeated.
+MIXTRAL_SMALL = {"name": "infer-moe-small", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2,
+                 "d_ff": 128, "n_experts": 4, "experts_per_token": 2, "d_ff_expert": 128, "router_norm_topk": True,
+                 "first_dense_layers": 0, "max_seq_len": 128}
+
+
+@pytest.fixture(scope="session")
+def moe_model_dir(tmp_path_factory) -> Path:
+    """A small trained Mixtral-shaped MoE model folder, built once per session (do not write into it)."""
+    if "moe" not in _BUILT:
+        _BUILT["moe"] = train_small_model(tmp_path_factory.mktemp("infer") / "moe", steps=300,
+                                          spec_fields=MIXTRAL_SMALL, batch=16, seq_len=64, text_chars=200_000)
+    return _BUILT["moe"]
+
+
+def llama_greedy(llm, ids: list[int], n: int) -> list[int]:
+    """llama-cpp-python's greedy continuation of ``ids``: its first ``n`` new tokens."""
+    out: list[int] = []
+    for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        out.append(t)
+        if len(out) == n:
+            break
+    return out
+
+
+def gguf_state_dict(path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights a GGUF file holds, dequantized to fp32, under ``model``'s names and shapes."""
+    import gguf
+    import numpy as np
+
+    from trainscale.estimate.inference import gguf_name
+
+    by = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    return {k: torch.from_numpy(np.array(gguf.quants.dequantize(by[gguf_name(k)].data, by[gguf_name(k)].tensor_type),
+                                         dtype=np.float32).reshape(v.shape)) for k, v in model.state_dict().items()}
+
+
+def check_llama_cpp_f16(path, model: torch.nn.Module, ids: list[int], n: int = 32):
+    """llama.cpp on an f16 GGUF of ``model``: its logits on ``ids`` within 2e-2 of trainscale's on the file's
+    weights (f16-rounded, computed in fp32; a MoE router stays F32, as the file keeps it) and its greedy
+    continuation equal to trainscale's. -> (the Llama, the ``n`` greedy tokens). ``model`` is left f16-rounded."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    from trainscale.infer.generate import Sampling, generate_ids
+
+    llm = Llama(model_path=str(path), n_ctx=model.spec.max_seq_len, n_threads=2, verbose=False, logits_all=True,
+                seed=0)
+    routers = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("router.weight")}
+    m16 = model.half().float()
+    m16.load_state_dict(routers, strict=False)
+    ours = generate_ids(m16, ids, n, Sampling(temperature=0)).new_ids
+    llm.reset()
+    llm.eval(ids)
+    with torch.no_grad():
+        ref = m16(torch.tensor([ids]))[0].numpy()
+    assert np.abs(np.array(llm.scores[:len(ids)]) - ref).max() < 2e-2
+    assert llama_greedy(llm, ids, n) == ours
+    return llm, ours

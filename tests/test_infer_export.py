@@ -7,12 +7,11 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from infer_fixtures import small_model_dir  # noqa: F401  (session fixture)
+from infer_fixtures import check_llama_cpp_f16, gguf_state_dict, small_model_dir  # noqa: F401
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.inference import gguf_name, gguf_tensor_bytes
 from trainscale.infer.export import export_gguf, export_hf, rope_interleaved_to_half
-from trainscale.infer.generate import Sampling, generate_ids
 from trainscale.infer.load import load_for_inference, load_tokenizer_for
 
 PROMPT = "ROMEO:\nWhat light through yonder window breaks? It is the east"
@@ -102,38 +101,21 @@ def test_gguf_tensor_bytes_and_metadata_equal_estimator(gguf_files, small_model_
 
 @needs_llama_cpp
 def test_llama_cpp_f16_greedy_equals_trainscale(gguf_files, small_model_dir):  # noqa: F811
-    from llama_cpp import Llama
-
     model, spec, folder = load_for_inference(small_model_dir)
     tok = load_tokenizer_for(folder)
     ids = tok.encode(PROMPT).ids
-    llm = Llama(model_path=gguf_files["f16"]["out"], n_ctx=spec.max_seq_len, n_threads=2, verbose=False,
-                logits_all=True, seed=0)
+    llm, ours = check_llama_cpp_f16(gguf_files["f16"]["out"], model, ids)
     assert llm.tokenize(PROMPT.encode(), add_bos=False, special=False) == ids  # same tokenizer in the file
     from trainscale.runtime.data import corpus_text
 
     held = corpus_text("val", max_chars=5000)
     assert llm.tokenize(held.encode(), add_bos=False, special=False) == tok.encode(held).ids
-    m16 = model.half().float()  # the f16 file's weights, computed in fp32
-    ours = generate_ids(m16, ids, 32, Sampling(temperature=0)).new_ids
-    llm.reset()
-    llm.eval(ids)
-    with torch.no_grad():
-        ref = m16(torch.tensor([ids]))[0].numpy()
-    assert np.abs(np.array(llm.scores[:len(ids)]) - ref).max() < 2e-2
-    theirs = []
-    for t in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-        theirs.append(t)
-        if len(theirs) == 32:
-            break
-    assert theirs == ours
-    assert llm.detokenize(theirs).decode() == tok.decode(ours)
+    assert llm.detokenize(ours).decode() == tok.decode(ours)  # ours == llama.cpp's greedy tokens
 
 
 @needs_llama_cpp
 @pytest.mark.parametrize("ftype", ["q8_0", "q4_0"])
 def test_llama_cpp_loads_and_runs_quantized_gguf(gguf_files, small_model_dir, ftype):  # noqa: F811
-    import gguf
     from llama_cpp import Llama
 
     from trainscale.infer.quantize import model_from_state_dict
@@ -146,9 +128,7 @@ def test_llama_cpp_loads_and_runs_quantized_gguf(gguf_files, small_model_dir, ft
     assert out["usage"]["completion_tokens"] > 0 and out["choices"][0]["text"]
     # the blocks llama.cpp read are the blocks written: its logits equal trainscale's on the file's
     # dequantized weights, up to llama.cpp quantizing the activations to Q8 for the dot products
-    by = {t.name: t for t in gguf.GGUFReader(gguf_files[ftype]["out"]).tensors}
-    sd = {k: torch.from_numpy(np.array(gguf.quants.dequantize(by[gguf_name(k)].data, by[gguf_name(k)].tensor_type),
-                                         dtype=np.float32).reshape(v.shape)) for k, v in model.state_dict().items()}
+    sd = gguf_state_dict(gguf_files[ftype]["out"], model)
     with torch.no_grad():
         ref = model_from_state_dict(spec, sd)(torch.tensor([ids]))[0].numpy()
     llm.reset()
@@ -180,8 +160,7 @@ def test_llama_cpp_reads_f16_fallback_for_rows_that_are_not_whole_blocks(tmp_pat
     by = {t.name: t for t in gguf.GGUFReader(rep["out"]).tensors}
     assert by["blk.0.ffn_down.weight"].tensor_type.name == "F16"
     assert by["blk.0.ffn_up.weight"].tensor_type.name == "Q4_0"
-    sd = {k: torch.from_numpy(np.array(gguf.quants.dequantize(by[gguf_name(k)].data, by[gguf_name(k)].tensor_type),
-                                       dtype=np.float32).reshape(v.shape)) for k, v in model.state_dict().items()}
+    sd = gguf_state_dict(rep["out"], model)
     ids = tok.encode("To be, or not to be, that is the question").ids
     with torch.no_grad():
         ref = model_from_state_dict(spec, sd)(torch.tensor([ids]))[0].numpy()

@@ -1,4 +1,5 @@
-"""`trainscale export`: a Hugging Face Llama folder or a llama.cpp GGUF file, sizes vs the estimator."""
+"""`trainscale export`: a Hugging Face Llama (MoE: Mixtral) folder or a llama.cpp GGUF file, sizes vs the
+estimator."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def export(
     dtype: str = typer.Option("float32", help="HF weights dtype: float32, bfloat16 or float16"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Export to Hugging Face (config.json, model.safetensors, tokenizer files) or to GGUF for llama.cpp."""
+    """Export to Hugging Face (config.json, model.safetensors, tokenizer files) or to GGUF for llama.cpp.
+    A mixture of experts exports if it is Mixtral-shaped (every layer MoE, no shared expert, top-k renormalised)."""
     from trainscale.commands._infer import check_table, kv_table, print_tables
     from trainscale.infer.load import find_folder, read_spec
 
@@ -42,7 +44,7 @@ def export(
         bits = 8 * HF_DTYPES[dtype].itemsize
         predicted = weights_bytes(param_count(spec), bits)
         check = ("tensor bytes (params x bytes)", rep["tensor_bytes"], predicted)
-        title = f"Hugging Face Llama folder ({dtype})"
+        title = f"Hugging Face {'Mixtral' if spec.is_moe else 'Llama'} folder ({dtype})"
     else:
         from trainscale.estimate.inference import gguf_tensor_bytes
         from trainscale.infer.export import GGUF_TYPES, export_gguf
@@ -54,7 +56,8 @@ def export(
         rep = export_gguf(checkpoint, out, ftype)
         predicted = gguf_tensor_bytes(spec, ftype, llama_cpp_mix=False)
         check = ("tensor bytes (gguf_tensor_bytes)", rep["tensor_bytes"], predicted)
-        title = f"GGUF {ftype} (llama.cpp, architecture llama)"
+        moe = f", {spec.n_experts} experts, top-{spec.experts_per_token}" if spec.is_moe else ""
+        title = f"GGUF {ftype} (llama.cpp, architecture llama{moe})"
     rep = {**rep, "to": to, "predicted_tensor_bytes": predicted, "equal": rep["tensor_bytes"] == predicted}
     if as_json:
         emit_json(rep)

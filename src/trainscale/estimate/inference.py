@@ -76,7 +76,11 @@ def gguf_name(name: str) -> str:
              "attention.wq.weight": "attn_q.weight", "attention.wk.weight": "attn_k.weight",
              "attention.wv.weight": "attn_v.weight", "attention.wo.weight": "attn_output.weight",
              "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
-             "feed_forward.w2.weight": "ffn_down.weight"}
+             "feed_forward.w2.weight": "ffn_down.weight",
+             # a MoE layer (llama.cpp's Mixtral tensors, gguf-py MODEL_TENSOR.FFN_GATE_INP / FFN_*_EXP): the
+             # router and the routed experts stacked on their leading expert dim, one 3-D tensor each
+             "moe.router.weight": "ffn_gate_inp.weight", "moe.experts.w1": "ffn_gate_exps.weight",
+             "moe.experts.w3": "ffn_up_exps.weight", "moe.experts.w2": "ffn_down_exps.weight"}
     return f"blk.{i}.{table.get(sub, sub)}"
 
 
@@ -89,7 +93,10 @@ def gguf_tensor_types(m: ModelSpec, ftype: str, llama_cpp_mix: bool = True) -> d
     """ggml type per GGUF tensor for a file type, following llama.cpp's llama_tensor_get_type().
 
     f16: matrices F16; q8_0 / q4_0: matrices of that type; q4_k_m: Q4_K with Q6_K for output.weight
-    and for attn_v / ffn_down in the layers use_more_bits() picks. Norms are F32 throughout. With
+    and for attn_v / ffn_down(_exps) in the layers use_more_bits() picks; an 8-expert MoE gets Q8_0 attn_v
+    and attn_k in every quantized type (llama.cpp's Mixtral rule). Norms are F32 throughout, and so is a
+    MoE router (ffn_gate_inp: llama.cpp's convert_hf_to_gguf.py writes it F32 and its quantizer skips it).
+    Routed experts are 3-D [E, rows, cols] tensors quantized row by row like a matrix. With
     ``llama_cpp_mix`` off, every matrix gets the base type (what trainscale's own writer does).
     """
     base = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K"}.get(ftype)
@@ -98,15 +105,17 @@ def gguf_tensor_types(m: ModelSpec, ftype: str, llama_cpp_mix: bool = True) -> d
     out: dict[str, str] = {}
     for name, shape in tensor_inventory(m):
         g = gguf_name(name)
-        t = "F32" if len(shape) == 1 else base
-        if llama_cpp_mix and len(shape) == 2:
+        t = "F32" if len(shape) == 1 or g.endswith("ffn_gate_inp.weight") else base
+        if llama_cpp_mix and len(shape) >= 2:
             if g == "output.weight" and base in ("Q4_0", "Q4_K"):
                 t = "Q6_K"
-            elif ftype == "q4_k_m" and g.endswith(("attn_v.weight", "ffn_down.weight")):
+            elif ftype == "q4_k_m" and g.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
                 if _use_more_bits(int(g.split(".")[1]), m.n_layers):
                     t = "Q6_K"
+            if m.n_experts == 8 and base != "F16" and g.endswith(("attn_v.weight", "attn_k.weight")):
+                t = "Q8_0"  # llama-quant.cpp: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
         block = GGML_BLOCK[t][1]
-        if len(shape) == 2 and shape[-1] % block:  # row not a whole number of blocks: llama.cpp falls back
+        if len(shape) >= 2 and shape[-1] % block:  # row not a whole number of blocks: llama.cpp falls back
             t = "F16"
         out[g] = t
     return out

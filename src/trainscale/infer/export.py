@@ -7,6 +7,18 @@ so the HF export permutes each head's rows of wq / wk (and their biases): new ro
 new row d/2 + i <- old row 2i + 1, the permutation of transformers' convert_llama_weights_to_hf.py.
 Tests check both by logits / greedy continuations, not by reasoning.
 
+Mixture of experts. A MoE in Mixtral's shape (every layer MoE, SwiGLU experts, no shared expert,
+softmax over all experts then top-k renormalised to sum 1, no biases: what runtime/moe.py computes with
+``router_norm_topk``) exports to both formats. Hugging Face: a MixtralForCausalLM folder in the layout of
+the published Mixtral checkpoints, ``block_sparse_moe.gate.weight`` [E, d] and one
+``block_sparse_moe.experts.{e}.w1/w3/w2.weight`` per expert (transformers 5 fuses them into its
+``mlp.experts.gate_up_proj`` / ``down_proj`` when it loads them; MixtralTopKRouter is softmax, top-k,
+renormalise). GGUF: llama.cpp's "llama" architecture with ``llama.expert_count`` /
+``llama.expert_used_count``; the router is ``blk.N.ffn_gate_inp.weight`` and the experts are 3-D
+``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` (numpy [E, rows, cols], trainscale's own stacking),
+and llama.cpp's llama graph gates by softmax, top-k, weights normalised. Any other MoE (shared experts,
+dense leading layers, no renormalisation, GELU experts) is refused.
+
 The GGUF file is written directly with ``gguf.GGUFWriter`` (llama.cpp's converter only accepts
 tokenizers it knows by hash): tokenizer.ggml.model = "gpt2" (byte-level BPE) with the tokens,
 token types and merges of the run's tokenizer.json, tokenizer.ggml.pre = "gpt-2" (GPT-2's
@@ -51,6 +63,24 @@ def check_llama(spec: ModelSpec, target: str, allow_bias: bool = False) -> None:
                               f"{'' if allow_bias else ', no biases'}); this one has {', '.join(bad)}")
 
 
+def check_mixtral(spec: ModelSpec, target: str) -> None:
+    """A MoE must be Mixtral-shaped to export: every layer MoE, no shared expert, top-k renormalised."""
+    if not spec.is_moe:
+        return
+    bad = []
+    if spec.d_ff_shared:
+        bad.append("a shared expert")
+    if spec.first_dense_layers:
+        bad.append(f"{spec.first_dense_layers} dense leading layer(s)")
+    if not spec.router_norm_topk:
+        bad.append("top-k weights not renormalised (router_norm_topk=false)")
+    if spec.capacity_factor:
+        bad.append(f"capacity_factor={spec.capacity_factor}")
+    if bad:
+        raise TrainscaleError(f"{target} export writes a MoE as Mixtral (every layer MoE, no shared expert, top-k "
+                              f"weights renormalised); this one has {', '.join(bad)}")
+
+
 def rope_interleaved_to_half(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     """Rows of a Q or K projection (or bias), per head: pairs (2i, 2i+1) -> (i, i + d/2)."""
     rest = w.shape[1:]
@@ -78,7 +108,7 @@ _HF_LAYER = {
     "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w2": "mlp.down_proj", "moe.router.weight": "block_sparse_moe.gate.weight",
 }
 
 
@@ -96,10 +126,23 @@ def hf_name(name: str) -> str:
     return f"model.layers.{i}.{_HF_LAYER[stem]}.{leaf}"
 
 
+def hf_expert_names(name: str, n_experts: int) -> list[str] | None:
+    """A stacked expert tensor ``layers.{i}.moe.experts.{w}`` -> its per-expert Mixtral names, else None."""
+    parts = name.split(".")
+    if len(parts) != 5 or parts[2:4] != ["moe", "experts"] or parts[4] not in ("w1", "w3", "w2"):
+        return None  # Mixtral names its experts' gate, up, down w1, w3, w2, as trainscale does
+    return [f"model.layers.{parts[1]}.block_sparse_moe.experts.{e}.{parts[4]}.weight"
+            for e in range(n_experts)]
+
+
 def hf_state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in sd.items():
         t = t.detach().float()
+        experts = hf_expert_names(name, spec.n_experts)
+        if experts is not None:  # [E, rows, cols] -> E matrices
+            out.update({n: t[e].to(dtype).contiguous() for e, n in enumerate(experts)})
+            continue
         heads = rope_permuted_heads(name, spec)
         if heads is not None:
             t = rope_interleaved_to_half(t, heads, spec.head_dim)
@@ -114,7 +157,18 @@ def special_token_ids(tokenizer) -> dict[str, Any]:
 
 
 def hf_config(spec: ModelSpec, dtype: str, special: dict[str, Any]) -> dict[str, Any]:
-    return {
+    moe = {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": spec.expert_width,
+        "num_local_experts": spec.n_experts,
+        "num_experts_per_tok": spec.experts_per_token,
+        "router_aux_loss_coef": spec.aux_loss_coef,
+        "output_router_logits": False,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    } if spec.is_moe else {}
+    cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": spec.d_model,
@@ -140,15 +194,20 @@ def hf_config(spec: ModelSpec, dtype: str, special: dict[str, Any]) -> dict[str,
         "dtype": dtype,
         "use_cache": True,
     }
+    if moe:  # Mixtral has no bias settings: check_llama refused biases
+        cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}
+    return {**cfg, **moe}
 
 
 def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32") -> dict[str, Any]:
     """Write OUT/{config.json, generation_config.json, model.safetensors, tokenizer.json,
-    tokenizer_config.json, special_tokens_map.json} for transformers' LlamaForCausalLM."""
+    tokenizer_config.json, special_tokens_map.json} for transformers' LlamaForCausalLM (a MoE:
+    MixtralForCausalLM)."""
     if dtype not in HF_DTYPES:
         raise TrainscaleError(f"HF export dtype must be one of {', '.join(HF_DTYPES)}, not {dtype!r}")
     model, spec, src = load_for_inference(model_dir)
-    check_llama(spec, "Hugging Face", allow_bias=True)
+    check_llama(spec, "Hugging Face", allow_bias=not spec.is_moe)
+    check_mixtral(spec, "Hugging Face")
     tok = load_tokenizer_for(src)
     special = special_token_ids(tok)
     out = Path(out)
@@ -203,6 +262,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, ftype: str = "f16") -> d
         raise TrainscaleError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, not {ftype!r}")
     model, spec, src = load_for_inference(model_dir)
     check_llama(spec, "GGUF")
+    check_mixtral(spec, "GGUF")
     tok_path = src / "tokenizer.json"
     if not tok_path.exists():
         raise TrainscaleError(f"{src} has no tokenizer.json; GGUF files carry their tokenizer")
@@ -220,7 +280,10 @@ def export_gguf(model_dir: str | Path, out: str | Path, ftype: str = "f16") -> d
     w.add_context_length(spec.max_seq_len)
     w.add_embedding_length(spec.d_model)
     w.add_block_count(spec.n_layers)
-    w.add_feed_forward_length(spec.d_ff)
+    w.add_feed_forward_length(spec.expert_width if spec.is_moe else spec.d_ff)  # llama.cpp's n_ff: the experts'
+    if spec.is_moe:
+        w.add_expert_count(spec.n_experts)
+        w.add_expert_used_count(spec.experts_per_token)
     w.add_head_count(spec.n_heads)
     w.add_head_count_kv(spec.n_kv_heads)
     w.add_key_length(spec.head_dim)
