@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _parity import run_jobs
 
 from trainscale.estimate.params import param_count
 from trainscale.runtime.checkpoint import committed_steps, step_dir_name
@@ -26,7 +27,6 @@ from trainscale.runtime.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "moe-tiny.toml"
-WORKER = ROOT / "tests" / "_runtime_worker.py"
 STEPS = 10
 TOL = 1e-4
 
@@ -41,26 +41,9 @@ JOBS: dict[int, list[str]] = {
 }
 
 
-def _run(world: int, layouts: list[str], out: Path) -> dict:
-    result = out / f"world{world}.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if world == 1:
-        cmd = [sys.executable, str(WORKER)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               str(WORKER)]
-    cmd += ["--config", str(CONFIG), "--steps", str(STEPS), "--result", str(result), "--layouts", ";".join(layouts)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(result.read_text())
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("moe-parity")
-    got: dict[str, dict] = {}
-    for world, layouts in JOBS.items():
-        got.update(_run(world, layouts, out))
+    got = run_jobs(CONFIG, STEPS, JOBS, tmp_path_factory.mktemp("moe-parity"))
     return got
 
 

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _parity import run_jobs
 
 from trainscale.estimate.params import param_count
 from trainscale.runtime.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"
-WORKER = ROOT / "tests" / "_runtime_worker.py"
 STEPS = 10
 TOL = 1e-4
 
@@ -39,26 +37,9 @@ JOBS: dict[int, list[str]] = {
 REFERENCE = {"mb8", "gpt:mb8"}
 
 
-def _run(world: int, layouts: list[str], out: Path) -> dict:
-    result = out / f"world{world}.json"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if world == 1:
-        cmd = [sys.executable, str(WORKER)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               str(WORKER)]
-    cmd += ["--config", str(CONFIG), "--steps", str(STEPS), "--result", str(result), "--layouts", ";".join(layouts)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(result.read_text())
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("parity")
-    got: dict[str, dict] = {}
-    for world, layouts in JOBS.items():
-        got.update(_run(world, layouts, out))
+    got = run_jobs(CONFIG, STEPS, JOBS, tmp_path_factory.mktemp("parity"))
     if os.environ.get("TRAINSCALE_PARITY_OUT"):  # keep the numbers (the README's parity table)
         Path(os.environ["TRAINSCALE_PARITY_OUT"]).write_text(json.dumps(got, indent=1))
     return got
