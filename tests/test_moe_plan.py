@@ -154,6 +154,9 @@ def test_fp8_gemms_run_faster_and_keep_the_state():
      "does not split mixtral-8x7b's 8 experts"),
     (["--model", "llama3.1-8b", "--gpu", "a100-sxm-80gb", "--gpus", "8", "--precision", "fp8"], "no FP8 tensor cores"),
     (["--model", "mixtral-8x7b", "--gpus", "8", "--precision", "fp4"], "--precision must be one of"),
+    (["--model", "llama3.1-8b", "--gpus", "64", "--fix", "ep=2"], "needs a mixture-of-experts model"),
+    (["--model", "mixtral-8x7b", "--gpus", "64", "--fix", "ep=3"], "must divide the model's 8 experts"),
+    (["--model", "mixtral-8x7b", "--gpus", "64", "--fix", "ep=0"], "must be at least 1"),
 ])
 def test_bad_moe_input_is_one_sentence_exit_2(args, words):
     r = subprocess.run([sys.executable, "-m", "trainscale", "plan", *args], capture_output=True, text=True)

@@ -109,6 +109,15 @@ class Problem:
         self.software = load_software(self.software)
         self.fix = parse_fix(self.fix) if isinstance(self.fix, str) else dict(self.fix)
         self.forbid = parse_forbid(self.forbid) if isinstance(self.forbid, str) else tuple(self.forbid)
+        ep = self.fix.get("ep")
+        if ep is not None:  # a fixed EP degree the model cannot take is said as such, not as "no layout divides"
+            if ep < 1:
+                raise TrainscaleError(f"--fix ep={ep}: the expert-parallel degree must be at least 1")
+            if ep > 1 and not self.model.is_moe:
+                raise TrainscaleError(f"--fix ep={ep}: expert parallelism needs a mixture-of-experts model, and "
+                                      f"{self.model.name} is dense")
+            if self.model.is_moe and self.model.n_experts % ep:
+                raise TrainscaleError(f"--fix ep={ep} must divide the model's {self.model.n_experts} experts")
 
     # ------------------------------------------------------------------ validity
 
