@@ -96,6 +96,10 @@ def test_unmodelled_hf_moe_is_refused(tmp_path):
         _load(tmp_path, {**QWEN3_30B, "decoder_sparse_step": 2})
     with pytest.raises(TrainscaleError, match="num_experts must be a non-negative integer"):
         _load(tmp_path, {**QWEN3_30B, "num_experts": "many"})
+    with pytest.raises(TrainscaleError, match="moe_intermediate_size .* must be a positive integer"):
+        _load(tmp_path, {**QWEN3_30B, "moe_intermediate_size": 0})  # not silently the dense width
+    with pytest.raises(TrainscaleError, match="auxiliary loss weight must be a number"):
+        _load(tmp_path, {**QWEN3_30B, "router_aux_loss_coef": "big"})
 
 
 def test_ep_in_the_layout():

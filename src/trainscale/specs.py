@@ -569,7 +569,13 @@ def _hf_moe_fields(cfg: dict[str, Any], mt: str, path: Path) -> dict[str, Any]:
         moe = ("n_experts", "experts_per_token", "d_ff_expert", "d_ff_shared", "shared_expert_gate",
                "first_dense_layers", "router_norm_topk")
         return {k: v for k, v in out.items() if k not in moe}
-    out["aux_loss_coef"] = float(cfg.get("router_aux_loss_coef", cfg.get("aux_loss_alpha", 0.01)) or 0.0)
+    if mt != "mixtral" and not out["d_ff_expert"]:
+        raise TrainscaleError(f"model file {path}: moe_intermediate_size (each expert's FFN width) must be a "
+                              "positive integer for a mixture of experts")
+    coef = cfg.get("router_aux_loss_coef", cfg.get("aux_loss_alpha", 0.01))
+    if coef is not None and (isinstance(coef, bool) or not isinstance(coef, int | float)):
+        raise TrainscaleError(f"model file {path}: the router's auxiliary loss weight must be a number, not {coef!r}")
+    out["aux_loss_coef"] = float(coef or 0.0)
     return out
 
 
