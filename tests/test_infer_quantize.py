@@ -12,10 +12,12 @@ from trainscale.infer.load import load_for_inference
 from trainscale.infer.quantize import (
     QuantConfig,
     dequantize_matrix,
+    dequantize_state_dict,
     quantize_matrix,
     quantize_state_dict,
     safetensors_layout,
     save_quantized,
+    weight_error,
 )
 from trainscale.specs import load_model
 
@@ -118,3 +120,27 @@ def test_quantized_folder_errors(small_model_dir, tmp_path):  # noqa: F811
         load_for_inference(tmp_path / "q")
     with pytest.raises(TrainscaleError, match="overwrite"):
         save_quantized(*load_for_inference(small_model_dir), small_model_dir, QuantConfig("int8", 64))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_moe_experts_are_quantized_per_expert_and_counted(fmt):
+    """A MoE's stacked experts [E, rows, cols] are quantized as E matrices (groups along each row, none spanning
+    two experts); the bytes equal the estimator's and every restored tensor keeps its shape."""
+    from trainscale.runtime.config import load_config
+    from trainscale.runtime.model import build_model
+
+    spec = load_config("configs/moe-tiny.toml").model
+    sd = build_model(spec, "cpu", seed=0).state_dict()
+    cfg = QuantConfig(fmt, 32)
+    qsd = quantize_state_dict(sd, cfg)
+    assert "layers.1.moe.experts.w1.qweight" in qsd and "layers.1.moe.experts.w1" not in qsd
+    assert sum(v.numel() * v.element_size() for v in qsd.values()) == quantized_model_bytes(spec, fmt, 32)
+    back = dequantize_state_dict(qsd, cfg, {k: tuple(v.shape) for k, v in sd.items()})
+    assert all(back[k].shape == v.shape for k, v in sd.items())
+    # expert 3's restored rows are expert 3's: each within half a step (int8: absmax / 127) of its group's value,
+    # or, int4 as Q4_0 (scale = the signed extreme / -8, codes -8..7), one step of absmax / 8 on the clipped side
+    w, r = sd["layers.1.moe.experts.w2"], back["layers.1.moe.experts.w2"]
+    absmax = w[3].reshape(w.shape[1], -1, 32).abs().amax(-1, keepdim=True)
+    bound = absmax / 127 * 0.51 if fmt == "int8" else absmax / 8 * 1.01
+    assert ((w[3] - r[3]).reshape(w.shape[1], -1, 32).abs() <= bound + 1e-6).all()
+    assert weight_error(sd, back)["relative_frobenius"] < (0.01 if fmt == "int8" else 0.15)

@@ -31,8 +31,8 @@ QUANT_BITS = {"bf16": 16, "int8": 8, "int4": 4}
 
 
 def quantized_model_bytes(m: ModelSpec, fmt: str, group_size: int = 32, asymmetric: bool = False) -> float:
-    """Tensor bytes of a model quantized by trainscale's own format: every 2-D weight matrix
-    (embeddings and output included) group-quantized along its rows; 1-D tensors (norms, biases)
+    """Tensor bytes of a model quantized by trainscale's own format: every weight matrix (embeddings, output and
+    each routed expert included) group-quantized along its rows; 1-D tensors (norms, biases)
     kept in bf16."""
     if fmt not in QUANT_BITS:
         raise ValueError(f"format must be one of {', '.join(QUANT_BITS)}, not {fmt!r}")
@@ -42,7 +42,7 @@ def quantized_model_bytes(m: ModelSpec, fmt: str, group_size: int = 32, asymmetr
         if fmt == "bf16" or len(shape) == 1:
             total += 2 * n
         else:
-            rows, cols = shape
+            rows, cols = prod(shape[:-1]), shape[-1]  # a MoE's stacked experts: E x rows rows
             total += rows * group_quant_bytes(cols, QUANT_BITS[fmt], group_size, asymmetric=asymmetric)
     return total
 

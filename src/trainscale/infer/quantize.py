@@ -140,11 +140,13 @@ def dequantize_matrix(parts: dict[str, torch.Tensor], cfg: QuantConfig, shape: t
 
 
 def quantize_state_dict(sd: dict[str, torch.Tensor], cfg: QuantConfig) -> dict[str, torch.Tensor]:
-    """Every 2-D tensor -> NAME.qweight / NAME.scales (/ NAME.offsets); 1-D tensors -> NAME in bf16."""
+    """Every matrix -> NAME.qweight / NAME.scales (/ NAME.offsets); 1-D tensors -> NAME in bf16. A MoE's stacked
+    experts [E, rows, cols] are E matrices, quantized as the [E * rows, cols] matrix of their rows (groups run
+    along each row, so no group spans two experts)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
-        if t.ndim == 2 and cfg.fmt != "bf16":
-            for part, v in quantize_matrix(t, cfg).items():
+        if t.ndim >= 2 and cfg.fmt != "bf16":
+            for part, v in quantize_matrix(t.reshape(-1, t.shape[-1]), cfg).items():
                 out[f"{name}.{part}"] = v
         else:
             out[name] = t.detach().to(torch.bfloat16).contiguous()
@@ -159,16 +161,18 @@ def dequantize_state_dict(qsd: dict[str, torch.Tensor], cfg: QuantConfig,
             out[name] = qsd[name].float()
         else:
             parts = {p: qsd[f"{name}.{p}"] for p in ("qweight", "scales", "offsets") if f"{name}.{p}" in qsd}
-            out[name] = dequantize_matrix(parts, cfg, shape)  # type: ignore[arg-type]
+            rows = math.prod(shape[:-1])
+            out[name] = dequantize_matrix(parts, cfg, (rows, shape[-1])).reshape(shape)
     return out
 
 
 def weight_error(original: dict[str, torch.Tensor], restored: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Over all 2-D matrices: relative Frobenius error ||W - W'|| / ||W||, and the largest |W - W'|."""
+    """Over all matrices (a MoE's stacked experts included): relative Frobenius error ||W - W'|| / ||W||, and
+    the largest |W - W'|."""
     num = den = 0.0
     worst = 0.0
     for name, w in original.items():
-        if w.ndim != 2:
+        if w.ndim < 2:
             continue
         d = w.float() - restored[name].float()
         num += float(d.pow(2).sum())
