@@ -83,3 +83,26 @@ def test_lora_on_the_small_model_learns_and_round_trips(small_model_dir, tmp_pat
         assert torch.allclose(loaded(x), adapted, atol=1e-4, rtol=0)
     with pytest.raises(TrainscaleError, match="rank"):
         apply_lora(build_model(spec), 0, 1.0, ("wq",))
+
+
+def test_lora_on_a_mixture_of_experts_adapts_attention_and_merges():
+    """A MoE's routed experts are stacked tensors, not nn.Linear: LoRA adapts its attention (and says so when
+    asked for the MLP); merging folds the adapters into the attention weights and leaves the logits."""
+    from trainscale.runtime.config import load_config
+
+    spec = load_config("configs/moe-tiny.toml").model
+    with pytest.raises(ValueError, match="attention projections only"):
+        lora_targets(spec, "all")
+    model = build_model(spec, "cpu", seed=0)
+    paths = apply_lora(model, 4, 8.0, lora_targets(spec, "attn"), seed=1)
+    assert len(paths) == 4 * spec.n_layers and trainable_params(model) == lora_trainable_params(spec, 4, "attn")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_b" in name:
+                p.normal_()  # a non-zero update (B starts at zero)
+    x = torch.randint(0, spec.vocab_size, (2, 16))
+    with torch.no_grad():
+        adapted = model(x)
+        merged = merge_lora(model)(x)
+    assert not any(".lora_" in k for k in model.state_dict())
+    assert torch.allclose(adapted, merged, atol=1e-5)

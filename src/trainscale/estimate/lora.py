@@ -26,6 +26,9 @@ def lora_targets(m: ModelSpec, targets: str | tuple[str, ...] | list[str] = "all
                 out.append(n)
     if not out:
         raise ValueError("LoRA needs at least one target projection")
+    if m.is_moe and any(n in mlp for n in out):
+        raise ValueError("LoRA on a mixture of experts adapts the attention projections only (--targets attn): its "
+                         "routed experts are stacked tensors, not the linear layers an adapter wraps")
     return tuple(out)
 
 

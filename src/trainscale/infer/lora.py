@@ -58,8 +58,9 @@ def _projections(model, targets: tuple[str, ...]):
     """(path, parent module, attribute) of each targeted projection, layer by layer."""
     for i, layer in model.layers.items():
         for t in targets:
-            parent = layer.attention if t in ("wq", "wk", "wv", "wo") else layer.feed_forward
-            if hasattr(parent, t):
+            # a MoE layer has no dense feed_forward (estimate.lora.lora_targets keeps MoE models to attention)
+            parent = layer.attention if t in ("wq", "wk", "wv", "wo") else getattr(layer, "feed_forward", None)
+            if parent is not None and hasattr(parent, t):
                 sub = "attention" if parent is layer.attention else "feed_forward"
                 yield f"layers.{i}.{sub}.{t}", parent, t
 
@@ -100,8 +101,8 @@ def load_adapter_weights(model, sd: dict[str, torch.Tensor]) -> None:
 def merge_lora(model):
     """Replace every LoRALinear by its base Linear with W0 + (alpha/r)·B·A; names return to the base's."""
     for layer in model.layers.values():
-        for parent in (layer.attention, layer.feed_forward):
-            for attr, mod in list(parent.named_children()):
+        for parent in (layer.attention, getattr(layer, "feed_forward", None)):
+            for attr, mod in list(parent.named_children()) if parent is not None else ():
                 if isinstance(mod, LoRALinear):
                     setattr(parent, attr, mod.merged())
     return model
