@@ -24,6 +24,11 @@ def run_layouts(config: Path, steps: int, world: int, layouts: list[str], out: P
                str(WORKER)]
     cmd += ["--config", str(config), "--steps", str(steps), "--result", str(result), "--layouts", ";".join(layouts)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+        # a rank of a multi-layout gloo job sometimes aborts in C++ (std::terminate, no Python error) on this
+        # 2-core machine: 2 of 6 full runs of this session; not a wrong number. Said in the closing note of
+        # stop 18 as a known flake under investigation; the job runs once more, and a second abort fails.
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(result.read_text())
 

@@ -154,6 +154,12 @@ def build_mesh(layout: Layout) -> ParallelMesh:
     if world != layout.world_size:
         raise TrainscaleError(f"layout {layout} needs {layout.world_size} processes, but {world} are running")
     p = ParallelMesh(layout, init_device_mesh(device_type(), mesh_shape(layout), mesh_dim_names=MESH_DIMS))
+    # without expert parallelism the expert groups are the dense ones (ep = 1): the same DeviceMesh objects, not
+    # new process groups (every group is more gloo connections and threads per rank, per layout)
+    same = {"expert_shard": "dp_shard_cp", "expert_dp": "dp_cp"} if layout.ep == 1 else {}
     for name, dims in FLAT_DIMS.items():
-        p.flat[name] = p.world[dims]._flatten(name)
+        if name not in same:
+            p.flat[name] = p.world[dims]._flatten(name)
+    for name, dense in same.items():
+        p.flat[name] = p.flat[dense]
     return p
