@@ -16,6 +16,7 @@ import torch.distributed as dist
 from trainscale.runtime.artifact import save_model_dir
 from trainscale.runtime.config import load_config
 from trainscale.runtime.hf_init import load_hf_init
+from trainscale.runtime.mesh import exit_rank
 from trainscale.runtime.model import build_model
 from trainscale.runtime.train import Trainer
 from trainscale.specs import Layout
@@ -57,3 +58,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # the job is done; no finalization with many layouts' gloo groups alive (mesh.exit_rank)

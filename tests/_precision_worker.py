@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from trainscale.runtime.config import load_config
+from trainscale.runtime.mesh import exit_rank
 from trainscale.runtime.train import Trainer
 from trainscale.specs import Layout
 
@@ -87,3 +88,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # the job is done; no finalization with many layouts' gloo groups alive (mesh.exit_rank)

@@ -11,6 +11,7 @@ import time
 import torch.distributed as dist
 
 from trainscale.runtime.config import load_config
+from trainscale.runtime.mesh import exit_rank
 from trainscale.runtime.train import train
 
 # The GPT family: LayerNorm with bias, GELU MLP, learned positions, biases everywhere.
@@ -40,3 +41,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # the job is done; no finalization with many layouts' gloo groups alive (mesh.exit_rank)

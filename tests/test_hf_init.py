@@ -5,13 +5,13 @@ works under dp2,tp2; HF -> trainscale (0 steps) -> export --to hf gives the orig
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _parity import run_job
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.config import load_config
@@ -79,7 +79,7 @@ def test_layouts_read_their_shards_train_and_round_trip(hf_dirs, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(WORKER),
            "--config", str(config), "--layouts", ";".join(LAYOUTS), "--steps", "10", "--result", str(result),
            "--save", str(saved)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ}, cwd=ROOT)
+    proc = run_job(cmd)
     assert proc.returncode == 0, proc.stderr[-5000:]
     got = json.loads(result.read_text())
     total = sum(p.numel() for p in hf.parameters())

@@ -9,12 +9,11 @@ difference under 0.02 nats/token (measured on this CPU: at most 0.7 % and 0.005 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _parity import run_job
 
 from trainscale.estimate.params import param_count
 from trainscale.runtime.config import load_config
@@ -35,7 +34,7 @@ def runs(tmp_path_factory) -> dict:
     items = ";".join(f"{p}:{lay}" for lay in LAYOUTS for p in ("fp32", "bf16"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
            "--config", str(CONFIG), "--items", items, "--steps", str(STEPS), "--result", str(result)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ}, cwd=ROOT)
+    proc = run_job(cmd)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(result.read_text())
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainscale.runtime.config import load_config
-from trainscale.runtime.mesh import rank_main
+from trainscale.runtime.mesh import exit_rank, rank_main
 from trainscale.runtime.model import lm_loss
 from trainscale.runtime.train import Trainer
 from trainscale.specs import Layout
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())  # mesh.exit_rank: no finalization with gloo threads alive
 
 
 # ----------------------------------------------------------------------------- predicted vs measured

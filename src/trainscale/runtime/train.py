@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from trainscale.runtime.config import TrainConfig, check_layout, load_config, mi
 from trainscale.runtime.context import local_positions, shard_sequence
 from trainscale.runtime.data import TokenLoader, corpus_for, eval_windows, unigram_loss
 from trainscale.runtime.faults import Fault, requeue_count, restart_count
-from trainscale.runtime.mesh import ParallelMesh, build_mesh, init_distributed
+from trainscale.runtime.mesh import ParallelMesh, build_mesh, exit_rank, init_distributed
 from trainscale.runtime.model import Transformer, build_model, lm_loss
 from trainscale.runtime.parallelize import (
     allreduce_gradients,
@@ -577,4 +576,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())  # not sys.exit: no interpreter finalization with gloo threads alive (mesh.exit_rank)
