@@ -16,6 +16,7 @@ import torch
 
 SMALL = {"name": "infer-small", "n_layers": 4, "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "d_ff": 352,
          "vocab_size": 512, "max_seq_len": 256}
+PROMPT = "ROMEO:\nWhat light through yonder window breaks? It is the east"
 
 
 def train_small_model(out: Path, steps: int = 250, spec_fields: dict | None = None, batch: int = 16,
@@ -80,6 +81,24 @@ def moe_model_dir(tmp_path_factory) -> Path:
         _BUILT["moe"] = train_small_model(tmp_path_factory.mktemp("infer") / "moe", steps=300,
                                           spec_fields=MIXTRAL_SMALL, batch=16, seq_len=64, text_chars=200_000)
     return _BUILT["moe"]
+
+
+def check_hf_export(hf: torch.nn.Module, model: torch.nn.Module, hf_dir: Path, tokenizer, vocab: int,
+                    tensor_bytes: int, tol: float) -> float:
+    """An exported folder as transformers loads it (``hf``) against our model: equal parameter counts, fp32
+    bytes written, logits of two random sequences within ``tol``, and the same prompt tokenisation.
+    Returns the largest logit difference."""
+    import transformers
+
+    n = sum(p.numel() for p in model.parameters())
+    assert sum(p.numel() for p in hf.parameters()) == n and tensor_bytes == 4 * n
+    x = torch.randint(0, vocab, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf(x).logits.float() - model(x)).abs().max().item()
+    assert diff < tol
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    assert hf_tok(PROMPT)["input_ids"] == tokenizer.encode(PROMPT).ids
+    return diff
 
 
 def llama_greedy(llm, ids: list[int], n: int) -> list[int]:

@@ -7,14 +7,13 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from infer_fixtures import check_llama_cpp_f16, gguf_state_dict, small_model_dir  # noqa: F401
+from infer_fixtures import PROMPT, check_hf_export, check_llama_cpp_f16, gguf_state_dict, small_model_dir  # noqa: F401
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.inference import gguf_name, gguf_tensor_bytes
 from trainscale.infer.export import export_gguf, export_hf, rope_interleaved_to_half
 from trainscale.infer.load import load_for_inference, load_tokenizer_for
 
-PROMPT = "ROMEO:\nWhat light through yonder window breaks? It is the east"
 needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                      reason="llama-cpp-python is not installed (pip install '.[infer]')")
 
@@ -40,14 +39,8 @@ def test_hf_logits_equal_trainscale(small_model_dir, tmp_path):  # noqa: F811
         assert (tmp_path / "hf" / f).exists()
     hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     model, spec, folder = load_for_inference(small_model_dir)
-    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in model.parameters())
-    assert rep["tensor_bytes"] == 4 * sum(p.numel() for p in model.parameters())
-    x = torch.randint(0, spec.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        diff = (hf(x).logits.float() - model(x)).abs().max().item()
-    assert diff < 1e-4
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    assert hf_tok(PROMPT)["input_ids"] == load_tokenizer_for(folder).encode(PROMPT).ids
+    check_hf_export(hf, model, tmp_path / "hf", load_tokenizer_for(folder), spec.vocab_size, rep["tensor_bytes"],
+                    tol=1e-4)
 
 
 def test_hf_export_tied_embeddings_and_bias(tmp_path):

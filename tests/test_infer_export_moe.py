@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from infer_fixtures import MIXTRAL_SMALL, check_llama_cpp_f16, gguf_state_dict, moe_model_dir  # noqa: F401  (fixture)
+from infer_fixtures import (  # noqa: F401  (fixture)
+    MIXTRAL_SMALL,
+    PROMPT,
+    check_hf_export,
+    check_llama_cpp_f16,
+    gguf_state_dict,
+    moe_model_dir,
+)
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.inference import gguf_name, gguf_tensor_bytes, gguf_tensor_types
@@ -20,7 +27,6 @@ from trainscale.infer.export import check_mixtral, export_gguf, export_hf
 from trainscale.infer.load import load_for_inference, load_tokenizer_for
 from trainscale.specs import load_model
 
-PROMPT = "ROMEO:\nWhat light through yonder window breaks? It is the east"
 needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                                      reason="llama-cpp-python is not installed (pip install '.[infer]')")
 
@@ -47,15 +53,8 @@ def test_hf_mixtral_logits_equal_trainscale(moe_model_dir, tmp_path):  # noqa: F
         assert getattr(back, k) == getattr(spec, k), k
     hf, info = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    hf.eval()
-    n = sum(p.numel() for p in model.parameters())
-    assert sum(p.numel() for p in hf.parameters()) == n and rep["tensor_bytes"] == 4 * n
-    x = torch.randint(0, spec.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        diff = (hf(x).logits.float() - model(x)).abs().max().item()
-    assert diff < 1e-5
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    assert hf_tok(PROMPT)["input_ids"] == load_tokenizer_for(folder).encode(PROMPT).ids
+    check_hf_export(hf.eval(), model, tmp_path / "hf", load_tokenizer_for(folder), spec.vocab_size,
+                    rep["tensor_bytes"], tol=1e-5)
 
 
 @pytest.fixture(scope="module")
