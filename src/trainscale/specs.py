@@ -450,6 +450,18 @@ _HF_INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_
             "vocab_size", "max_position_embeddings", "head_dim")
 
 
+def _hf_int(cfg: dict[str, Any], key: str, path: Path, default: Any = None, least: int = 1) -> Any:
+    """``cfg[key]`` as an integer of at least ``least`` (``default`` where absent or null); one sentence
+    naming the file and the key otherwise (a bool, a float, a string, a negative)."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        kind = "a positive" if least == 1 else "a non-negative"
+        raise TrainscaleError(f"model file {path}: {key} must be {kind} integer, not {v!r}")
+    return v
+
+
 def _check_hf_config(path: Path) -> None:
     """The edge before ``model_from_hf_config``: a regular file (a FIFO would block), UTF-8 JSON, an
     object whose size fields, where given, are positive integers (a 0 or a string would divide by zero
@@ -464,9 +476,7 @@ def _check_hf_config(path: Path) -> None:
     if not isinstance(cfg, dict):
         raise TrainscaleError(f"model file {path} is not a JSON object")
     for key in _HF_INTS:
-        v = cfg.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-            raise TrainscaleError(f"model file {path}: {key} must be a positive integer, not {v!r}")
+        _hf_int(cfg, key, path)
 
 
 def model_from_hf_config(path: Path) -> ModelSpec:
@@ -533,12 +543,7 @@ def _hf_moe_fields(cfg: dict[str, Any], mt: str, path: Path) -> dict[str, Any]:
     """The mixture-of-experts and MLA fields of a Hugging Face config (transformers' configuration_mixtral,
     _qwen2_moe, _qwen3_moe, _deepseek_v3 name them differently); {} for a dense model."""
     def num(key: str, default: Any = 0) -> Any:
-        v = cfg.get(key, default)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise TrainscaleError(f"model file {path}: {key} must be a non-negative integer, not {v!r}")
-        return v
+        return _hf_int(cfg, key, path, default, least=0)
 
     out: dict[str, Any] = {}
     if mt == "mixtral" or (mt in ("mistral", "llama") and num("num_local_experts", 1) > 1):
