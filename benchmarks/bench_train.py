@@ -62,15 +62,20 @@ def plain_loop(cfg, loader):
     return run
 
 
-def bench(name: str, steps: int, warmup: int = 3) -> dict:
-    cfg = load_config(ROOT / "configs" / f"{name}.toml", {"train": {"steps": steps + warmup}})
+def paired_loops(name: str, steps: int):
+    """The config ``name``, a Trainer on it and the plain loop on the same data: like with like."""
+    from trainscale.runtime.data import TokenLoader
+
+    cfg = load_config(ROOT / "configs" / f"{name}.toml", {"train": {"steps": steps}})
     # the whole batch in one micro-batch, as the plain loop runs it (a layout without mbN means mb1: gradient
     # accumulation over single sequences, a different computation with smaller matmuls)
     trainer = Trainer(cfg, Layout(mb=cfg.train.global_batch), out=None, log=lambda _m: None)
-    from trainscale.runtime.data import TokenLoader
-
     loader = TokenLoader(trainer.corpus.tokens("train"), cfg.train.seq_len, cfg.train.global_batch, seed=cfg.train.seed)
-    plain = plain_loop(cfg, loader)
+    return cfg, trainer, plain_loop(cfg, loader)
+
+
+def bench(name: str, steps: int, warmup: int = 3) -> dict:
+    cfg, trainer, plain = paired_loops(name, steps + warmup)
     ours, hand = [], []
     for i in range(steps + warmup):
         if i % 2:  # alternate which loop goes first, so neither always follows the other's cache state
@@ -101,12 +106,7 @@ def profile(name: str, steps: int = 5) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from trainscale.runtime.data import TokenLoader
-
-    cfg = load_config(ROOT / "configs" / f"{name}.toml", {"train": {"steps": 2 * steps + 2}})
-    trainer = Trainer(cfg, Layout(mb=cfg.train.global_batch), out=None, log=lambda _m: None)
-    loader = TokenLoader(trainer.corpus.tokens("train"), cfg.train.seq_len, cfg.train.global_batch, seed=cfg.train.seed)
-    plain = plain_loop(cfg, loader)
+    _, trainer, plain = paired_loops(name, 2 * steps + 2)
     for _ in range(2):
         trainer.train_step()
         plain()
