@@ -440,9 +440,14 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
     if lo.zero == 0:
         t_dp = mach.collective_time("all_reduce", full * e, lo.dp * lo.cp)
     else:
+        # FSDP2 gathers unit by unit (runtime/parallelize.apply_fsdp: each block, a MoE block's experts, and
+        # the rest of the stage): each unit's collective pays its own latency
+        ids = local_stage_ids(lo, c["pp"])
+        local_layers = [i for s in ids for i in ranges[s]]
+        units = len(local_layers) + 1 + sum(m.is_moe_layer(i) for i in local_layers)
         gathers = (2 if lo.zero == 3 else 1) * n_micro
-        t_dp = (gathers * mach.collective_time("all_gather", full * e, n_shard)
-                + mach.collective_time("reduce_scatter", full * e, n_shard)
+        t_dp = (gathers * units * mach.collective_time("all_gather", full * e / units, n_shard)
+                + units * mach.collective_time("reduce_scatter", full * e / units, n_shard)
                 + mach.collective_time("all_reduce", local * e, lo.dp_replicate))
     t_norm = mach.collective_time("all_reduce", 8, lo.world_size)
     t_opt = local * mach.optimizer_seconds_per_param
