@@ -45,7 +45,16 @@ def test_profile_has_every_figure(profile):
     assert list(profile["processes"]) == ["1", "2"] and list(profile["collectives"]) == ["2"]
     for fig in profile["processes"].values():
         assert set(fig) == set(cal.COMPUTE_KEYS)
-        assert all(math.isfinite(x) and x > 0 for x in fig.values())
+        # at these tiny shapes a layer is nearly all fixed cost, so the two derived parts may be 0
+        derived = ("layer_fixed_seconds", "elementwise_seconds_per_token")
+        assert all(math.isfinite(x) and (x >= 0 if k in derived else x > 0) for k, x in fig.items())
+        # the layer measured at one sequence and at MB: the line through them, its intercept the fixed part;
+        # with the kernels at their measured rates and the work between them, the parts add up to the layer
+        kernels = cal.layer_kernel_seconds(TINY, MB, SEQ, fig)
+        assert fig["layer_fixed_seconds"] == cal.layer_fixed_seconds(fig["layer_seconds"], fig["layer_seconds_one"],
+                                                                     MB, kernels)
+        parts = kernels + fig["layer_fixed_seconds"] + fig["elementwise_seconds_per_token"] * MB * SEQ
+        assert parts == pytest.approx(fig["layer_seconds"], rel=1e-9) or parts > fig["layer_seconds"]
         assert fig["optimizer_bytes_per_param"] == fig["optimizer_seconds_per_param"] * fig["memory_bandwidth"]
     ops = profile["collectives"]["2"]
     assert set(ops) == set(cal.COLLECTIVE_OPS)
@@ -183,3 +192,16 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and words in r.stderr, (args, r.stderr)
     assert not (tmp_path / "x.toml").exists()
+
+
+def test_layer_fixed_seconds_is_the_intercept():
+    # t(b) = fixed + b x per-sequence through t(1) = 3 ms and t(4) = 9 ms: per sequence 2 ms, fixed 1 ms
+    assert cal.layer_fixed_seconds(9e-3, 3e-3, 4) == pytest.approx(1e-3)
+    assert cal.layer_fixed_seconds(9e-3, 3e-3, 1) == 0.0  # one size measured: no line
+    assert cal.layer_fixed_seconds(9e-3, 2e-3, 4) == 0.0  # noise (super-linear) never makes it negative
+    assert cal.layer_fixed_seconds(9e-3, 8e-3, 4, kernels=5e-3) == pytest.approx(4e-3)  # at most layer - kernels
+    fig = {"layer_seconds": 9e-3, "layer_fixed_seconds": 1e-3, "matmul_flops": 1e12, "attention_flops": 1e12}
+    per_token = cal.elementwise_seconds_per_token(TINY, MB, SEQ, fig)
+    gemm = cal.layer_matmul_flop_count(TINY, MB * SEQ) / 1e12
+    attn = cal.attention_flop_count(TINY, MB, SEQ) / 1e12
+    assert per_token * MB * SEQ + gemm + attn + 1e-3 == pytest.approx(9e-3)  # the parts add up to the layer

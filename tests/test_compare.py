@@ -247,3 +247,24 @@ def test_step_time_model_follows_its_formulas():
     fs = R.rank_step_time(m, Layout.parse("dp2,zero3"), 0, seq, 8, mach, 4)
     units = m.n_layers + 1
     assert fs["data_parallel"] == pytest.approx(3 * (units * 1e-4 + 0.5 * grads / 1e9))
+
+
+def test_a_layers_fixed_cost_is_paid_per_micro_batch():
+    """calibrate's layer_fixed_seconds (the part of a layer's fwd+bwd that does not grow with its tokens) is
+    added once per layer call: once per layer per micro-batch, 4/3 of it under full recomputation (the
+    forward again), so the same batch in 8 micro-batches of one sequence costs 8 x layers of it, in 1 of 8
+    sequences once per layer."""
+    from dataclasses import replace
+
+    cfg = load_config(TINY)
+    m, seq = cfg.model, cfg.train.seq_len
+    base, x = _machine(), 2e-3
+    fixed = replace(base, layer_fixed_seconds=x)
+    for layout, share in (("dp2", 1.0), ("dp2,rc=full", 4 / 3)):
+        lo = Layout.parse(layout)
+        a, b = (R.layer_step_time(m, lo, 1, seq, mach)["total"] for mach in (base, fixed))
+        assert b - a == pytest.approx(share * x, rel=1e-9), layout
+    for mb, calls in ((1, 8 * m.n_layers), (8, m.n_layers)):  # 16 sequences over dp2: 8 per rank
+        lo = Layout.parse(f"dp2,mb{mb}")
+        a, b = (R.rank_step_time(m, lo, 0, seq, 16, mach, mb)["compute"] for mach in (base, fixed))
+        assert b - a == pytest.approx(calls * x, rel=1e-9), mb

@@ -118,6 +118,7 @@ def calibrate_command(
     for n in profile["processes"]:
         t.add_column(f"n = {n}", justify="right")
     rows = [("one decoder layer fwd+bwd ms", "layer_seconds", 1e3, ".2f"),
+            ("  of it per call, any size ms", "layer_fixed_seconds", 1e3, ".2f"),
             ("layer GEMMs GFLOP/s (fwd+bwd)", "matmul_flops", 1e-9, ".1f"),
             ("lm-head GEMMs GFLOP/s", "head_matmul_flops", 1e-9, ".1f"),
             ("causal attention GFLOP/s", "attention_flops", 1e-9, ".2f"),

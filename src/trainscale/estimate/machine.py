@@ -45,6 +45,7 @@ class Machine:
     optimizer_seconds_per_param: float
     head_matmul_flops: float
     elementwise_seconds_per_token: float = 0.0  # a layer's non-matmul work per token (0: not measured)
+    layer_fixed_seconds: float = 0.0  # a layer's fwd+bwd cost per call, whatever its tokens (0: not measured)
     collectives: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)  # n -> op -> (lat, busbw)
     tensor_parallel: dict[int, tuple[float, float]] = field(default_factory=dict)  # tp -> (s/token, its FLOP/s)
     measured_processes: int = 0  # the process count of the [processes.N] table used (nearest measured)
@@ -88,6 +89,7 @@ def machine_from_profile(profile: dict[str, Any], processes: int) -> Machine:
                        optimizer_seconds_per_param=float(row["optimizer_seconds_per_param"]),
                        head_matmul_flops=float(row.get("head_matmul_flops", row["matmul_flops"])),
                        elementwise_seconds_per_token=float(row.get("elementwise_seconds_per_token", 0.0)),
+                       layer_fixed_seconds=float(row.get("layer_fixed_seconds", 0.0)),
                        collectives=coll, tensor_parallel={
                            int(k): (float(v["overhead_seconds_per_token"]), float(v["matmul_flops"]))
                            for k, v in profile.get("tensor_parallel", {}).items()},

@@ -28,8 +28,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 
 # every figure of a [processes.N] table calibrate writes
 COMPUTE_KEYS = ("matmul_flops", "head_matmul_flops", "attention_flops", "memory_bandwidth",
-                "optimizer_seconds_per_param", "optimizer_bytes_per_param", "layer_seconds",
-                "elementwise_seconds_per_token")
+                "optimizer_seconds_per_param", "optimizer_bytes_per_param", "layer_seconds", "layer_seconds_one",
+                "layer_fixed_seconds", "elementwise_seconds_per_token")
 # the ones a step-time prediction cannot do without (the others came later and have fallbacks)
 REQUIRED_COMPUTE_KEYS = ("matmul_flops", "attention_flops", "memory_bandwidth", "optimizer_seconds_per_param")
 

@@ -346,8 +346,9 @@ def layer_step_time(m: ModelSpec, layout: Layout, micro_batch: int, seq: int, ma
     gets an explicit mask and cannot skip the masked half); the memory-bound work between the matmuls
     (ELEMENTWISE_PASSES); the tensor-parallel collectives (2 per layer each way: all-reduces, or all-gather
     + reduce-scatter with SP; Korthikanti et al. 2022 Sec. 4.2.2) and DTensor's measured overhead; the
-    context-parallel K/V all-gathers and gradient reduce-scatters (Llama 3 Sec. 3.3.2). Full recomputation
-    runs the forward's share of each again."""
+    context-parallel K/V all-gathers and gradient reduce-scatters (Llama 3 Sec. 3.3.2); the layer's measured
+    fixed cost per call (calibrate's ``layer_fixed_seconds``: what a micro-batch costs beyond its tokens).
+    Full recomputation runs the forward's share of each again."""
     lo, e = layout, FP32
     tokens = micro_batch * (seq // lo.cp)
     sp = lo.tp > 1 and lo.sp
@@ -373,15 +374,17 @@ def layer_step_time(m: ModelSpec, layout: Layout, micro_batch: int, seq: int, ma
     cp_fwd = mach.collective_time("all_gather", kv, lo.cp)
     cp_bwd = mach.collective_time("reduce_scatter", kv, lo.cp)
     comm = 2 * tp_one_way + tp_extra + cp_fwd + cp_bwd
+    fixed = mach.layer_fixed_seconds
     if lo.recompute == "full":
+        fixed += fixed / 3  # the forward's share again (the backward does about twice the forward's work)
         mm += 2.0 * (w_layer - last) * tokens / mach.matmul_flops
         attn += a_fwd / attn_rate
         elem += elem / ELEMENTWISE_PASSES
         comm += tp_one_way + tp_extra / 3 + cp_fwd
     elif lo.recompute == "selective":
         attn += a_fwd / attn_rate
-    return {"matmul": mm, "attention": attn, "elementwise": elem, "communication": comm,
-            "total": mm + attn + elem + comm}
+    return {"matmul": mm, "attention": attn, "elementwise": elem, "communication": comm, "fixed": fixed,
+            "total": mm + attn + elem + comm + fixed}
 
 
 def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_batch: int, mach: Any,

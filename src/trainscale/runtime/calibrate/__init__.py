@@ -30,6 +30,8 @@ from trainscale.runtime.calibrate.measure import (
     block_seconds,
     elementwise_seconds_per_token,
     gemm_train_flops,
+    layer_fixed_seconds,
+    layer_kernel_seconds,
     layer_linear_shapes,
     layer_matmul_flop_count,
     linear_train_flops,
@@ -44,7 +46,8 @@ from trainscale.runtime.calibrate.timing import compute_dtype, device
 __all__ = ["BUS_FACTOR", "COLLECTIVE_OPS", "COMPUTE_KEYS", "GRAD_BUCKET_BYTES", "SMALL_MESSAGE_BYTES",
            "attention_flop_count", "attention_flops", "bandwidth_fit", "block_seconds", "calibrate",
            "calibration_steps", "compute_dtype", "default_profile_path", "device",
-           "elementwise_seconds_per_token", "gemm_train_flops", "layer_linear_shapes",
+           "elementwise_seconds_per_token", "gemm_train_flops", "layer_fixed_seconds",
+           "layer_kernel_seconds", "layer_linear_shapes",
            "layer_matmul_flop_count", "linear_train_flops", "memory_bandwidth", "message_sizes",
            "optimizer_seconds_per_param", "optimizer_shapes", "read_profile", "summarize_collectives",
            "tensor_parallel_overhead", "to_toml", "tp_block_seconds", "write_profile"]

@@ -34,6 +34,8 @@ from trainscale.runtime.calibrate.measure import (
     block_seconds,
     elementwise_seconds_per_token,
     gemm_train_flops,
+    layer_fixed_seconds,
+    layer_kernel_seconds,
     layer_linear_shapes,
     memory_bandwidth,
     optimizer_seconds_per_param,
@@ -59,7 +61,8 @@ def default_profile_path() -> Path:
 
 
 def _steps() -> list[tuple[str, str]]:
-    return [("layer_seconds", "one decoder layer"), ("matmul_flops", "layer GEMMs"),
+    return [("layer_seconds", "one decoder layer"), ("layer_seconds_one", "one decoder layer, one sequence"),
+            ("matmul_flops", "layer GEMMs"),
             ("head_matmul_flops", "lm-head GEMMs"),
             ("attention_flops", "attention"), ("memory_bandwidth", "memory copy"),
             ("optimizer_seconds_per_param", "AdamW step")]
@@ -81,6 +84,7 @@ def _calibrate_worker(rank: int, world: int, port: int, spec: ModelSpec, seq_len
     d, v = spec.d_model, spec.vocab_size
     measure = {
         "layer_seconds": lambda: block_seconds(spec, micro_batch, seq_len, _BUDGET["block"][q], minr),
+        "layer_seconds_one": lambda: block_seconds(spec, 1, seq_len, _BUDGET["block"][q], minr),
         "matmul_flops": lambda: gemm_train_flops(layer_linear_shapes(spec), tokens, _BUDGET["layer"][q], minr),
         "head_matmul_flops": lambda: gemm_train_flops([(d, v)], tokens, _BUDGET["head"][q], minr),
         "attention_flops": lambda: attention_flops(spec, micro_batch, seq_len, _BUDGET["attention"][q], minr),
@@ -217,6 +221,8 @@ def calibrate(spec: ModelSpec, seq_len: int, micro_batch: int, processes: list[i
         compute, raw = _run_group(n, spec, seq_len, micro_batch, quick, sizes, progress)
         fig = {k: float(statistics.median(c[k] for c in compute)) for k, _ in _steps()}
         fig["optimizer_bytes_per_param"] = fig["optimizer_seconds_per_param"] * fig["memory_bandwidth"]
+        fig["layer_fixed_seconds"] = layer_fixed_seconds(fig["layer_seconds"], fig["layer_seconds_one"], micro_batch,
+                                                         layer_kernel_seconds(spec, micro_batch, seq_len, fig))
         fig["elementwise_seconds_per_token"] = elementwise_seconds_per_token(spec, micro_batch, seq_len, fig)
         profile["processes"][str(n)] = {k: fig[k] for k in COMPUTE_KEYS}
         if raw is not None:

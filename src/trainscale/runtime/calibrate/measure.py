@@ -114,13 +114,33 @@ def tensor_parallel_overhead(profile: dict[str, Any], n: int, spec: ModelSpec, s
             "matmul_flops": profile["processes"][str(n)]["matmul_flops"]}
 
 
+def layer_fixed_seconds(layer_seconds: float, layer_seconds_one: float, micro_batch: int,
+                        kernels: float = 0.0) -> float:
+    """The part of one layer's forward + backward that does not grow with the micro-batch: the intercept of
+    the line through the layer measured at one sequence and at ``micro_batch`` sequences,
+    t(b) = fixed + b x per-sequence, so fixed = (micro_batch x t(1) - t(micro_batch)) / (micro_batch - 1).
+    It is what every extra micro-batch costs beyond its tokens (operator dispatch, autograd, GEMMs too small
+    to run at the large shapes' rate). 0 when only one size was measured or noise makes it negative; at
+    most the layer less its GEMM and attention kernels (``kernels``, at their measured rates), so that the
+    parts still add up to the measured layer where the fixed part is nearly all of it (tiny shapes)."""
+    if micro_batch <= 1:
+        return 0.0
+    intercept = (micro_batch * layer_seconds_one - layer_seconds) / (micro_batch - 1)
+    return max(0.0, min(intercept, layer_seconds - kernels))
+
+
 def elementwise_seconds_per_token(spec: ModelSpec, micro_batch: int, seq_len: int, fig: dict[str, float]) -> float:
-    """A real layer's time less its GEMMs and attention kernel (at their measured rates), per token: the
-    memory-bound work between the matmuls, which no FLOP count sees."""
-    tokens = micro_batch * seq_len
-    gemm = layer_matmul_flop_count(spec, tokens) / fig["matmul_flops"]
-    attn = attention_flop_count(spec, micro_batch, seq_len) / fig["attention_flops"]
-    return max(0.0, fig["layer_seconds"] - gemm - attn) / tokens
+    """A real layer's time less its GEMMs and attention kernel (at their measured rates) and its fixed cost
+    per call (``layer_fixed_seconds``), per token: the memory-bound work between the matmuls, which no FLOP
+    count sees."""
+    return max(0.0, fig["layer_seconds"] - fig.get("layer_fixed_seconds", 0.0)
+               - layer_kernel_seconds(spec, micro_batch, seq_len, fig)) / (micro_batch * seq_len)
+
+
+def layer_kernel_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, fig: dict[str, float]) -> float:
+    """A layer's GEMMs and attention kernel at the profile's measured rates."""
+    return (layer_matmul_flop_count(spec, micro_batch * seq_len) / fig["matmul_flops"]
+            + attention_flop_count(spec, micro_batch, seq_len) / fig["attention_flops"])
 
 
 def _block_seconds(block: torch.nn.Module, spec: ModelSpec, micro_batch: int, rows: int, seq_len: int,
