@@ -424,11 +424,15 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
         rows = a2a_rows(m, tokens / (lo.tp if sp else 1))
         a2a_layer = (6 if lo.recompute == "full" else 4) * a2a_time(mach, rows * m.d_model * e, lo.ep)
 
+    def layers_on(pp_rank: int) -> list[int]:
+        """The layers of pipeline rank ``pp_rank``'s stages."""
+        return [i for s in local_stage_ids(lo, pp_rank) for i in ranges[s]]
+
     def micro_time(pp_rank: int) -> float:
         """One micro-batch through the stages of pipeline rank ``pp_rank``."""
         ids = local_stage_ids(lo, pp_rank)
-        n_moe = sum(m.is_moe_layer(i) for s in ids for i in ranges[s])
-        t = sum(len(ranges[s]) for s in ids) * t_layer + n_moe * a2a_layer + t_p2p
+        layers = layers_on(pp_rank)
+        t = len(layers) * t_layer + sum(map(m.is_moe_layer, layers)) * a2a_layer + t_p2p
         return t + (t_head if n_stages - 1 in ids else 0.0) + (t_embed if 0 in ids else 0.0)
 
     t_micro = micro_time(c["pp"])
@@ -445,9 +449,8 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
     else:
         # FSDP2 gathers unit by unit (runtime/parallelize.apply_fsdp: each block, a MoE block's experts, and
         # the rest of the stage): each unit's collective pays its own latency
-        ids = local_stage_ids(lo, c["pp"])
-        local_layers = [i for s in ids for i in ranges[s]]
-        units = len(local_layers) + 1 + sum(m.is_moe_layer(i) for i in local_layers)
+        layers = layers_on(c["pp"])
+        units = len(layers) + 1 + sum(map(m.is_moe_layer, layers))
         gathers = (2 if lo.zero == 3 else 1) * n_micro
         t_dp = (gathers * units * mach.collective_time("all_gather", full * e / units, n_shard)
                 + units * mach.collective_time("reduce_scatter", full * e / units, n_shard)
