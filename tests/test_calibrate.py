@@ -132,9 +132,15 @@ def test_read_profile_errors(tmp_path):
     (tmp_path / "other.toml").write_text("[machine]\ndevice = 'cpu'\n")
     (tmp_path / "newer.toml").write_text(f"version = {PROFILE_VERSION + 1}\n[machine]\n[processes.1]\n")
     (tmp_path / "odd.toml").write_text("version = 'one'\n[machine]\n[processes.1]\n")
+    (tmp_path / "nan.toml").write_text("[machine]\n[processes.1]\nlayer_fixed_seconds = nan\n")
+    (tmp_path / "neg.toml").write_text("[machine]\n[processes.1]\nmatmul_flops = -1.0\n")
+    (tmp_path / "zero.toml").write_text("[machine]\n[processes.2]\n[collectives.2.all_gather]\nbus_bandwidth = 0\n")
     for name, words in (("missing.toml", "does not exist"), ("bad.toml", "not valid TOML"),
                         ("other.toml", "no [processes] table"), ("newer.toml", f"is version {PROFILE_VERSION + 1}"),
-                        ("odd.toml", "not a positive integer")):
+                        ("odd.toml", "not a positive integer"),
+                        ("nan.toml", "[processes.1] layer_fixed_seconds must be a finite non-negative number, not nan"),
+                        ("neg.toml", "[processes.1] matmul_flops must be a finite positive number, not -1.0"),
+                        ("zero.toml", "[collectives.2.all_gather] bus_bandwidth must be a finite positive number")):
         with pytest.raises(TrainscaleError, match=words.replace("[", r"\[")) as e:
             cal.read_profile(tmp_path / name)
         assert "\n" not in str(e.value)

@@ -30,6 +30,8 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 COMPUTE_KEYS = ("matmul_flops", "head_matmul_flops", "attention_flops", "memory_bandwidth",
                 "optimizer_seconds_per_param", "optimizer_bytes_per_param", "layer_seconds", "layer_seconds_one",
                 "layer_fixed_seconds", "elementwise_seconds_per_token")
+# what is left of a measurement once its parts are taken out: 0 is a real value
+DERIVED_COMPUTE_KEYS = ("layer_fixed_seconds", "elementwise_seconds_per_token")
 # the ones a step-time prediction cannot do without (the others came later and have fallbacks)
 REQUIRED_COMPUTE_KEYS = ("matmul_flops", "attention_flops", "memory_bandwidth", "optimizer_seconds_per_param")
 
@@ -54,7 +56,25 @@ def check_profile(data: dict[str, Any], path: str | Path) -> dict[str, Any]:
     if version > PROFILE_VERSION:
         raise TrainscaleError(f"hardware profile {path} is version {version}; this trainscale reads up to version "
                               f"{PROFILE_VERSION} (update trainscale or run trainscale calibrate again)")
+    for n, row in data["processes"].items():
+        for key in COMPUTE_KEYS:
+            if isinstance(row, dict) and key in row:
+                _check_figure(row[key], f"[processes.{n}] {key}", path, zero_ok=key in DERIVED_COMPUTE_KEYS)
+    for n, ops in (data.get("collectives") or {}).items():
+        for op, f in (ops.items() if isinstance(ops, dict) else ()):
+            for key, zero_ok in (("latency_s", True), ("bus_bandwidth", False)):
+                if isinstance(f, dict) and key in f:
+                    _check_figure(f[key], f"[collectives.{n}.{op}] {key}", path, zero_ok)
     return data
+
+
+def _check_figure(v: Any, where: str, path: str | Path, zero_ok: bool) -> None:
+    """A measured figure the step-time model multiplies or divides by: a finite number, positive (or, for a
+    derived remainder, non-negative); one sentence otherwise (a hand-edited nan would predict nan)."""
+    number = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not number or v < 0 or (v == 0 and not zero_ok):
+        kind = "non-negative" if zero_ok else "positive"
+        raise TrainscaleError(f"hardware profile {path}: {where} must be a finite {kind} number, not {v!r}")
 
 
 def read_profile(path: str | Path) -> dict[str, Any]:
