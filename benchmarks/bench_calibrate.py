@@ -1,5 +1,5 @@
 """Step-time prediction error after calibration: calibrate this machine, then run real layouts and compare
-each measured step time with estimate/rank.py's prediction from the profile (plus the per-rank state,
+each measured step time with estimate/measured/rank.py's prediction from the profile (plus the per-rank state,
 activation and FLOP checks, which must be exact or within their tolerances).
 
     .venv/bin/python benchmarks/bench_calibrate.py [--config configs/small.toml] [--steps 5] [--json out.json]
@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from trainscale.estimate.profile import write_profile
-from trainscale.runtime.calibrate import calibrate
-from trainscale.runtime.compare import compare, compare_command
 from trainscale.runtime.config import load_config
+from trainscale.runtime.probe.calibrate import calibrate
+from trainscale.runtime.probe.compare import compare, compare_command
 from trainscale.specs import Layout
 
 ROOT = Path(__file__).resolve().parents[1]

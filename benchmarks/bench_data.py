@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_corpus(folder: Path, mb: float) -> tuple[Path, list[str]]:
-    from trainscale.runtime.data import corpus_text
+    from trainscale.runtime.data.corpus import corpus_text
 
     paragraphs = [p for split in ("train", "val") for p in corpus_text(split).split("\n\n") if p.strip()]
     docs, size, i = [], 0, 0
@@ -54,11 +54,11 @@ def make_corpus(folder: Path, mb: float) -> tuple[Path, list[str]]:
 
 def encode_alone(tok_path: Path, docs: list[str], threads: int, repeats: int) -> tuple[float, float, int]:
     """Best time of the tokenizer's batch encode over all documents, in the batches the pipeline uses
-    (runtime/shards.py BATCH_CHARS / BATCH_DOCS), in a fresh process with ``threads`` rayon threads (the
+    (runtime/data/shards.py BATCH_CHARS / BATCH_DOCS), in a fresh process with ``threads`` rayon threads (the
     setting is read once per process); the documents are in memory before the clock starts."""
     import subprocess
 
-    from trainscale.runtime.shards import BATCH_CHARS, BATCH_DOCS
+    from trainscale.runtime.data.shards import BATCH_CHARS, BATCH_DOCS
 
     code = f"""
 import json, sys, time
@@ -103,7 +103,7 @@ def pipeline(jsonl: Path, tok_path: Path, workers: int, folder: Path) -> tuple[f
     code = f"""
 import json, resource, time
 from pathlib import Path
-from trainscale.runtime import shards
+from trainscale.runtime.data import shards
 
 def cpu():
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -125,7 +125,7 @@ def loader_share(prepared: Path, steps: int) -> dict:
     import torch
 
     from trainscale.runtime.config import load_config
-    from trainscale.runtime.data import TokenLoader
+    from trainscale.runtime.data.corpus import TokenLoader
     from trainscale.runtime.train import Trainer
     from trainscale.specs import Layout
 
@@ -156,8 +156,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="training steps timed for the loader's share")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from trainscale.runtime import shards
-    from trainscale.runtime.data import corpus_text
+    from trainscale.runtime.data import shards
+    from trainscale.runtime.data.corpus import corpus_text
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-data-"))
     try:

@@ -14,7 +14,7 @@ import platform
 import statistics
 import time
 
-from trainscale.estimate import plan
+from trainscale.estimate.planner import plan
 
 
 def main() -> None:

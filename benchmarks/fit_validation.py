@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from trainscale.estimate.validate import load_runs, predict
+from trainscale.estimate.planner.validate import load_runs, predict
 
 
 def main() -> None:

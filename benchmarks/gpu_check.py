@@ -6,7 +6,7 @@
     gpu_check.py model [--compile] [--cpu-smoke] one process: a ~1.1B-parameter Llama trained in bf16 by the
                                                  Trainer; tokens/s, MFU against the GPU's datasheet bf16
                                                  peak (catalog), peak memory against the prediction
-                                                 ``train --compare-plan`` prints (estimate/rank.py: state
+                                                 ``train --compare-plan`` prints (estimate/measured/rank.py: state
                                                  bytes + saved activations at bf16)
     gpu_check.py summary --dir D                 the figures of the runs above as one Markdown table
 
@@ -40,8 +40,8 @@ def nccl(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainscale.estimate.machine import bus_factor
-    from trainscale.runtime.mesh import init_distributed
+    from trainscale.estimate.measured.machine import bus_factor
+    from trainscale.runtime.parallel.mesh import init_distributed
 
     dev = init_distributed()
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -100,7 +100,7 @@ def model(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainscale.estimate import rank as R
+    from trainscale.estimate.measured import rank as R
     from trainscale.estimate.params import param_count
     from trainscale.runtime.config import config_from_dict, micro_batch
     from trainscale.runtime.train import Trainer
@@ -151,7 +151,7 @@ def model(args: argparse.Namespace) -> None:
           f"first step {rows[0]['step_time_s']:.1f} s, MFU {info['mfu']:.1%} of {info['peak_source']} "
           f"(6N + 12LHQT FLOPs per token, causal attention not halved)")
     print(f"peak memory {peak_mem / 2**30:.2f} GiB measured vs {predicted / 2**30:.2f} GiB predicted "
-          f"(state {state / 2**30:.2f} + saved activations {acts / 2**30:.2f}; estimate/rank.py, as train "
+          f"(state {state / 2**30:.2f} + saved activations {acts / 2**30:.2f}; estimate/measured/rank.py, as train "
           f"--compare-plan): {peak_mem / predicted - 1:+.1%}")
     write(args, f"model{'-compile' if args.compile else ''}.json", info)
     dist.destroy_process_group()

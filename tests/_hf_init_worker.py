@@ -16,8 +16,8 @@ import torch.distributed as dist
 from trainscale.runtime.artifact import save_model_dir
 from trainscale.runtime.config import load_config
 from trainscale.runtime.hf_init import load_hf_init
-from trainscale.runtime.mesh import exit_rank
 from trainscale.runtime.model import build_model
+from trainscale.runtime.parallel.mesh import exit_rank
 from trainscale.runtime.train import Trainer
 from trainscale.specs import Layout
 

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
 from trainscale.runtime.config import load_config
-from trainscale.runtime.mesh import exit_rank
+from trainscale.runtime.parallel.mesh import exit_rank
 from trainscale.runtime.train import Trainer
 from trainscale.specs import Layout
 

@@ -11,7 +11,7 @@ import time
 import torch.distributed as dist
 
 from trainscale.runtime.config import load_config
-from trainscale.runtime.mesh import exit_rank
+from trainscale.runtime.parallel.mesh import exit_rank
 from trainscale.runtime.train import train
 
 # The GPT family: LayerNorm with bias, GELU MLP, learned positions, biases everywhere.

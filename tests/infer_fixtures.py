@@ -24,7 +24,7 @@ def train_small_model(out: Path, steps: int = 250, spec_fields: dict | None = No
                       log=None) -> Path:
     """Train a tiny Llama-style model for ``steps`` AdamW steps and save it as a model folder."""
     from trainscale.runtime.artifact import save_model_dir
-    from trainscale.runtime.data import corpus_text, train_tokenizer
+    from trainscale.runtime.data.corpus import corpus_text, train_tokenizer
     from trainscale.runtime.model import build_model, lm_loss
     from trainscale.specs import load_model
 

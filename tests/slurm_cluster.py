@@ -18,7 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from trainscale.runtime.mesh import free_port
+from trainscale.runtime.parallel.mesh import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
 

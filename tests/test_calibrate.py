@@ -16,9 +16,9 @@ from torch import nn
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import layer_tensors
 from trainscale.estimate.profile import PROFILE_VERSION
-from trainscale.runtime import calibrate as cal
 from trainscale.runtime.config import load_config
 from trainscale.runtime.model import Block
+from trainscale.runtime.probe import calibrate as cal
 from trainscale.specs import ModelSpec, load_model
 
 ROOT = Path(__file__).resolve().parents[1]

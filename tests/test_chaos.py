@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from trainscale.runtime.checkpoint import committed_steps, latest_good, verify
+from trainscale.runtime.job.checkpoint import committed_steps, latest_good, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainscale.runtime.checkpoint import CheckpointManager, committed_steps, latest_good, verify
+from trainscale.runtime.job.checkpoint import CheckpointManager, committed_steps, latest_good, verify
 
 
 def _state(seed: float):

@@ -1,5 +1,5 @@
 """Issue 8, the plan checked against the runtime: for real layouts run by real processes (gloo), each rank's
-parameter, gradient and AdamW bytes equal estimate/rank.py's prediction exactly, the activations autograd
+parameter, gradient and AdamW bytes equal estimate/measured/rank.py's prediction exactly, the activations autograd
 saves for backward match to 1 % (the issue asks 10 %) under no / selective / full recomputation, and the
 FLOPs torch's FlopCounterMode counts in a step match to 2 %. Llama-style (RMSNorm, GQA, RoPE, SwiGLU) and
 GPT-style (LayerNorm, GELU, learned positions, biases) variants of the tiny model; one job per world size.
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from trainscale.estimate import rank as R
-from trainscale.estimate.machine import machine_from_profile
-from trainscale.runtime.compare import compare, compare_command
+from trainscale.estimate.measured import rank as R
+from trainscale.estimate.measured.machine import machine_from_profile
 from trainscale.runtime.config import load_config
+from trainscale.runtime.probe.compare import compare, compare_command
 from trainscale.specs import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,7 +189,7 @@ bus_bandwidth = 3.6e11
 def test_planner_takes_a_calibrated_gpu_profile(tmp_path):
     """A profile `trainscale calibrate` wrote on an H100 replaces the catalog defaults: figures over the
     datasheet (H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s HBM, NVLink 450 GB/s per direction)."""
-    from trainscale.estimate.step import load_efficiencies
+    from trainscale.estimate.planner.step import load_efficiencies
 
     path = tmp_path / "h100.toml"
     path.write_text(GPU_PROFILE)
@@ -216,7 +216,7 @@ def test_planner_refuses_a_cpu_profile_for_a_gpu(tmp_path):
 
 
 def _machine(lat: float = 1e-4, bw: float = 1e9):
-    from trainscale.estimate.machine import Machine
+    from trainscale.estimate.measured.machine import Machine
 
     coll = {n: {op: (lat, bw) for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")} for n in (2, 4)}
     return Machine(processes=2, matmul_flops=5e10, attention_flops=2e10, memory_bandwidth=2e10,

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 
 from trainscale.errors import TrainscaleError
-from trainscale.runtime import shards
-from trainscale.runtime.checkpoint import committed_steps, step_dir_name
-from trainscale.runtime.data import corpus_text
-from trainscale.runtime.launch import torchrun_command
+from trainscale.runtime.data import shards
+from trainscale.runtime.data.corpus import corpus_text
+from trainscale.runtime.job.checkpoint import committed_steps, step_dir_name
+from trainscale.runtime.job.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_loader_state_is_a_global_sequence_position():
-    from trainscale.runtime.data import TokenLoader
+    from trainscale.runtime.data.corpus import TokenLoader
 
     tokens = np.arange(20_000, dtype=np.uint16) % 500
     whole = TokenLoader(tokens, 16, 8, seed=5)

@@ -1,6 +1,6 @@
 """Issue 15, elastic: a job of 2 nodes x 2 processes (`--nnodes 1:2`, two torchrun agents on loopback)
 loses one node mid-run; the survivor's agent re-forms the job on 2 processes, the layout is re-planned
-(dp4 -> dp2, runtime/elastic.py), training resumes from the newest checkpoint by resharding, and the job
+(dp4 -> dp2, runtime/job/elastic.py), training resumes from the newest checkpoint by resharding, and the job
 finishes. Its losses from the resume point equal a run started from that checkpoint on the smaller layout."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.config import load_config
-from trainscale.runtime.elastic import layout_for_world
-from trainscale.runtime.mesh import free_port
+from trainscale.runtime.job.elastic import layout_for_world
+from trainscale.runtime.parallel.mesh import free_port
 from trainscale.specs import Layout
 
 ROOT = Path(__file__).resolve().parents[1]

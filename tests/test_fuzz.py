@@ -147,7 +147,7 @@ def model_dir(tmp) -> Path:
     import torch
 
     from trainscale.runtime.artifact import save_model_dir
-    from trainscale.runtime.data import corpus_text, train_tokenizer
+    from trainscale.runtime.data.corpus import corpus_text, train_tokenizer
     from trainscale.runtime.model import build_model
     from trainscale.specs import load_model
 
@@ -400,7 +400,7 @@ def test_text_fields(tmp):
             code, out, _ = cli(*base, *extra)
             if code == 0:
                 assert "\n#SBATCH" not in text and ";" not in text and "\n" not in text
-        # --out reaches the script shell-quoted (runtime/slurm.py): any character but a line break is safe
+        # --out reaches the script shell-quoted (runtime/job/slurm.py): any character but a line break is safe
         code, out, _ = cli(*base, "--out", text)
         if code == 0:
             assert "\n" not in text and "\r" not in text

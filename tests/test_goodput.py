@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from trainscale.runtime.runfolder import RunFolder, launch_wall
+from trainscale.runtime.job.runfolder import RunFolder, launch_wall
 
 
 def _rows(*spec):
@@ -38,7 +38,7 @@ def test_goodput_of_a_run_folder(tmp_path, monkeypatch):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "run.json").write_text("{}")
     folder = RunFolder(tmp_path, resume=True)
-    import trainscale.runtime.runfolder as rf
+    import trainscale.runtime.job.runfolder as rf
 
     monkeypatch.setattr(rf.time, "time", lambda: 10_020.0)
     g = folder.goodput(lambda _m: None)

@@ -46,7 +46,7 @@ def test_hf_logits_equal_trainscale(small_model_dir, tmp_path):  # noqa: F811
 def test_hf_export_tied_embeddings_and_bias(tmp_path):
     transformers = pytest.importorskip("transformers")
     from trainscale.runtime.artifact import save_model_dir
-    from trainscale.runtime.data import corpus_text, train_tokenizer
+    from trainscale.runtime.data.corpus import corpus_text, train_tokenizer
     from trainscale.runtime.model import build_model
     from trainscale.specs import load_model
 
@@ -99,7 +99,7 @@ def test_llama_cpp_f16_greedy_equals_trainscale(gguf_files, small_model_dir):  #
     ids = tok.encode(PROMPT).ids
     llm, ours = check_llama_cpp_f16(gguf_files["f16"]["out"], model, ids)
     assert llm.tokenize(PROMPT.encode(), add_bos=False, special=False) == ids  # same tokenizer in the file
-    from trainscale.runtime.data import corpus_text
+    from trainscale.runtime.data.corpus import corpus_text
 
     held = corpus_text("val", max_chars=5000)
     assert llm.tokenize(held.encode(), add_bos=False, special=False) == tok.encode(held).ids
@@ -138,7 +138,7 @@ def test_llama_cpp_reads_f16_fallback_for_rows_that_are_not_whole_blocks(tmp_pat
 
     from trainscale.infer.quantize import model_from_state_dict
     from trainscale.runtime.artifact import save_model_dir
-    from trainscale.runtime.data import corpus_text, train_tokenizer
+    from trainscale.runtime.data.corpus import corpus_text, train_tokenizer
     from trainscale.runtime.model import build_model
     from trainscale.specs import load_model
 

@@ -132,7 +132,7 @@ def test_cli_refuses_moe_tiny_in_one_line(tmp_path):
     """configs/moe-tiny.toml's model (a gated shared expert, a dense first layer, GELU variant too): exit 2."""
     from trainscale.runtime.artifact import save_model_dir
     from trainscale.runtime.config import load_config
-    from trainscale.runtime.data import corpus_text, train_tokenizer
+    from trainscale.runtime.data.corpus import corpus_text, train_tokenizer
     from trainscale.runtime.model import build_model
 
     tok = train_tokenizer(512, corpus_text("train", max_chars=20000))

@@ -17,9 +17,10 @@ from typer.testing import CliRunner
 from tests.test_moe_spec import DEEPSEEK_V3, MIXTRAL
 from trainscale.cli import app
 from trainscale.errors import TrainscaleError
-from trainscale.estimate import flops, plan
-from trainscale.estimate.step import matmul_params
-from trainscale.estimate.validate import load_runs, predict
+from trainscale.estimate import flops
+from trainscale.estimate.planner import plan
+from trainscale.estimate.planner.step import matmul_params
+from trainscale.estimate.planner.validate import load_runs, predict
 from trainscale.specs import Layout, load_model
 
 
@@ -166,7 +167,7 @@ def test_bad_moe_input_is_one_sentence_exit_2(args, words):
 
 
 def test_moe_software_knobs_are_checked():
-    from trainscale.estimate.software import load_software, with_knobs
+    from trainscale.estimate.planner.software import load_software, with_knobs
 
     sw = load_software("deepseek-v3")
     assert (sw.precision, sw.moe_node_limit, sw.pipeline, sw.comm_sms) == ("fp8", 4, "dualpipe", 20)
@@ -202,7 +203,7 @@ def test_deepseek_v3_row_fits_an_h800_by_a_hand_count():
     parts = row["step_time_parts_s"]
     assert 0 < parts["recompute"] < 0.03 * row["step_time_s"]
     # without the paper's techniques (bf16 caching, nothing recomputed, a weighting combine) it would not fit
-    from trainscale.estimate.software import load_software, with_knobs
+    from trainscale.estimate.planner.software import load_software, with_knobs
 
     plain = with_knobs(load_software("deepseek-v3"), linear_act_bytes=2.0, attn_out_act_bytes=2.0,
                        swiglu_in_act_bytes=2.0, recompute_norms=False, recompute_mla_up=False,

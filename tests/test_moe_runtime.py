@@ -21,9 +21,9 @@ import pytest
 from _parity import run_jobs
 
 from trainscale.estimate.params import param_count
-from trainscale.runtime.checkpoint import committed_steps, step_dir_name
 from trainscale.runtime.config import load_config
-from trainscale.runtime.launch import torchrun_command
+from trainscale.runtime.job.checkpoint import committed_steps, step_dir_name
+from trainscale.runtime.job.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "moe-tiny.toml"
@@ -153,7 +153,7 @@ COMPARE = {2: ["dp2,ep2,mb4", "fsdp2,ep2,mb4", "tp2,mb8"], 4: ["dp4,zero3,ep2,mb
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory) -> dict[str, dict]:
-    from trainscale.runtime.compare import compare, compare_command
+    from trainscale.runtime.probe.compare import compare, compare_command
     from trainscale.specs import Layout
 
     tmp = tmp_path_factory.mktemp("moe-compare")
@@ -171,7 +171,7 @@ def compared(tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.parametrize("layout", [lay for lays in COMPARE.values() for lay in lays])
 def test_compare_plan_moe_state_flops_and_all_to_all(compared, layout):
-    """Each rank's parameter, gradient and AdamW bytes equal estimate/rank.py's exactly (experts split over
+    """Each rank's parameter, gradient and AdamW bytes equal estimate/measured/rank.py's exactly (experts split over
     ep, sharded on dim 1 over expert_shard); FLOPs and all-to-all bytes are predicted for balanced routing,
     so each rank's figure is within the routing's imbalance and the ranks' sum is exact."""
     res = compared[layout]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainscale.runtime.mesh import free_port
+from trainscale.runtime.parallel.mesh import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

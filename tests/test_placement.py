@@ -1,8 +1,8 @@
 """Issue 12, one grammar and one placement: a layout string means one thing to the planner and the runtime,
 ``str`` and ``Layout.parse`` round-trip to an equal, identically-behaving layout, and the planner
-(estimate/pipeline.py, estimate/rank.py) and the runtime (runtime/pipeline.py's split_model on a real model,
-runtime/mesh.py's DeviceMesh, runtime/parallelize.py's DTensor plan) agree on every rank's layers,
-coordinates and shards because they read the same torch-free module, trainscale.placement.
+(estimate/pipeline.py, estimate/measured/rank.py) and the runtime (runtime/parallel/pipeline.py's split_model on a
+real model, runtime/parallel/mesh.py's DeviceMesh, runtime/parallel/parallelize.py's DTensor plan) agree on every
+rank's layers, coordinates and shards because they read the same torch-free module, trainscale.placement.
 
 The runtime side runs in one process: models on the meta device (126 layers cost nothing), and torch's
 "fake" process group, which gives a process any rank of any world so DeviceMesh and DTensor can be built
@@ -23,12 +23,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from trainscale import placement as P
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import pipeline
-from trainscale.estimate import rank as R
+from trainscale.estimate.measured import rank as R
 from trainscale.runtime.config import check_layout, config_from_dict, micro_batch
-from trainscale.runtime.mesh import build_mesh
 from trainscale.runtime.model import build_model
-from trainscale.runtime.parallelize import apply_tensor_parallel
-from trainscale.runtime.pipeline import split_model
+from trainscale.runtime.parallel.mesh import build_mesh
+from trainscale.runtime.parallel.parallelize import apply_tensor_parallel
+from trainscale.runtime.parallel.pipeline import split_model
 from trainscale.specs import Layout, ModelSpec
 
 TINY = {"d_model": 16, "n_heads": 4, "n_kv_heads": 2, "d_ff": 32, "vocab_size": 64, "max_seq_len": 32}
@@ -195,7 +195,7 @@ def test_planner_and_runtime_agree_on_every_ranks_layers(n_layers, text):
     pl = pipeline.layer_placement(n_layers, np.array([lay.pp]), np.array([lay.v]))
     counts = [len(runtime[r]) for r in range(lay.pp)]
     assert (pl["first"][0], pl["last"][0], pl["max"][0]) == (counts[0], counts[-1], max(counts))
-    # estimate/rank.py, on every global rank (one per pipeline rank for the 16,384-GPU layouts)
+    # estimate/measured/rank.py, on every global rank (one per pipeline rank for the 16,384-GPU layouts)
     ranks = range(lay.world_size) if lay.world_size <= 64 else [P.rank_of(lay, {"pp": r}) for r in range(lay.pp)]
     for g in ranks:
         names = [n for n, _ in R.rank_tensors(spec, lay, g)]
@@ -233,7 +233,7 @@ def _fake_rank(world: int, rank: int) -> None:
 @pytest.mark.parametrize("text", ["pp2,dp2,cp2,tp2", "dp4,zero3,hsdp2,tp2", "fsdp2,cp2,pp2,v2", "tp2,pp4,dp2",
                                   "dp8", "fsdp8,hsdp4"])
 def test_runtime_mesh_coordinates_are_placements(text):
-    """Every rank's DeviceMesh coordinate and group members (runtime/mesh.py) are placement's."""
+    """Every rank's DeviceMesh coordinate and group members (runtime/parallel/mesh.py) are placement's."""
     lay = Layout.parse(text)
     for g in range(lay.world_size):
         c = P.coords(lay, g)
@@ -265,8 +265,8 @@ def test_mesh_order_is_llama3s():
                                         ({"mlp": "gelu", "norm": "layernorm", "positions": "learned", "bias": True},
                                          True)])
 def test_runtime_tp_shards_what_the_plan_says(variant, sp):
-    """After runtime/parallelize.py applies the TP plan, each parameter is sharded on the dim placement's
-    ``tp_shard_dim`` (the one estimate/rank.py counts) and nowhere else."""
+    """After runtime/parallel/parallelize.py applies the TP plan, each parameter is sharded on the dim placement's
+    ``tp_shard_dim`` (the one estimate/measured/rank.py counts) and nowhere else."""
     spec = tiny_spec(2, **variant)
     lay = Layout(tp=2, sp=sp)
     _fake_rank(2, 0)

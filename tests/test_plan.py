@@ -20,8 +20,9 @@ from typer.testing import CliRunner
 
 from trainscale.cli import app
 from trainscale.errors import TrainscaleError
-from trainscale.estimate import comms, memory, pipeline, plan, step
-from trainscale.estimate.validate import convention_flops_per_token
+from trainscale.estimate import comms, memory, pipeline
+from trainscale.estimate.planner import plan, step
+from trainscale.estimate.planner.validate import convention_flops_per_token
 from trainscale.specs import Layout, load_model
 
 # Meta's layout in the planner's terms, under the meta-llama3 software preset (catalog/software.toml): FP32

@@ -71,7 +71,7 @@ def test_precision_key_and_compile_order(tmp_path):
 
     from trainscale.errors import TrainscaleError
     from trainscale.runtime.model import build_model
-    from trainscale.runtime.parallelize import apply_compile, resolve_precision
+    from trainscale.runtime.parallel.parallelize import apply_compile, resolve_precision
 
     assert resolve_precision("auto", torch.device("cpu")) == "fp32"
     assert resolve_precision("auto", torch.device("cuda", 0)) == "bf16"

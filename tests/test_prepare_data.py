@@ -1,5 +1,5 @@
 """Issue 13, your own data: `trainscale prepare-data` turns JSONL / Parquet / text into token shards
-(runtime/shards.py); `trainscale train` learns from them (held-out loss below the unigram baseline);
+(runtime/data/shards.py); `trainscale train` learns from them (held-out loss below the unigram baseline);
 re-running is a no-op, an interrupted run resumes, bad input is one line and exit code 2 with nothing
 half-written."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainscale.runtime import shards
 from trainscale.runtime.config import load_config
-from trainscale.runtime.data import corpus_for, corpus_text
+from trainscale.runtime.data import shards
+from trainscale.runtime.data.corpus import corpus_for, corpus_text
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = """
@@ -79,7 +79,7 @@ def hf_tokenizer(tmp_path_factory, docs) -> Path:
 
 def train(cfg: Path, out: Path, layout: str = "", world: int = 1) -> dict:
     """A real training job (torchrun), -> its run.json."""
-    from trainscale.runtime.launch import torchrun_command
+    from trainscale.runtime.job.launch import torchrun_command
 
     p = subprocess.run(torchrun_command(cfg, layout, out, world), capture_output=True, text=True, cwd=ROOT,
                        timeout=600)

@@ -72,7 +72,7 @@ def test_report_from_plan_json(tmp_path):
 def test_report_of_a_real_tiny_run_in_chromium(tmp_path):
     import subprocess
 
-    from trainscale.runtime.launch import torchrun_command
+    from trainscale.runtime.job.launch import torchrun_command
 
     root = Path(__file__).resolve().parents[1]
     cfg = tmp_path / "tiny.toml"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trainscale.runtime.checkpoint import committed_steps
-from trainscale.runtime.launch import torchrun_command
+from trainscale.runtime.job.checkpoint import committed_steps
+from trainscale.runtime.job.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = "\n[checkpoint]\nevery_steps = {every}\nkeep = 3\ncollective_timeout_s = {timeout}\n"

@@ -13,7 +13,7 @@ import torch
 
 from trainscale.runtime.artifact import load_model_dir
 from trainscale.runtime.config import load_config
-from trainscale.runtime.data import corpus_for, eval_windows
+from trainscale.runtime.data.corpus import corpus_for, eval_windows
 from trainscale.runtime.model import lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,8 +65,8 @@ def test_plan_and_dry_run_on_this_machine():
     p = ts("train", "--config", str(TINY), "--plan", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
-    # one machine: torchrun through trainscale.runtime.launch (stores on 127.0.0.1, agent dies with the CLI)
-    assert "trainscale.runtime.launch" in info["command"] and "trainscale.runtime.train" in info["command"]
+    # one machine: torchrun through trainscale.runtime.job.launch (stores on 127.0.0.1, agent dies with the CLI)
+    assert "trainscale.runtime.job.launch" in info["command"] and "trainscale.runtime.train" in info["command"]
     assert info["command"][info["command"].index("--local-addr") + 1] == "127.0.0.1"
     if not torch.cuda.is_available():
         assert info["world_size"] == 1 and "no GPU" in info["why"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainscale.errors import TrainscaleError
-from trainscale.runtime.checkpoint import MANIFEST, CheckpointManager, latest_good, read_metadata, verify
+from trainscale.runtime.job.checkpoint import MANIFEST, CheckpointManager, latest_good, read_metadata, verify
 
 
 class Payload:

@@ -12,10 +12,11 @@ from typer.testing import CliRunner
 
 from trainscale.cli import app
 from trainscale.errors import TrainscaleError
-from trainscale.estimate import memory, plan, step
+from trainscale.estimate import memory
 from trainscale.estimate.params import param_count
-from trainscale.estimate.software import load_software, software_names
-from trainscale.estimate.validate import convention_flops_per_token, load_runs, validate
+from trainscale.estimate.planner import plan, step
+from trainscale.estimate.planner.software import load_software, software_names
+from trainscale.estimate.planner.validate import convention_flops_per_token, load_runs, validate
 from trainscale.specs import Layout, load_gpu, load_model
 
 # ------------------------------------------------------------------ the GEMM roofline

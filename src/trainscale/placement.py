@@ -14,7 +14,7 @@ The mesh, outermost dim first, is Llama 3's order [TP, CP, PP, DP] read from the
 2407.21783 Sec. 3.3.2, "Network-aware parallelism configuration"): tensor parallelism innermost, on
 neighbouring GPUs of one server; data parallelism outermost, split into ``dp_replicate`` (HSDP's replica
 groups) outside ``dp_shard`` (the ranks one shard group spans). A MoE's expert-parallel ranks (``ep``,
-a factor of dp) sit between PP and CP (see ``mesh_sizes``). ``estimate/step.py`` prices each collective
+a factor of dp) sit between PP and CP (see ``mesh_sizes``). ``estimate/planner/step.py`` prices each collective
 on the span of ranks this order gives it (TP over tp ranks, CP over tp*cp, EP over tp*cp*ep, PP over
 tp*cp*ep*pp).
 """
@@ -32,7 +32,7 @@ from trainscale.specs import Layout
 # ----------------------------------------------------------------------------- the mesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "ep", "cp", "tp")  # outermost first; row-major, tp innermost
-# flattened dims (runtime/mesh.py builds them from the world mesh): name -> the mesh dims it joins
+# flattened dims (runtime/parallel/mesh.py builds them from the world mesh): name -> the mesh dims it joins
 FLAT_DIMS: dict[str, tuple[str, ...]] = {
     "dp": ("dp_replicate", "dp_shard", "ep"),  # which slice of the global batch a rank reads
     "dp_shard_cp": ("dp_shard", "ep", "cp"),  # the group FSDP shards dense weights over (CP ranks hold the same)

@@ -90,7 +90,7 @@ def calibrate_command(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from trainscale.estimate.profile import write_profile
-    from trainscale.runtime import calibrate as cal
+    from trainscale.runtime.probe import calibrate as cal
 
     path = Path(out) if out is not None else cal.default_profile_path()
     from trainscale.safeio import check_output

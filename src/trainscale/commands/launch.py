@@ -1,4 +1,4 @@
-"""`trainscale launch --slurm`: the training job as a Slurm batch script (runtime/slurm.py)."""
+"""`trainscale launch --slurm`: the training job as a Slurm batch script (runtime/job/slurm.py)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def launch(
     """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous); it is
     requeueable (always --resume) and checkpoints before the time limit."""
     from trainscale.runtime.config import check_layout, load_config
-    from trainscale.runtime.slurm import SlurmJob, sbatch_script
+    from trainscale.runtime.job.slurm import SlurmJob, sbatch_script
     from trainscale.specs import Layout
 
     if not slurm:

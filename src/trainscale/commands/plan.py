@@ -73,7 +73,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days."""
-    from trainscale.estimate import plan as planner
+    from trainscale.estimate.planner import plan as planner
 
     gbt = parse_count(global_batch_tokens, "--global-batch-tokens", 1024)
     train = parse_count(tokens, "--tokens", 1000)
@@ -132,7 +132,7 @@ def plan(
 
 
 def _header(p: Any) -> dict[str, Any]:
-    from trainscale.estimate import plan as planner
+    from trainscale.estimate.planner import plan as planner
 
     return {"inputs": p.inputs(), "topology": p.topo.as_dict(), "efficiencies": p.eff.as_dict(),
             "efficiency_sources": p.eff.sources, "software": p.software.as_dict(),

@@ -1,5 +1,5 @@
 """`trainscale prepare-data`: tokenise a config's corpus once into memory-mapped token shards
-(runtime/shards.py), in several processes, with a progress bar; training then reads the shards."""
+(runtime/data/shards.py), in several processes, with a progress bar; training then reads the shards."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def prepare_data(
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from trainscale.runtime.config import load_config
-    from trainscale.runtime.data import corpus_for
+    from trainscale.runtime.data.corpus import corpus_for
 
     if workers is not None and workers < 0:
         raise TrainscaleError(f"--workers must be >= 0, not {workers}")

@@ -36,7 +36,7 @@ def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool):
     if plan:
         if layout:
             raise TrainscaleError("give either --layout or --plan, not both")
-        from trainscale.runtime.launch import plan_layout
+        from trainscale.runtime.job.launch import plan_layout
 
         layout, why = plan_layout(cfg)
     layout = layout if layout is not None else cfg.run.layout
@@ -77,12 +77,12 @@ def train(
                                  "`trainscale calibrate` wrote; measured first if there is none)"),
 ) -> None:
     """Train a model with real 4D parallelism (torch.distributed: TP+SP, CP, PP, FSDP) on this machine."""
-    from trainscale.runtime.launch import torchrun_command
+    from trainscale.runtime.job.launch import torchrun_command
 
     if compare_plan:
         _compare_plan(config, layout, steps, profile, as_json)
         return
-    from trainscale.runtime.launch import parse_nnodes
+    from trainscale.runtime.job.launch import parse_nnodes
 
     _, max_nodes = parse_nnodes(nnodes)
     if fallback_layout is not None:
@@ -92,7 +92,7 @@ def train(
     cfg, layout_text, lay, why = _resolve(config, layout, steps, plan)
     run_dir = out or Path(cfg.run.out)
     check_output(run_dir, "the run folder", folder=True)
-    from trainscale.runtime.faults import parse_faults
+    from trainscale.runtime.job.faults import parse_faults
 
     parse_faults(inject, lay.world_size)  # a bad fault spec is a one-line error here, not a crash in every worker
     if max_restarts < 0:
@@ -111,7 +111,7 @@ def train(
         return
     if why and not as_json:
         console.print(f"[bold]plan:[/bold] {lay} ({why})")
-    from trainscale.runtime import runfolder
+    from trainscale.runtime.job import runfolder
 
     # one machine: this process holds the run folder's lock for the whole job (restarts included) and
     # names the run; on several machines rank 0 of the job does both (the folder may be shared)
@@ -131,7 +131,7 @@ def train(
             env[runfolder.ENV_ERROR_FILE] = str(err_file)
         if not multi_node:  # this invocation is one launch of the job (goodput leaves out the time between)
             env[runfolder.ENV_LAUNCH] = uuid.uuid4().hex
-        if "trainscale.runtime.launch" in cmd:  # our torchrun wrapper ends with this process (PDEATHSIG)
+        if "trainscale.runtime.job.launch" in cmd:  # our torchrun wrapper ends with this process (PDEATHSIG)
             env[runfolder.ENV_PARENT] = str(os.getpid())
         else:
             env.pop(runfolder.ENV_PARENT, None)
@@ -191,7 +191,7 @@ def _raise_failure(err_file: Path, log_path: Path, code: int) -> None:
     """The one sentence that failed the job: a rank's recorded error (exit 2 for bad input such as a refused
     checkpoint, 1 for a failed job such as a full disk), else the last rank failure in the log."""
     from trainscale.errors import JobFailed
-    from trainscale.runtime.runfolder import read_json
+    from trainscale.runtime.job.runfolder import read_json
 
     if err_file.exists():
         try:
@@ -234,7 +234,7 @@ def _compare_plan(config: Path, layouts: str | None, steps: int | None, profile:
     env["OMP_NUM_THREADS"] = "1"  # one thread per rank, as torchrun gives multi-process jobs and calibrate measures
     import tempfile
 
-    from trainscale.runtime.compare import compare, compare_command
+    from trainscale.runtime.probe.compare import compare, compare_command
 
     by_world: dict[int, list[str]] = {}
     for text, lay in zip(texts, lays, strict=True):
@@ -267,7 +267,7 @@ def _compare_plan(config: Path, layouts: str | None, steps: int | None, profile:
 
 def _load_profile(cfg, config: Path, profile: Path | None, world: int, quiet: bool) -> dict[str, Any]:
     from trainscale.estimate.profile import read_profile, write_profile
-    from trainscale.runtime.calibrate import calibrate, default_profile_path
+    from trainscale.runtime.probe.calibrate import calibrate, default_profile_path
 
     if profile is not None:
         return read_profile(profile)
@@ -359,7 +359,7 @@ def _print_step_summary(results: list[dict[str, Any]]) -> None:
 def _prepare(cfg) -> dict[str, str]:
     """Tokenise the corpus and measure the CPU peak here, once, before the ranks start."""
     from trainscale.runtime import measure
-    from trainscale.runtime.data import corpus_for
+    from trainscale.runtime.data.corpus import corpus_for
 
     with console.status("preparing the corpus and tokenizer (cached after the first run)"):
         corpus_for(cfg)

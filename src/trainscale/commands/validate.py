@@ -20,8 +20,8 @@ def validate(
 ) -> None:
     """Predict published training runs from their own layouts and software; show predicted vs published."""
     from trainscale.commands.plan import _settings
-    from trainscale.estimate.validate import CONVENTION_LABELS, CONVENTIONS
-    from trainscale.estimate.validate import validate as run_validation
+    from trainscale.estimate.planner.validate import CONVENTION_LABELS, CONVENTIONS
+    from trainscale.estimate.planner.validate import validate as run_validation
 
     out = run_validation(runs, _settings(set_) or None)
     if as_json:

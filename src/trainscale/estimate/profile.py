@@ -1,6 +1,7 @@
 """The hardware profile: the one description of what ``trainscale calibrate`` writes and what the planner
-(estimate/step.py) and the rank-by-rank model (estimate/machine.py) read -- its tables, their figures, its
-version, the TOML it is stored as, and reading and checking it. No torch, so ``trainscale plan`` reads it.
+(estimate/planner/step.py) and the rank-by-rank model (estimate/measured/machine.py) read -- its tables, their
+figures, its version, the TOML it is stored as, and reading and checking it. No torch, so ``trainscale plan``
+reads it.
 
 Tables (process counts as strings):
 

@@ -17,7 +17,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.infer.lora import fold_adapter, read_adapter_config
 from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, read_quant_config
 from trainscale.runtime.artifact import load_model_dir
-from trainscale.runtime.data import load_tokenizer
+from trainscale.runtime.data.corpus import load_tokenizer
 from trainscale.runtime.model import build_model
 from trainscale.safeio import check_folder_files, read_text
 from trainscale.specs import ModelSpec, load_model

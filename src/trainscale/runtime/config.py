@@ -73,15 +73,15 @@ class DataSection(_Section):
         return (v,) if isinstance(v, str) else v
 
     def request(self):
-        """The corpus to prepare (runtime/shards.py), or None for the Shakespeare plays with a trained
+        """The corpus to prepare (runtime/data/shards.py), or None for the Shakespeare plays with a trained
         tokenizer (the plays with a loaded tokenizer are prepared like a user's files, a play a document)."""
         if not self.files and self.tokenizer is None:
             return None
-        from trainscale.runtime.shards import DataRequest, Settings
+        from trainscale.runtime.data.shards import DataRequest, Settings
 
         files, documents = self.files, self.documents
         if not files:
-            from trainscale.runtime.data import corpus_files
+            from trainscale.runtime.data.corpus import corpus_files
 
             files, documents = tuple(str(f) for f in corpus_files()), "file"
         return DataRequest(files=files, format=self.format, tokenizer=self.tokenizer,

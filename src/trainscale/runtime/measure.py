@@ -17,12 +17,13 @@ import time
 
 import torch
 
-from trainscale.estimate import flops, step
+from trainscale.estimate import flops
+from trainscale.estimate.planner import step
 from trainscale.specs import ModelSpec, catalog_names, load_gpu
 
 
 def matmul_params(spec: ModelSpec) -> int:
-    """N of the MFU the runtime reports: the planner's (``estimate.step.matmul_params``), so a MoE counts
+    """N of the MFU the runtime reports: the planner's (``estimate.planner.step.matmul_params``), so a MoE counts
     its active parameters, as the plan it is compared with does."""
     return step.matmul_params(spec)
 
@@ -55,7 +56,7 @@ def cpu_peak_flops(remeasure: bool = False) -> float:
     figure any measurement reached (``remeasure`` measures again and keeps the larger)."""
     if os.environ.get("TRAINSCALE_CPU_PEAK"):
         return float(os.environ["TRAINSCALE_CPU_PEAK"])
-    from trainscale.runtime.data import cache_root
+    from trainscale.runtime.data.corpus import cache_root
 
     key = f"{platform.node()}|{platform.processor() or platform.machine()}|{os.cpu_count()}|{torch.__version__}"
     path = cache_root() / "cpu_peak.json"

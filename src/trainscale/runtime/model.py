@@ -192,7 +192,7 @@ class Transformer(nn.Module):
         )
         self.has_head = True  # False on pipeline stages that do not end the model
         # Global positions of the local tokens when the caller does not pass them: set once by
-        # runtime/parallelize.py (context parallel slices; pipeline stages see hidden states, not tokens).
+        # runtime/parallel/parallelize.py (context parallel slices; pipeline stages see hidden states, not tokens).
         self.positions: torch.Tensor | None = None
 
     def init_weights(self, seed: int = 0) -> None:

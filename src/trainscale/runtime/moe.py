@@ -16,7 +16,7 @@
                its last stage): ``_AuxLossGrad`` passes the layer's output through and adds aux's gradient
                in the backward pass (Megatron-LM's MoEAuxLossAutoScaler).
 
-Expert parallelism (runtime/parallelize.py sets ``ep_group``): the ep ranks hold E/ep experts each (the
+Expert parallelism (runtime/parallel/parallelize.py sets ``ep_group``): the ep ranks hold E/ep experts each (the
 weights are DTensors sharded on dim 0 over the mesh's "ep" dim). The dispatch exchanges the per-expert
 token counts (one all_to_all_single), then the tokens (all_to_all_single with uneven splits); the combine
 sends the expert outputs back by the reverse splits. ``_AllToAll`` is the autograd function whose

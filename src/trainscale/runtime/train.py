@@ -3,13 +3,13 @@ normally started by torchrun (``trainscale train`` does that for you).
 
 What happens, in order:
   1. join the process group (torchrun's env, or a one-process group); lay the Layout out as a
-     DeviceMesh (runtime/mesh.py)
+     DeviceMesh (runtime/parallel/mesh.py)
   2. tokenise the corpus (rank 0 first, then everyone reads the cache)
   3. build the whole model on CPU and initialise it from the seed, identically on every rank, so
      every layout starts from the same weights (models too big for that are built on the meta device
      and initialised shard by shard)
-  4. cut it into pipeline stages (runtime/pipeline.py), parallelize each stage: TP+SP -> CP ->
-     activation checkpointing -> FSDP (runtime/parallelize.py)
+  4. cut it into pipeline stages (runtime/parallel/pipeline.py), parallelize each stage: TP+SP -> CP ->
+     activation checkpointing -> FSDP (runtime/parallel/parallelize.py)
   5. per step: the global batch (dp ranks take disjoint rows, cp ranks their load-balanced chunks),
      forward + backward (through the pipeline schedule, or in ``local_batch / mb`` accumulation
      steps), gradient average over replicas, clipping by the global norm, AdamW, LR schedule; the
@@ -18,7 +18,7 @@ What happens, in order:
      evaluates them on held-out text against the unigram baseline
 
 Run folder: config.toml, run.json (layout, world size, model, results), metrics.jsonl (a line per
-step), tokenizer.json, final/; its identity, lock and bookkeeping are runtime/runfolder.py's.
+step), tokenizer.json, final/; its identity, lock and bookkeeping are runtime/job/runfolder.py's.
 """
 
 from __future__ import annotations
@@ -39,15 +39,18 @@ from torch.distributed.tensor import DTensor
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count
-from trainscale.runtime import faults, measure, runfolder
-from trainscale.runtime.checkpoint import CheckpointManager, step_dir_name
+from trainscale.runtime import measure
 from trainscale.runtime.config import TrainConfig, check_layout, load_config, micro_batch
-from trainscale.runtime.context import local_positions, shard_sequence
-from trainscale.runtime.data import TokenLoader, corpus_for, eval_windows, unigram_loss
-from trainscale.runtime.faults import Fault, requeue_count, restart_count
-from trainscale.runtime.mesh import ParallelMesh, build_mesh, exit_rank, init_distributed
+from trainscale.runtime.data.corpus import TokenLoader, corpus_for, eval_windows, unigram_loss
+from trainscale.runtime.job import faults, runfolder
+from trainscale.runtime.job.checkpoint import CheckpointManager, step_dir_name
+from trainscale.runtime.job.faults import Fault, requeue_count, restart_count
+from trainscale.runtime.job.slurm import SAVE_REQUEST_ENV
+from trainscale.runtime.job.tblog import open_tensorboard
 from trainscale.runtime.model import Transformer, build_model, lm_loss
-from trainscale.runtime.parallelize import (
+from trainscale.runtime.parallel.context import local_positions, shard_sequence
+from trainscale.runtime.parallel.mesh import ParallelMesh, build_mesh, exit_rank, init_distributed
+from trainscale.runtime.parallel.parallelize import (
     allreduce_gradients,
     autocast_for,
     clip_grad_norm,
@@ -60,9 +63,7 @@ from trainscale.runtime.parallelize import (
     sum_moe_gradients_over_tp,
     uses_fsdp,
 )
-from trainscale.runtime.pipeline import Pipeline, split_model
-from trainscale.runtime.slurm import SAVE_REQUEST_ENV
-from trainscale.runtime.tblog import open_tensorboard
+from trainscale.runtime.parallel.pipeline import Pipeline, split_model
 from trainscale.specs import Layout
 
 
@@ -151,7 +152,7 @@ class Trainer:
         self.dense_params = [p for p in self.params if id(p) not in experts]
         self.moe_params = [p for _, part in self.parts for m in moe_layers(part) for p in m.parameters()]
         self.step = 0
-        # called after the optimizer step, before the gradients are freed (runtime/compare.py measures there)
+        # called after the optimizer step, before the gradients are freed (runtime/probe/compare.py measures there)
         self.after_update: Callable[[Trainer], None] | None = None
 
         self.flops_per_token = measure.flops_per_token(cfg.model, t.seq_len)
@@ -444,7 +445,7 @@ class Trainer:
         return result
 
     def _save_requested(self) -> bool:
-        """True on every rank when the batch script asked for a checkpoint (runtime/slurm.py touches the
+        """True on every rank when the batch script asked for a checkpoint (runtime/job/slurm.py touches the
         request file on the signal before the time limit): rank 0 looks, everyone agrees (one all-reduce)."""
         path = os.environ.get(SAVE_REQUEST_ENV)
         if not path:
@@ -551,9 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", default=None, help="run folder (default: the config's run.out)")
     ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
-    ap.add_argument("--inject", default=None, help="faults, e.g. crash@step=7,rank=1 (runtime/faults.py)")
+    ap.add_argument("--inject", default=None, help="faults, e.g. crash@step=7,rank=1 (runtime/job/faults.py)")
     ap.add_argument("--fallback-layout", default=None, help="the layout to use if an elastic job re-forms with a "
-                    "world size the layout's own rule cannot serve (runtime/elastic.py)")
+                    "world size the layout's own rule cannot serve (runtime/job/elastic.py)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     args = ap.parse_args(argv)
 
@@ -564,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout.parse(args.layout or cfg.run.layout or "")
         world = int(os.environ.get("WORLD_SIZE", layout.world_size))
         if world != layout.world_size:  # torchrun re-formed an elastic job with another number of processes
-            from trainscale.runtime.elastic import layout_for_world
+            from trainscale.runtime.job.elastic import layout_for_world
 
             fallback = Layout.parse(args.fallback_layout) if args.fallback_layout else None
             layout, why = layout_for_world(cfg, layout, world, fallback)

@@ -1,9 +1,9 @@
 """Starting a training job: the torchrun command for this machine (or a multi-node rendezvous, fixed or
-elastic) and the layout to use when asked to plan one (the Slurm batch script is runtime/slurm.py).
+elastic) and the layout to use when asked to plan one (the Slurm batch script is runtime/job/slurm.py).
 
 Imports no torch at module level: ``trainscale train --help`` and ``launch --slurm`` stay fast.
 
-A single-machine job runs torchrun through ``python -m trainscale.runtime.launch``: the same
+A single-machine job runs torchrun through ``python -m trainscale.runtime.job.launch``: the same
 torchrun, with its rendezvous stores listening on 127.0.0.1 only (torchrun's own bind every
 interface), and the agent dying with the CLI that started it (and the ranks with the agent).
 """
@@ -42,12 +42,12 @@ def torchrun_command(config: str | Path, layout: str, out: str | Path, world: in
     """``python -m torch.distributed.run ... -m trainscale.runtime.train ...``: standalone on one machine,
     c10d rendezvous at ``rdzv_endpoint`` across ``nnodes`` machines (run the same command on each).
     ``nnodes = "MIN:MAX"`` makes the job elastic: it goes on with as few as MIN machines after one is lost
-    (each re-formed job re-plans its layout for the processes left, runtime/elastic.py)."""
+    (each re-formed job re-plans its layout for the processes left, runtime/job/elastic.py)."""
     lo, hi = parse_nnodes(nnodes)
     if world % hi:
         raise TrainscaleError(f"the layout's {world} processes do not split evenly over {hi} nodes")
     if hi == 1 and rdzv_endpoint is None:
-        cmd = [python, "-m", "trainscale.runtime.launch", "--standalone", "--local-addr", "127.0.0.1"]
+        cmd = [python, "-m", "trainscale.runtime.job.launch", "--standalone", "--local-addr", "127.0.0.1"]
     else:
         if rdzv_endpoint is None:
             raise TrainscaleError("a multi-node run needs --rdzv-endpoint HOST:PORT (the first node's address)")
@@ -93,7 +93,7 @@ def check_endpoint(text: str) -> tuple[str, int]:
 def plan_layout(cfg: TrainConfig) -> tuple[str, str]:
     """-> (layout string, why) for this machine.
 
-    GPUs: the planner (``estimate.plan``) searches every layout for the model on this many GPUs of
+    GPUs: the planner (``estimate.planner.plan``) searches every layout for the model on this many GPUs of
     this kind, and the fastest one that fits and that the runtime supports is taken. CPU: one
     process, because every process of a CPU job shares the same cores, so splitting the model adds
     communication without adding compute."""
@@ -102,7 +102,7 @@ def plan_layout(cfg: TrainConfig) -> tuple[str, str]:
     if not torch.cuda.is_available():
         return "", ("no GPU here: one process (on a CPU all processes share the same cores, so any split only adds "
                     "communication)")
-    from trainscale.estimate.plan import layout_at, problem
+    from trainscale.estimate.planner.plan import layout_at, problem
     from trainscale.runtime.measure import gpu_peak_flops
 
     n = torch.cuda.device_count()
@@ -157,7 +157,7 @@ def local_torchrun(argv: list[str]) -> int:
     agent ends when the process that started it does (its ranks then end with it)."""
     import signal
 
-    from trainscale.runtime.runfolder import ENV_PARENT, die_with_parent
+    from trainscale.runtime.job.runfolder import ENV_PARENT, die_with_parent
 
     die_with_parent(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
     os.environ[ENV_PARENT] = str(os.getpid())  # the ranks check they still have this agent

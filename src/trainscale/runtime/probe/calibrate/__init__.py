@@ -15,7 +15,7 @@ the profile keeps the median over the processes.
 
 from trainscale.estimate.profile import COLLECTIVES as COLLECTIVE_OPS
 from trainscale.estimate.profile import COMPUTE_KEYS, read_profile, to_toml, write_profile
-from trainscale.runtime.calibrate.collectives import (
+from trainscale.runtime.probe.calibrate.collectives import (
     BUS_FACTOR,
     GRAD_BUCKET_BYTES,
     SMALL_MESSAGE_BYTES,
@@ -23,8 +23,8 @@ from trainscale.runtime.calibrate.collectives import (
     message_sizes,
     summarize_collectives,
 )
-from trainscale.runtime.calibrate.driver import calibrate, calibration_steps, default_profile_path
-from trainscale.runtime.calibrate.measure import (
+from trainscale.runtime.probe.calibrate.driver import calibrate, calibration_steps, default_profile_path
+from trainscale.runtime.probe.calibrate.measure import (
     attention_flop_count,
     attention_flops,
     block_seconds,
@@ -41,7 +41,7 @@ from trainscale.runtime.calibrate.measure import (
     tensor_parallel_overhead,
     tp_block_seconds,
 )
-from trainscale.runtime.calibrate.timing import compute_dtype, device
+from trainscale.runtime.probe.calibrate.timing import compute_dtype, device
 
 __all__ = ["BUS_FACTOR", "COLLECTIVE_OPS", "COMPUTE_KEYS", "GRAD_BUCKET_BYTES", "SMALL_MESSAGE_BYTES",
            "attention_flop_count", "attention_flops", "bandwidth_fit", "block_seconds", "calibrate",

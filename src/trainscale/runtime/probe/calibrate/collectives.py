@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainscale.estimate.machine import bus_factor
+from trainscale.estimate.measured.machine import bus_factor
 from trainscale.estimate.profile import COLLECTIVES
-from trainscale.runtime.calibrate.timing import compute_dtype, sync
+from trainscale.runtime.probe.calibrate.timing import compute_dtype, sync
 from trainscale.specs import ModelSpec
 
 # DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel, bucket_cap_mb=25).

@@ -23,13 +23,15 @@ import torch.multiprocessing as mp
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.profile import COMPUTE_KEYS, PROFILE_VERSION
-from trainscale.runtime.calibrate.collectives import (
+from trainscale.runtime.data.corpus import cache_root
+from trainscale.runtime.parallel.mesh import free_port
+from trainscale.runtime.probe.calibrate.collectives import (
     collective_times,
     init_group,
     message_sizes,
     summarize_collectives,
 )
-from trainscale.runtime.calibrate.measure import (
+from trainscale.runtime.probe.calibrate.measure import (
     attention_flops,
     block_seconds,
     elementwise_seconds_per_token,
@@ -42,9 +44,7 @@ from trainscale.runtime.calibrate.measure import (
     tensor_parallel_overhead,
     tp_block_seconds,
 )
-from trainscale.runtime.calibrate.timing import compute_dtype, device
-from trainscale.runtime.data import cache_root
-from trainscale.runtime.mesh import free_port
+from trainscale.runtime.probe.calibrate.timing import compute_dtype, device
 from trainscale.specs import ModelSpec
 
 # Wall-clock seconds each process spends timing one measurement (default, --quick).

@@ -21,8 +21,8 @@ import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from trainscale.placement import holds_embedding, holds_head, local_stage_ids, n_stages, stage_layers
-from trainscale.runtime.mesh import ParallelMesh
 from trainscale.runtime.model import Transformer, lm_loss
+from trainscale.runtime.parallel.mesh import ParallelMesh
 from trainscale.specs import Layout
 
 

@@ -20,8 +20,8 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.comms import Topology
 from trainscale.estimate.pipeline import layer_placement
-from trainscale.estimate.software import PRECISIONS, Software, load_software, with_knobs
-from trainscale.estimate.step import (
+from trainscale.estimate.planner.software import PRECISIONS, Software, load_software, with_knobs
+from trainscale.estimate.planner.step import (
     RECOMPUTE,
     SCHEDULE,
     Efficiencies,
@@ -30,7 +30,7 @@ from trainscale.estimate.step import (
     load_efficiencies,
     planner_catalog,
 )
-from trainscale.estimate.step import matmul_params as step_matmul_params
+from trainscale.estimate.planner.step import matmul_params as step_matmul_params
 from trainscale.specs import (
     ClusterSpec,
     GPUSpec,

@@ -673,7 +673,7 @@ def _build(req: DataRequest, sources: list[Source], hashes: list[str], digest: s
 
 
 def _run_workers(work: Path, n: int, units: set[int], tick: Callable[[set[int]], None]) -> None:
-    """``n`` worker processes (``python -m trainscale.runtime.shards``: plain interpreters that import only
+    """``n`` worker processes (``python -m trainscale.runtime.data.shards``: plain interpreters that import only
     numpy and tokenizers, not the caller's modules), each taking every n-th unit of jobs.json; progress is
     read from the unit markers they write. A worker's bad-input sentence becomes this process's error."""
     import subprocess
@@ -684,7 +684,7 @@ def _run_workers(work: Path, n: int, units: set[int], tick: Callable[[set[int]],
     src_root = str(Path(__file__).resolve().parents[2])  # the folder holding the trainscale package
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
     logs = [open(work / f"worker-{w}.log", "w+") for w in range(n)]  # noqa: SIM115 (closed below)
-    procs = [subprocess.Popen([sys.executable, "-m", "trainscale.runtime.shards", str(work), str(w), str(n)],
+    procs = [subprocess.Popen([sys.executable, "-m", "trainscale.runtime.data.shards", str(work), str(w), str(n)],
                               env=env, stdout=subprocess.DEVNULL, stderr=logs[w]) for w in range(n)]
     try:
         while True:
@@ -711,7 +711,7 @@ def _run_workers(work: Path, n: int, units: set[int], tick: Callable[[set[int]],
 
 
 def _worker_main(argv: list[str]) -> int:
-    """A worker process: ``python -m trainscale.runtime.shards WORK INDEX COUNT``."""
+    """A worker process: ``python -m trainscale.runtime.data.shards WORK INDEX COUNT``."""
     import sys
 
     work, w, n = argv[0], int(argv[1]), int(argv[2])

@@ -17,7 +17,7 @@ computes in bf16 while the sharded master weights, the optimizer and the gradien
 fp32 (Micikevicius et al. 2018, arXiv 1710.03740); where it does not (zero0, single process), bf16
 autocast around the forward pass over fp32 weights (``autocast_for``). Same on CPU and GPU.
 
-Pipeline parallelism is applied before all of these (runtime/pipeline.py cuts the model into stages;
+Pipeline parallelism is applied before all of these (runtime/parallel/pipeline.py cuts the model into stages;
 each stage is parallelized here). Parameter names never change: no wrapper modules are inserted, so
 a state dict (and a checkpoint) has the names of ``estimate.params.tensor_inventory``.
 """
@@ -41,10 +41,10 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import checkpoint
 
 from trainscale.placement import EMBEDDINGS, tp_plan
-from trainscale.runtime import context
-from trainscale.runtime.mesh import ParallelMesh
 from trainscale.runtime.model import Transformer
 from trainscale.runtime.moe import MoE
+from trainscale.runtime.parallel import context
+from trainscale.runtime.parallel.mesh import ParallelMesh
 from trainscale.specs import Layout
 
 # ----------------------------------------------------------------------------- 1. tensor parallel

@@ -1,5 +1,5 @@
 """Measure what a layout really holds and does, rank by rank, for ``trainscale train --compare-plan``:
-``python -m trainscale.runtime.compare --config X.toml --layout L --out result.json`` under torchrun.
+``python -m trainscale.runtime.probe.compare --config X.toml --layout L --out result.json`` under torchrun.
 
 Each rank builds the same Trainer as a training run and reports:
   - model state: bytes of its real parameter, gradient and AdamW state tensors (local shards of
@@ -11,7 +11,7 @@ Each rank builds the same Trainer as a training run and reports:
   - FLOPs: one training step under ``torch.utils.flop_counter.FlopCounterMode`` (with the CPU
     FlashAttention kernel registered, which torch counts only on GPUs)
   - step time: the median of the timed steps after the warm-up ones
-Rank 0 gathers every rank's figures and writes them as JSON; the predictions are estimate/rank.py's.
+Rank 0 gathers every rank's figures and writes them as JSON; the predictions are estimate/measured/rank.py's.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainscale.runtime.config import load_config
-from trainscale.runtime.mesh import exit_rank, rank_main
 from trainscale.runtime.model import lm_loss
+from trainscale.runtime.parallel.mesh import exit_rank, rank_main
 from trainscale.runtime.train import Trainer
 from trainscale.specs import Layout
 
@@ -212,7 +212,7 @@ def run(config: str | Path, layout: str, steps: int = 3, warmup: int = 1) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainscale.runtime.compare", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m trainscale.runtime.probe.compare", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--layouts", required=True, help="';'-separated layouts of the same world size, run in turn")
     ap.add_argument("--out", required=True, help="JSON file: {layout: [every rank's figures]}")
@@ -247,8 +247,8 @@ def compare_command(config: str | Path, layouts: list[str], out: str | Path, ste
     world = Layout.parse(layouts[0]).world_size
     launcher = [python] if world == 1 else [python, "-m", "torch.distributed.run", "--standalone",
                                             "--nproc-per-node", str(world)]
-    return [*launcher, "-m", "trainscale.runtime.compare", "--config", str(config), "--layouts", ";".join(layouts),
-            "--out", str(out), "--steps", str(steps), "--warmup", str(warmup)]
+    return [*launcher, "-m", "trainscale.runtime.probe.compare", "--config", str(config),
+            "--layouts", ";".join(layouts), "--out", str(out), "--steps", str(steps), "--warmup", str(warmup)]
 
 
 def _err(pred: float, got: float) -> float:
@@ -257,9 +257,9 @@ def _err(pred: float, got: float) -> float:
 
 def compare(cfg: Any, layout: Layout, measured: list[dict[str, Any]], profile: dict[str, Any] | None
             ) -> dict[str, Any]:
-    """Every rank's prediction (estimate/rank.py) next to its measurement, and the worst differences."""
-    from trainscale.estimate import rank as R
-    from trainscale.estimate.machine import machine_from_profile
+    """Every rank's prediction (estimate/measured/rank.py) next to its measurement, and the worst differences."""
+    from trainscale.estimate.measured import rank as R
+    from trainscale.estimate.measured.machine import machine_from_profile
     from trainscale.runtime.config import micro_batch
 
     m, t = cfg.model, cfg.train

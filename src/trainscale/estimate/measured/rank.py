@@ -1,6 +1,6 @@
 """What one rank of trainscale's own runtime holds and computes, predicted without torch.
 
-The planner (estimate/step.py, memory.py) models a Megatron-style GPU job with the published formulas.
+The planner (estimate/planner/step.py, memory.py) models a Megatron-style GPU job with the published formulas.
 This module predicts the *runtime in this repository* (runtime/model.py + parallelize.py + pipeline.py)
 rank by rank, so that ``trainscale train --compare-plan`` can check every figure against real tensors:
 
@@ -389,7 +389,7 @@ def layer_step_time(m: ModelSpec, layout: Layout, micro_batch: int, seq: int, ma
 
 def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_batch: int, mach: Any,
                    micro_batch: int) -> dict[str, float]:
-    """Seconds of one training step on ``rank`` of this runtime on a measured machine (estimate/machine.py).
+    """Seconds of one training step on ``rank`` of this runtime on a measured machine (estimate/measured/machine.py).
 
     Each micro-batch runs the rank's stages' layers (``layer_step_time``), the output head (its logits
     gathered under TP, the loss) on the last stage and the embedding's partial sums under TP on the first,

@@ -56,7 +56,7 @@ class SlurmJob:
     setup: str | None = None  # a shell line run before training, e.g. "source /shared/venv/bin/activate"
     python: str = sys.executable
     steps: int | None = None
-    inject: str | None = None  # faults to inject (runtime/faults.py), to prove the job survives them
+    inject: str | None = None  # faults to inject (runtime/job/faults.py), to prove the job survives them
     max_restarts: int = 3
     signal_before_s: int = 120  # 0: no early signal
     log_dir: str = "."
@@ -86,7 +86,7 @@ class SlurmJob:
         if not 0 <= self.signal_before_s <= 86400:
             raise TrainscaleError("--signal-before must be between 0 and 86400 seconds")
         if self.inject:
-            from trainscale.runtime.faults import parse_faults
+            from trainscale.runtime.job.faults import parse_faults
 
             parse_faults(self.inject)
         if self.steps is not None and not 0 < self.steps < 10**9:

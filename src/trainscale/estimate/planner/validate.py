@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from trainscale.errors import TrainscaleError
-from trainscale.estimate import flops, plan, step
+from trainscale.estimate import flops
 from trainscale.estimate.params import embedding_params, param_count
+from trainscale.estimate.planner import plan, step
 from trainscale.specs import Layout, ModelSpec
 
 FIGURES = {

@@ -13,12 +13,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from trainscale.estimate.machine import machine_from_profile
+from trainscale.estimate.measured.machine import machine_from_profile
+from trainscale.estimate.measured.rank import layer_step_time
 from trainscale.estimate.params import layer_tensors
-from trainscale.estimate.rank import layer_step_time
-from trainscale.runtime.calibrate.timing import best_seconds, compute_dtype, device, median_seconds, sync
 from trainscale.runtime.model import Block, build_model, rope_angles
-from trainscale.runtime.parallelize import apply_tensor_parallel
+from trainscale.runtime.parallel.parallelize import apply_tensor_parallel
+from trainscale.runtime.probe.calibrate.timing import best_seconds, compute_dtype, device, median_seconds, sync
 from trainscale.specs import Layout, ModelSpec
 
 
@@ -104,7 +104,7 @@ def memory_bandwidth(nbytes: int = 256 * 2**20, repeat: int = 5, budget_s: float
 def tensor_parallel_overhead(profile: dict[str, Any], n: int, spec: ModelSpec, seq_len: int, micro_batch: int,
                              layer_seconds: float) -> dict[str, float]:
     """The measured tensor-parallel layer against the same layer composed from this profile's figures
-    (estimate/rank.py: GEMMs, attention, elementwise work, the TP collectives): what is left per token is
+    (estimate/measured/rank.py: GEMMs, attention, elementwise work, the TP collectives): what is left per token is
     DTensor's own cost (dispatch, redistribution copies), which no FLOP or byte count sees."""
 
     mach = replace(machine_from_profile(profile, n), tensor_parallel={})
@@ -173,7 +173,7 @@ def block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, budget_s: flo
 def tp_block_seconds(spec: ModelSpec, micro_batch: int, seq_len: int, world: int, dev: torch.device,
                      budget_s: float = 1.0, min_repeat: int = 3) -> float | None:
     """Median seconds of one real decoder layer under the runtime's tensor (+ sequence) parallel plan over
-    all ``world`` processes of the current group (runtime/parallelize.py: DTensor column/row-parallel
+    all ``world`` processes of the current group (runtime/parallel/parallelize.py: DTensor column/row-parallel
     projections, sequence-sharded norms), forward + backward; None when ``world`` does not divide the heads,
     d_ff or the sequence. Every rank runs it at the same time."""
     if spec.n_heads % world or spec.n_kv_heads % world or spec.d_ff % world or seq_len % world:

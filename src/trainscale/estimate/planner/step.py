@@ -34,8 +34,8 @@ from trainscale.estimate.params import (
     numel,
 )
 from trainscale.estimate.pipeline import bubble_fraction, dualpipe_bubble_fraction, layer_placement, pipeline_time
+from trainscale.estimate.planner.software import Software, load_software
 from trainscale.estimate.profile import check_profile, is_hardware_profile
-from trainscale.estimate.software import Software, load_software
 from trainscale.specs import ClusterSpec, GPUSpec, ModelSpec, load_gpu
 
 ACT_BYTES = 2  # bf16 activations, as Korthikanti et al. 2022 count them (Sec. 4.1)

