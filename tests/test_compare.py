@@ -149,7 +149,7 @@ def test_compare_plan_cli(tmp_path):
                     "optimizer_seconds_per_param = 3e-9\n"
                     + "".join(f"[collectives.2.{op}]\nlatency_s = 1e-4\nbus_bandwidth = 1e9\n"
                               for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")))
-    cmd = [sys.executable, "-m", "trainscale", "train", "--config", str(TINY), "--compare-plan", "--layout",
+    cmd = [sys.executable, "-m", "trainscale", "compare", "--config", str(TINY), "--layouts",
            "dp2;tp2", "--profile", str(prof), "--steps", "1", "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -159,12 +159,14 @@ def test_compare_plan_cli(tmp_path):
         assert r["state_exact"] and r["step_time_predicted_s"] > 0 and r["step_time_measured_s"] > 0
 
 
+@pytest.mark.parametrize("entry", [["compare"], ["train", "--compare-plan"]])
 @pytest.mark.parametrize("args,needle", [
     (["--layout", "tp3"], "tp3 must divide"),
     (["--layout", "dp2", "--profile", "/nonexistent/profile.toml"], "profile"),
+    (["--layout", "dp2;"], "a layout between ';' is empty"),
 ])
-def test_compare_plan_bad_input(args, needle):
-    cmd = [sys.executable, "-m", "trainscale", "train", "--config", str(TINY), "--compare-plan", *args]
+def test_compare_plan_bad_input(entry, args, needle):
+    cmd = [sys.executable, "-m", "trainscale", *entry, "--config", str(TINY), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr
