@@ -11,8 +11,6 @@ import numpy as np
 
 from trainscale import placement
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-
 
 def bubble_fraction(p: Any, m: Any, v: Any = 1) -> Any:
     """Idle time / ideal time: (p-1)/m for GPipe and 1F1B (Huang et al. 2019 arXiv 1811.06965 Sec. 2.2;

@@ -368,33 +368,16 @@ def reliability_report(model: str = "llama3.1-405b", gpus: int | None = None, da
     meta = meta_snapshot()
     gpus = meta["gpus"] if gpus is None else gpus
     days = meta["hours"] / 24 if days is None else days
-    _positive(gpus=gpus, days=days, trials=trials)
-    if mtbf_s is not None and rate_per_gpu_hour is not None:
-        raise TrainscaleError("give either --mtbf-h or --fail-rate-per-gpu-hour, not both")
-    if ckpt_write_s is not None and storage_bw is not None:
-        raise TrainscaleError("give either --ckpt-write-s or --storage-bw, not both")
-    _positive(interval=interval_s, mtbf=mtbf_s, storage_bandwidth=storage_bw)
-    _non_negative(fail_rate=rate_per_gpu_hour, planned_per_day=planned_per_day, checkpoint_write=ckpt_write_s,
-                  restart=restart_s)
-
+    _check_report_inputs(gpus=gpus, days=days, trials=trials, interval_s=interval_s, mtbf_s=mtbf_s,
+                         rate_per_gpu_hour=rate_per_gpu_hour, planned_per_day=planned_per_day,
+                         ckpt_write_s=ckpt_write_s, storage_bw=storage_bw, restart_s=restart_s)
     horizon = days * DAY
-    meta_rate = per_gpu_hour_rate(meta["unexpected"], meta["gpus"], meta["hours"])
-    if mtbf_s is None:
-        rate = meta_rate if rate_per_gpu_hour is None else rate_per_gpu_hour
-        mtbf = job_mtbf_s(rate, gpus)
-        rate_from = "Meta" if rate_per_gpu_hour is None else "given rate"
-    else:
-        mtbf, rate, rate_from = mtbf_s, HOUR / (mtbf_s * gpus), "given MTBF"
-    planned_mtbi_meta = planned_mtbi_s(meta["planned"], meta["hours"])
-    p_mtbi = planned_mtbi_meta if planned_per_day is None else (
-        inf if planned_per_day == 0 else DAY / planned_per_day)
-
+    failures = _failure_rates(meta, gpus, mtbf_s, rate_per_gpu_hour, planned_per_day)
+    mtbf, p_mtbi = failures["job_mtbf_s"], failures["planned_mtbi_s"]
     m = load_model(model)
     n = param_count(m)
-    size = checkpoint_bytes(n)
-    bw = cat["tectonic"]["sustained_bandwidth"] if storage_bw is None else storage_bw
-    delta = checkpoint_write_s(size, bw) if ckpt_write_s is None else ckpt_write_s
-    r_s = cat["defaults"]["restart_s"] if restart_s is None else restart_s
+    checkpoint = _checkpoint(cat, n, ckpt_write_s, storage_bw, restart_s)
+    delta, r_s = checkpoint["write_s"], checkpoint["restart_s"]
 
     young, daly = young_interval(delta, mtbf), daly_interval(delta, mtbf)
     if not isfinite(daly):
@@ -402,34 +385,12 @@ def reliability_report(model: str = "llama3.1-405b", gpus: int | None = None, da
     tau = daly if interval_s is None else interval_s
     sim = simulate(horizon, tau, delta, r_s, mtbf, p_mtbi, trials=trials, seed=seed, timeline=timeline)
     analytic = float(daly_efficiency(tau, delta, mtbf, r_s)) * planned_efficiency(delta, r_s, p_mtbi)
-    unexpected = expected_interruptions(horizon, mtbf)
-    planned_n = expected_interruptions(horizon, p_mtbi)
-
     out: dict[str, Any] = {
         "inputs": {"model": m.name, "params": n, "gpus": gpus, "days": days, "horizon_s": horizon,
                    "interval_s": tau, "interval_from": "Daly" if interval_s is None else "given",
                    "trials": trials, "seed": seed},
-        "failures": {
-            "rate_per_gpu_hour": rate, "rate_from": rate_from, "meta_rate_per_gpu_hour": meta_rate,
-            "job_mtbf_s": mtbf, "planned_mtbi_s": p_mtbi,
-            "expected_unexpected": unexpected, "expected_planned": planned_n,
-            "expected_total": unexpected + planned_n,
-            "mean_time_between_interruptions_s": horizon / (unexpected + planned_n) if unexpected + planned_n
-            else inf,
-            "source": meta["source"],
-            "causes": expected_causes(unexpected),
-            "causes_source": cat["llama3_causes_meta"]["source"],
-        },
-        "checkpoint": {
-            "bytes": size, "bytes_per_param": size / n, "contents": cat["defaults"]["checkpoint_contents"],
-            "contents_source": cat["defaults"]["checkpoint_source"],
-            "storage_bandwidth": None if ckpt_write_s is not None else bw,
-            "bandwidth_from": "given write time" if ckpt_write_s is not None else (
-                "Tectonic sustained" if storage_bw is None else "given bandwidth"),
-            "storage_source": cat["tectonic"]["source"],
-            "write_s": delta, "restart_s": r_s,
-            "restart_source": cat["defaults"]["restart_source"] if restart_s is None else "given",
-        },
+        "failures": {**failures, **_expected_interruptions(cat, meta, horizon, mtbf, p_mtbi)},
+        "checkpoint": checkpoint,
         "intervals": {"young_s": young, "daly_s": daly,
                       "young_source": "Young 1974, CACM 17(9): sqrt(2 delta M)",
                       "daly_source": "Daly 2006, FGCS 22(3): higher-order optimum"},
@@ -443,6 +404,70 @@ def reliability_report(model: str = "llama3.1-405b", gpus: int | None = None, da
     if timeline:
         out["_timeline"] = sim.timeline
     return out
+
+
+def _check_report_inputs(gpus: int, days: float, trials: int, interval_s: float | None, mtbf_s: float | None,
+                         rate_per_gpu_hour: float | None, planned_per_day: float | None, ckpt_write_s: float | None,
+                         storage_bw: float | None, restart_s: float | None) -> None:
+    """One sentence for the first input ``reliability_report`` cannot take."""
+    _positive(gpus=gpus, days=days, trials=trials)
+    if mtbf_s is not None and rate_per_gpu_hour is not None:
+        raise TrainscaleError("give either --mtbf-h or --fail-rate-per-gpu-hour, not both")
+    if ckpt_write_s is not None and storage_bw is not None:
+        raise TrainscaleError("give either --ckpt-write-s or --storage-bw, not both")
+    _positive(interval=interval_s, mtbf=mtbf_s, storage_bandwidth=storage_bw)
+    _non_negative(fail_rate=rate_per_gpu_hour, planned_per_day=planned_per_day, checkpoint_write=ckpt_write_s,
+                  restart=restart_s)
+
+
+def _failure_rates(meta: dict[str, Any], gpus: int, mtbf_s: float | None, rate_per_gpu_hour: float | None,
+                   planned_per_day: float | None) -> dict[str, Any]:
+    """The job's unexpected-failure rate and MTBF (given, or from a rate per GPU-hour, Meta's by default) and its
+    mean time between planned interruptions (given per day, or Meta's)."""
+    meta_rate = per_gpu_hour_rate(meta["unexpected"], meta["gpus"], meta["hours"])
+    if mtbf_s is None:
+        rate = meta_rate if rate_per_gpu_hour is None else rate_per_gpu_hour
+        mtbf = job_mtbf_s(rate, gpus)
+        rate_from = "Meta" if rate_per_gpu_hour is None else "given rate"
+    else:
+        mtbf, rate, rate_from = mtbf_s, HOUR / (mtbf_s * gpus), "given MTBF"
+    p_mtbi = planned_mtbi_s(meta["planned"], meta["hours"]) if planned_per_day is None else (
+        inf if planned_per_day == 0 else DAY / planned_per_day)
+    return {"rate_per_gpu_hour": rate, "rate_from": rate_from, "meta_rate_per_gpu_hour": meta_rate,
+            "job_mtbf_s": mtbf, "planned_mtbi_s": p_mtbi}
+
+
+def _expected_interruptions(cat: dict[str, Any], meta: dict[str, Any], horizon: float, mtbf: float,
+                            p_mtbi: float) -> dict[str, Any]:
+    """Interruptions expected over the horizon, unexpected and planned, and the unexpected ones by cause."""
+    unexpected = expected_interruptions(horizon, mtbf)
+    planned_n = expected_interruptions(horizon, p_mtbi)
+    return {"expected_unexpected": unexpected, "expected_planned": planned_n,
+            "expected_total": unexpected + planned_n,
+            "mean_time_between_interruptions_s": horizon / (unexpected + planned_n) if unexpected + planned_n
+            else inf,
+            "source": meta["source"],
+            "causes": expected_causes(unexpected),
+            "causes_source": cat["llama3_causes_meta"]["source"]}
+
+
+def _checkpoint(cat: dict[str, Any], n_params: float, ckpt_write_s: float | None, storage_bw: float | None,
+                restart_s: float | None) -> dict[str, Any]:
+    """The checkpoint's size, its write time (given, or size over the storage bandwidth, Tectonic's by default)
+    and the restart time (given, or the catalog's assumption), each with where it comes from."""
+    size = checkpoint_bytes(n_params)
+    bw = cat["tectonic"]["sustained_bandwidth"] if storage_bw is None else storage_bw
+    return {
+        "bytes": size, "bytes_per_param": size / n_params, "contents": cat["defaults"]["checkpoint_contents"],
+        "contents_source": cat["defaults"]["checkpoint_source"],
+        "storage_bandwidth": None if ckpt_write_s is not None else bw,
+        "bandwidth_from": "given write time" if ckpt_write_s is not None else (
+            "Tectonic sustained" if storage_bw is None else "given bandwidth"),
+        "storage_source": cat["tectonic"]["source"],
+        "write_s": checkpoint_write_s(size, bw) if ckpt_write_s is None else ckpt_write_s,
+        "restart_s": cat["defaults"]["restart_s"] if restart_s is None else restart_s,
+        "restart_source": cat["defaults"]["restart_source"] if restart_s is None else "given",
+    }
 
 
 def _positive(**kw: float | None) -> None:

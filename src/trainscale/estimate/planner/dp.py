@@ -1,0 +1,105 @@
+"""Data parallelism and ZeRO over the cp x dp replicas (CP ranks hold the same weights): the gradient reduction
+and weight gathers of the critical stage, what of them the compute hides, and the optimizer step.
+
+ZeRO stages (Rajbhandari et al. 2020, arXiv 1910.02054 Sec. 5; ``specs.Layout.zero``): 0 all-reduces the
+gradients once per step; 1 reduce-scatters them once and all-gathers the updated weights; 2 reduce-scatters per
+micro-batch; 3 also gathers the weights for each micro-batch's forward and again for its backward (FSDP
+reshard_after_forward). With hybrid sharding (hsdp) the shards' gradients are also all-reduced over the replicas.
+A MoE's routed experts are reduced/gathered over the ranks holding the same experts (dp x cp / ep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainscale.estimate import comms, memory
+from trainscale.estimate.planner.candidates import Candidates
+from trainscale.estimate.planner.efficiencies import Efficiencies
+from trainscale.estimate.planner.layer import LayerTime
+from trainscale.estimate.planner.software import Software
+from trainscale.estimate.planner.stages import Critical, StageParams
+
+
+def n_shard(c: Candidates) -> Any:
+    """The ranks one ZeRO shard group spans: cp x dp over the hsdp replica groups."""
+    return c.cp * c.dp // c.hsdp
+
+
+def n_shard_experts(c: Candidates) -> Any:
+    """The ranks sharing one EP rank's experts (placement expert_shard)."""
+    return np.maximum(n_shard(c) // c.ep, 1)
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """One step's DP collectives of the critical stage, each unhidden: reduce-scatter of the gradients,
+    all-gather of the weights, all-reduce over the hsdp replicas, all-reduce of the whole gradients (ZeRO 0)."""
+
+    rs: Any
+    ag: Any
+    ar_rep: Any
+    ar: Any
+
+
+def collectives(c: Candidates, topo: comms.Topology, sw: Software, s: StageParams) -> Collectives:
+    tp, cp, dp, hsdp, world = c.tp, c.cp, c.dp, c.hsdp, c.world
+    ns = n_shard(c)
+    extent_dp = np.where(dp > 1, world, tp * cp)
+    extent_shard = np.where(dp // hsdp > 1, tp * cp * c.pp * (dp // hsdp), tp * cp)
+    bw_s, lat_s = comms.link(topo, ns, extent_shard)
+    bw_r, lat_r = comms.link(topo, hsdp, world)
+    bw_d, lat_d = comms.link(topo, cp * dp, extent_dp)
+    p_crit = s.crit
+    gb, wb = sw.grad_reduce_bytes * p_crit, memory.WEIGHT_BYTES * p_crit
+    rs = comms.reduce_scatter_time(gb, ns, bw_s, lat_s)
+    ag = comms.all_gather_time(wb, ns, bw_s, lat_s)
+    ar_rep = comms.all_reduce_time(gb / ns, hsdp, bw_r, lat_r)
+    ar = comms.all_reduce_time(gb, cp * dp, bw_d, lat_d)
+    if not s.moe:
+        return Collectives(rs, ag, ar_rep, ar)
+    e_crit, ns_e, dp_e = s.e_crit, n_shard_experts(c), cp * dp // c.ep
+    gb_e, wb_e = sw.grad_reduce_bytes * e_crit, memory.WEIGHT_BYTES * e_crit
+    bw_se, lat_se = comms.link(topo, ns_e, np.where(ns_e > 1, world // hsdp, tp * cp))
+    bw_de, lat_de = comms.link(topo, dp_e, np.where(dp_e > 1, world, tp * cp))
+    return Collectives(rs + comms.reduce_scatter_time(gb_e, ns_e, bw_se, lat_se),
+                       ag + comms.all_gather_time(wb_e, ns_e, bw_se, lat_se),
+                       ar_rep + comms.all_reduce_time(gb_e / ns_e, hsdp, bw_r, lat_r),
+                       ar + comms.all_reduce_time(gb_e, dp_e, bw_de, lat_de))
+
+
+def dp_exposed(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, st_rc: Any, sw: Software,
+               col: Collectives) -> tuple[Any, Any]:
+    """(exposed, total) DP traffic of a step. A collective overlaps (sw.dp_overlap of) the compute it follows: the
+    weight gathers the critical stage's forward, the gradient reductions its backward and recomputation; one that
+    runs once per step also leaves one layer's bucket exposed (the first gather before any compute, the last
+    reduce after all of it). ZeRO-3's backward gather and reduce-scatter share the same links at once."""
+    win_f = k.n_dense * dense.fwd + k.n_moe * moe.fwd
+    win_b = k.n_dense * dense.bwd + k.n_moe * moe.bwd + st_rc
+    ov, n_layers = sw.dp_overlap, k.layers
+    zero, micro = c.zero, c.micro
+    rs, ag, ar_rep, ar = col.rs, col.ag, col.ar_rep, col.ar
+
+    def hidden(t: Any, window: Any, once: bool = False) -> Any:
+        floor = t / np.maximum(n_layers, 1) if once else 0.0
+        return np.maximum(floor, t - ov * window)
+
+    exposed = np.select(
+        [zero == 0, zero == 1, zero == 2],
+        [hidden(ar, win_b, True),
+         hidden(rs + ar_rep, win_b, True) + hidden(ag, win_f, True),
+         micro * hidden(rs, win_b) + hidden(ar_rep, win_b, True) + hidden(ag, win_f, True)],
+        micro * (hidden(ag, win_f) + hidden(ag + rs, win_b)) + hidden(ar_rep, win_b, True))
+    total = np.select([zero == 0, zero == 1, zero == 2], [ar, rs + ag + ar_rep, micro * rs + ag + ar_rep],
+                      micro * (2 * ag + rs) + ar_rep)
+    return exposed, total
+
+
+def optimizer_time(c: Candidates, s: StageParams, eff: Efficiencies, sw: Software, hbm: float) -> Any:
+    """Adam is memory-bound on this rank's shard of the state; fp32 grads are read at 4 bytes."""
+    p_shard = s.crit / np.where(c.zero >= 1, n_shard(c), 1)
+    if s.moe:
+        p_shard = p_shard + s.e_crit / np.where(c.zero >= 1, n_shard_experts(c), 1)
+    return (eff.optimizer_bytes_per_param + sw.grad_bytes - memory.GRAD_BYTES) * p_shard / hbm

@@ -1,0 +1,310 @@
+"""One decoder layer on one GPU, per micro-batch, for every candidate layout at once: its GEMMs at their sharded
+shapes on a roofline, the attention core, the element-wise work between them, its tensor- and context-parallel
+traffic, its recomputation; and the output head. Arrays over the candidates (``candidates.Candidates``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from trainscale.estimate import comms, flops
+from trainscale.estimate.planner.candidates import FULL, SELECTIVE, Candidates
+from trainscale.estimate.planner.efficiencies import Efficiencies
+from trainscale.estimate.planner.software import Software
+from trainscale.specs import GPUSpec, ModelSpec
+
+ACT_BYTES = 2  # bf16 activations, as Korthikanti et al. 2022 count them (Sec. 4.1)
+LOSS_BYTES = 4  # fp32 logits for the softmax cross-entropy on the last stage
+TILE = 128  # output tile edge of a tensor-core GEMM kernel (CUTLASS / cuBLAS 128x128 tiles)
+
+
+# ----------------------------------------------------------------------------- the roofline
+
+
+def gemm_time(mm: Any, k: Any, n: Any, flops_per_s: float, bytes_per_s: float, sms: int = 0,
+              launch_s: float = 0.0) -> Any:
+    """One (mm x k) @ (k x n) GEMM: a roofline (Williams et al. 2009), max(2mkn / FLOP/s, bf16 bytes of A, B, C /
+    memory bandwidth), with tile and wave quantization (NVIDIA Matrix Multiplication Background guide): the output
+    is cut into 128 x 128 tiles, padded at the edges, and the tiles run in waves of one per SM; a partial last wave
+    leaves SMs idle. ``flops_per_s`` is the sustained rate of a large, well-shaped GEMM; no kernel is shorter than
+    ``launch_s``."""
+    mm, k, n = (np.asarray(x, dtype=float) for x in (mm, k, n))
+    tm, tn = np.ceil(mm / TILE), np.ceil(n / TILE)
+    util = mm * n / (tm * tn * TILE * TILE)
+    if sms:
+        tiles = tm * tn
+        util = util * tiles / (np.ceil(tiles / sms) * sms)
+    t = np.maximum(2.0 * mm * k * n / (flops_per_s * util), ACT_BYTES * (mm * k + k * n + mm * n) / bytes_per_s)
+    return np.maximum(t, launch_s)
+
+
+def gemm_train_time(mm: Any, k: Any, n: Any, flops_per_s: float, bytes_per_s: float, sms: int = 0,
+                    launch_s: float = 0.0) -> tuple[Any, Any]:
+    """(forward, backward) of one linear layer: y = x W (mm, k, n); backward dX = dY W^T (mm, n, k) and
+    dW = X^T dY (k, mm, n)."""
+    f = gemm_time(mm, k, n, flops_per_s, bytes_per_s, sms, launch_s)
+    b = (gemm_time(mm, n, k, flops_per_s, bytes_per_s, sms, launch_s)
+         + gemm_time(k, mm, n, flops_per_s, bytes_per_s, sms, launch_s))
+    return f, b
+
+
+def attention_gemm_shapes(m: ModelSpec, tp: Any) -> dict[str, tuple[Any, Any]]:
+    """(in, out) of each attention projection of one decoder layer on one TP rank (Megatron column/row split,
+    Shoeybi et al. 2019 Sec. 3): wq, wk, wv split their outputs, wo its input; K/V heads are replicated when TP
+    exceeds their count (GQA). Under MLA (DeepSeek-V2, arXiv 2405.04434 Sec. 2.1) the down-projections wq_a and
+    wkv_a are whole on every rank, the up-projections wq_b and wkv_b split over heads, wo its input. Names as
+    estimate/params.py."""
+    tp = np.asarray(tp, dtype=float)
+    d = m.d_model
+    if m.attention == "mla":
+        h, qk, v = m.n_heads, m.qk_head_dim, m.value_head_dim
+        out: dict[str, tuple[Any, Any]] = {}
+        if m.q_lora_rank:
+            out["wq_a"] = (d, m.q_lora_rank + 0 * tp)
+            out["wq_b"] = (m.q_lora_rank, h * qk / tp)
+        else:
+            out["wq"] = (d, h * qk / tp)
+        out["wkv_a"] = (d, m.kv_lora_rank + m.qk_rope_head_dim + 0 * tp)
+        out["wkv_b"] = (m.kv_lora_rank, h * (m.head_dim + v) / tp)
+        out["wo"] = (h * v / tp, d)
+        return out
+    kv = np.maximum(m.n_kv_heads / tp, 1) * m.head_dim
+    return {"wq": (d, m.q_dim / tp), "wk": (d, kv), "wv": (d, kv), "wo": (m.q_dim / tp, d)}
+
+
+def ffn_gemm_shapes(m: ModelSpec, tp: Any, width: int | None = None) -> dict[str, tuple[Any, Any]]:
+    """(in, out) of a dense FFN of ``width`` (default d_ff) on one TP rank: w1 (and w3) split their outputs, w2
+    its input."""
+    tp = np.asarray(tp, dtype=float)
+    width = m.d_ff if width is None else width
+    shapes = {"w1": (m.d_model, width / tp), "w2": (width / tp, m.d_model)}
+    if m.mlp == "swiglu":
+        shapes["w3"] = (m.d_model, width / tp)
+    return shapes
+
+
+def layer_gemm_shapes(m: ModelSpec, tp: Any) -> dict[str, tuple[Any, Any]]:
+    """(in, out) of each GEMM of one dense decoder layer on one TP rank: the attention projections, then the
+    FFN (``attention_gemm_shapes``, ``ffn_gemm_shapes``). Names as runtime/model.py."""
+    return {**attention_gemm_shapes(m, tp), **ffn_gemm_shapes(m, tp)}
+
+
+def attention_rate(m: ModelSpec, seq: Any, peak: float, eff: Efficiencies) -> Any:
+    """FLOP/s of a fused (FlashAttention) kernel, forward + backward: its plateau fraction of peak at head dim 128,
+    times s / (s + s_half) for the rise with sequence length and d / (d + 16) (normalised at 128) for the head
+    dimension (FlashAttention-2, arXiv 2307.08691 Fig. 4-7: throughput grows with both)."""
+    s = np.asarray(seq, dtype=float)
+    hd = m.qk_head_dim
+    return peak * eff.attention_efficiency * s / (s + eff.attention_seq_half) * (hd / (hd + 16)) / (128 / 144)
+
+
+
+def full_gemm_shapes(m: ModelSpec) -> dict[str, tuple[int, int]]:
+    """``layer_gemm_shapes`` of one whole (unsharded) layer, as integers."""
+    return {k: (int(a), int(b)) for k, (a, b) in layer_gemm_shapes(m, 1).items()}
+
+
+# ----------------------------------------------------------------------------- rates
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one GPU sustains under the software: FLOP/s of its GEMMs and attention, HBM bytes/s, SMs."""
+
+    peak: float  # the bf16 datasheet peak (MFU's denominator)
+    peak_run: float  # tensor-core FLOP/s held through a long run, on the SMs the compute kernels keep
+    f_mm: float  # a bf16 GEMM (output head, router, unfused attention)
+    f_lay: float  # the decoder layers' GEMMs: bf16, or FP8 at the GPU's FP8 peak
+    hbm: float  # achievable HBM bandwidth
+    sms: int  # SMs the GEMMs run on
+    gap: float  # the shortest kernel (launch gap)
+
+
+def rates(gpu: GPUSpec, eff: Efficiencies, sw: Software) -> Rates:
+    """The GPU's datasheet times the planner's efficiencies, less the SMs the software's overlapping
+    communication kernels keep (DeepSeek-V3, arXiv 2412.19437 Sec. 3.2.2)."""
+    peak = gpu.peak_bf16_flops
+    peak_run = peak * eff.sustained_clock_fraction  # tensor-core clock held through a long run, not a burst
+    f_mm = peak_run * eff.matmul_efficiency
+    hbm = gpu.hbm_bandwidth * eff.hbm_efficiency
+    sms, gap = gpu.sm_count, eff.launch_gap_s
+    sm_share = 1.0
+    if sw.comm_sms and sms:
+        # communication kernels that overlap compute keep comm_sms of the SMs (DeepSeek-V3 Sec. 3.2.2): the GEMMs
+        # and the attention kernel run on the rest
+        sm_share = max(sms - sw.comm_sms, 1) / sms
+        sms = max(sms - sw.comm_sms, 1)
+        peak_run = peak_run * sm_share
+        f_mm = peak_run * eff.matmul_efficiency
+    # the decoder layers' GEMMs: bf16, or FP8 at the GPU's FP8 peak with its own efficiency (DeepSeek-V3 Sec. 3.3.1:
+    # Fprop, Dgrad and Wgrad of the linear layers; the output head, router and attention core stay bf16)
+    f_lay = (gpu.peak_fp8_flops * eff.sustained_clock_fraction * sm_share * eff.fp8_matmul_efficiency) \
+        if sw.precision == "fp8" else f_mm
+    return Rates(peak, peak_run, f_mm, f_lay, hbm, sms, gap)
+
+
+# ----------------------------------------------------------------------------- one layer
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One decoder layer (dense or MoE), one micro-batch, on one GPU; seconds, arrays over the candidates."""
+
+    mm_f: Any  # its GEMMs, forward
+    mm_b: Any  # its GEMMs, backward
+    attn: Any  # the attention core, forward + backward
+    attn_f: Any  # the attention core, forward
+    ew_f: Any  # the element-wise work between the GEMMs, forward
+    ew: Any  # the element-wise work, forward + backward
+    sel: Any  # the forward of the GEMMs selective recompute redoes
+    rc: Any = 0.0  # recomputation in the backward
+    a2a: Any = 0.0  # the expert all-to-all, forward + backward (+ the recomputed forward)
+    a2a_x: Any = 0.0  # the part of it the layer's compute does not hide
+
+    @property
+    def compute(self) -> Any:
+        return self.mm_f + self.mm_b + self.attn + self.ew
+
+    @property
+    def fwd(self) -> Any:
+        """The forward compute a collective can overlap."""
+        return self.mm_f + self.attn_f + self.ew_f
+
+    @property
+    def bwd(self) -> Any:
+        """The backward compute a collective can overlap."""
+        return self.mm_b + self.attn - self.attn_f + 2 * self.ew_f
+
+
+NO_LAYER = LayerTime(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # the MoE layer of a dense model
+
+
+@dataclass(frozen=True)
+class Gemms:
+    """A dense layer's GEMM times (forward, backward), with the parts recomputation redoes."""
+
+    f: Any
+    b: Any
+    sel: Any  # the software's selective-recompute GEMMs, forward
+    up: Any  # MLA up-projections (wq_b, wkv_b), forward (recomputed under sw.recompute_mla_up)
+    att_f: Any  # the attention projections alone, forward
+    att_b: Any  # ... backward
+    att_sel: Any  # ... the selective-recompute ones among them, forward
+
+
+def dense_gemms(m: ModelSpec, c: Candidates, r: Rates, sw: Software) -> Gemms:
+    """Every GEMM of one dense layer at its sharded shape (item 1 of the planner's model)."""
+    t_mm_f = t_mm_b = t_sel = t_up = 0.0
+    last_att = list(attention_gemm_shapes(m, 1))[-1]
+    for name, (k_in, n_out) in layer_gemm_shapes(m, c.tp).items():
+        f, b = gemm_train_time(c.tokens, k_in, n_out, r.f_lay, r.hbm, r.sms, r.gap)
+        t_mm_f, t_mm_b = t_mm_f + f, t_mm_b + b
+        if name in sw.selective_gemms:
+            t_sel = t_sel + f
+        if name in ("wq_b", "wkv_b"):
+            t_up = t_up + f
+        if name == last_att:
+            t_att_f, t_att_b, t_sel_att = t_mm_f, t_mm_b, t_sel
+    return Gemms(t_mm_f, t_mm_b, t_sel, t_up, t_att_f, t_att_b, t_sel_att)
+
+
+def attention_core(m: ModelSpec, c: Candidates, r: Rates, eff: Efficiencies, sw: Software, seq: int) -> tuple[Any, Any]:
+    """(forward + backward, forward) of the attention core: fused (FlashAttention, causal halving) or unfused (full
+    s x s products and the score traffic)."""
+    if sw.attention == "flash":
+        attn_train = flops.attention_flops_per_token(m, seq, causal=True) / m.n_layers * c.tokens / c.tp
+        t_attn = attn_train / (attention_rate(m, seq, r.peak_run, eff) * sw.attention_speed)
+        return t_attn, t_attn / 3  # the forward is a third of forward + backward
+    heads = m.n_heads / c.tp
+    rows = c.mb * heads * (seq / c.cp)
+    qk_f, qk_b = gemm_train_time(rows, m.head_dim, seq, r.f_mm, r.hbm, r.sms, r.gap)
+    av_f, av_b = gemm_train_time(rows, seq, m.head_dim, r.f_mm, r.hbm, r.sms, r.gap)
+    # score bytes (bf16): QK^T written, scale-mask-softmax read + written, dropout read + written (+ a 1-byte
+    # mask), read by the V product: 6.5 passes forward, twice that backward (Korthikanti 2022 Sec. 4.1's
+    # 5as/h terms are these tensors)
+    score = c.mb * heads * (seq / c.cp) * seq * ACT_BYTES
+    t_scores_f = 6.5 * score / r.hbm
+    t_attn_f = qk_f + av_f + t_scores_f
+    return t_attn_f + qk_b + av_b + 2 * t_scores_f, t_attn_f
+
+
+def hidden_tokens(c: Candidates) -> Any:
+    """Tokens of the norm/dropout regions on one rank: sequence parallelism shards them over TP."""
+    return np.where(c.sp, c.tokens / c.tp, c.tokens)
+
+
+def up_projections(m: ModelSpec) -> int:
+    """2 when the MLP has a gate and an up projection (SwiGLU), else 1."""
+    return 2 if m.mlp == "swiglu" else 1
+
+
+def dense_layer(m: ModelSpec, c: Candidates, r: Rates, eff: Efficiencies, sw: Software, seq: int,
+                g: Gemms) -> LayerTime:
+    """One dense layer: its GEMMs ``g``, the attention core, and (item 2) the work between GEMMs (norms,
+    residuals, RoPE, dropout, activation) as HBM traffic, the backward moving twice the forward's bytes."""
+    t_attn, t_attn_f = attention_core(m, c, r, eff, sw, seq)
+    ew_f = ACT_BYTES * (sw.elementwise_passes * hidden_tokens(c) * m.d_model + sw.mlp_act_passes * c.tokens
+                        * m.d_ff / c.tp * up_projections(m) / 2) / r.hbm
+    return LayerTime(g.f, g.b, t_attn, t_attn_f, ew_f, 3 * ew_f, g.sel)
+
+
+def head_time(m: ModelSpec, c: Candidates, r: Rates) -> Any:
+    """The output head's GEMM and the softmax cross-entropy (fp32 logits), forward + backward."""
+    hf, hb = gemm_train_time(c.tokens, m.d_model, m.vocab_size / c.tp, r.f_mm, r.hbm, r.sms, r.gap)
+    t_loss = c.tokens * m.vocab_size / c.tp * (ACT_BYTES + LOSS_BYTES) * 3 / r.hbm
+    return hf + hb + t_loss
+
+
+# ----------------------------------------------------------------------------- its TP / CP traffic
+
+
+def layer_bytes(m: ModelSpec, c: Candidates) -> Any:
+    """A micro-batch's activations (bf16) at one layer boundary on one rank, before any TP sharding."""
+    return c.tokens * m.d_model * ACT_BYTES
+
+
+def tp_cp_exposed(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Efficiencies, sw: Software,
+                  seq: int) -> tuple[Any, Any]:
+    """(TP, CP) traffic of one layer the compute does not hide, forward + backward (+ the recomputed forward).
+
+    Tensor (+ sequence) parallel: 2 all-gathers + 2 reduce-scatters (or 2 all-reduces) per layer each way
+    (Korthikanti et al. 2022 Sec. 4.2.2). Context parallel (Llama 3, arXiv 2407.21783 Sec. 3.3.2): all-gather K
+    and V forward; again + reduce-scatter dK, dV backward."""
+    act = layer_bytes(m, c)
+    bw_tp, lat_tp = comms.link(topo, c.tp, c.tp)
+    tp_one_way = np.where(c.sp, 2 * (comms.all_gather_time(act, c.tp, bw_tp, lat_tp)
+                                     + comms.reduce_scatter_time(act, c.tp, bw_tp, lat_tp)),
+                          2 * comms.all_reduce_time(act, c.tp, bw_tp, lat_tp))
+    kv_bytes = c.mb * seq * 2 * np.maximum(m.n_kv_heads / c.tp, 1) * m.head_dim * ACT_BYTES
+    bw_cp, lat_cp = comms.link(topo, c.cp, c.tp * c.cp)
+    cp_ag = comms.all_gather_time(kv_bytes, c.cp, bw_cp, lat_cp)
+    cp_fwd, cp_bwd = cp_ag, cp_ag + comms.reduce_scatter_time(kv_bytes, c.cp, bw_cp, lat_cp)
+    tp_x = (1 - sw.tp_overlap) * (2 + c.full) * tp_one_way
+    cp_x = (1 - eff.cp_overlap) * (cp_fwd + cp_bwd + c.full * cp_fwd)
+    return tp_x, cp_x
+
+
+# ----------------------------------------------------------------------------- recomputation
+
+
+def recompute_time(c: Candidates, lay: LayerTime, sw: Software, knobs: Any = None) -> Any:
+    """Recomputation (Korthikanti Sec. 5): full redoes the layer forward (its TP/CP traffic is in
+    ``tp_cp_exposed``); selective redoes the attention core and the GEMMs the software names (torchtitan: every
+    second one), and then also the element-wise ops between them (only saved ops are kept). ``knobs``: the
+    software's memory-saving recomputation of a MoE / MLA layer (``recompute_knobs``), None for neither."""
+    sel_ew = lay.ew_f if sw.selective_gemms else 0.0
+    t = np.select([c.rc == FULL, c.rc == SELECTIVE], [lay.mm_f + lay.attn_f + lay.ew_f, lay.attn_f + lay.sel + sel_ew],
+                  0.0)
+    return t if knobs is None else t + knobs
+
+
+def recompute_knobs(m: ModelSpec, c: Candidates, r: Rates, sw: Software, g: Gemms) -> Any:
+    """A MoE / MLA layer under the software's memory-saving recomputation (DeepSeek-V3 Sec. 3.2.3, 3.3.3), short
+    of full recompute (which redoes it all anyway): the MLA up-projection GEMMs forward again, and each RMSNorm's
+    forward (read x, write its output: the two layer norms over h, the latent norms over q/kv ranks)."""
+    return (g.up if sw.recompute_mla_up else 0.0) + (ACT_BYTES * 2 * (
+        2 * hidden_tokens(c) * m.d_model + c.tokens * (m.q_lora_rank + m.kv_lora_rank)) / r.hbm
+        if sw.recompute_norms else 0.0)
