@@ -22,6 +22,7 @@ all-gather per group).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 
@@ -34,11 +35,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from trainscale.placement import chunk_len
 from trainscale.runtime.parallel.mesh import ParallelMesh
-from trainscale.runtime.parallel.parallelize import expert_parameters
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+from trainscale.runtime.parallel.parallelize import _local, expert_parameters
 
 
 def _shards_dim(pl: Placement, dim: int) -> bool:
@@ -59,12 +56,24 @@ class _Group:
 
 @dataclass
 class _Slot:
-    """One weight, the dim its optimizer state is cut on, and this rank's shard of it."""
+    """One weight, the dim its optimizer state is cut on, and this rank's shard of it (with its DTensor mesh and
+    placements, ``_shard_spec``)."""
 
     param: nn.Parameter
     dim: int
     group: _Group
     shard: nn.Parameter | None = None
+    mesh: DeviceMesh | None = None
+    placements: tuple[Placement, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.mesh, self.placements = _shard_spec(self)
+        self.shard = nn.Parameter(self.dtensor(self.chunk(self.local)), requires_grad=self.param.requires_grad)
+
+    def dtensor(self, view: torch.Tensor) -> DTensor:
+        """``view`` (this rank's chunk of the weight, or of its gradient) as a DTensor of the weight's shape."""
+        p = self.param
+        return DTensor.from_local(view, self.mesh, self.placements, run_check=False, shape=p.shape, stride=p.stride())
 
     @property
     def local(self) -> torch.Tensor:
@@ -102,22 +111,18 @@ class _Slot:
         return self.piece * rest
 
 
-def _dtensor_shard(slot: _Slot, view: torch.Tensor) -> DTensor:
-    """``view`` (this rank's chunk of the weight's local tensor) as the DTensor FSDP2 makes of it: on the dp
-    mesh (x the weight's own TP/EP mesh), Shard on ``dim`` (``_StridedShard`` where TP/EP split that dim
-    first), Replicate on the replica dim with HSDP (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
-    ``_init_sharding_spec_tp``)."""
+def _shard_spec(slot: _Slot) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements FSDP2 gives a weight's shard (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+    ``_init_sharding_spec_tp``): the dp mesh (x the weight's own TP/EP mesh); Replicate on HSDP's replica dim,
+    Shard on ``dim`` (``_StridedShard`` where TP/EP split that dim first), then the weight's own placements."""
     p, g = slot.param, slot.group
-    mesh, inner = g.mesh, ()
+    mesh, inner, split = g.mesh, (), 1
     if isinstance(p, DTensor):
         mesh = DeviceMesh._concatenate([g.mesh, p.device_mesh])
         inner = tuple(p.placements)
         split = prod(p.device_mesh.size(i) for i, pl in enumerate(inner) if _shards_dim(pl, slot.dim))
-    else:
-        split = 1
     dp = _StridedShard(slot.dim, split_factor=split) if split > 1 else Shard(slot.dim)
-    placements = ((Replicate(),) if g.replicate is not None else ()) + (dp, *inner)
-    return DTensor.from_local(view, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
+    return mesh, ((Replicate(),) if g.replicate is not None else ()) + (dp, *inner)
 
 
 def adamw_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
@@ -145,8 +150,6 @@ class Zero1AdamW(torch.optim.AdamW):
         expert_ids = {id(p) for p in expert_parameters(part)}
         named = list(part.named_parameters())
         self.slots = [_Slot(p, 1, experts) if id(p) in expert_ids else _Slot(p, 0, dense) for _, p in named]
-        for s in self.slots:
-            s.shard = nn.Parameter(_dtensor_shard(s, s.chunk(s.local)), requires_grad=s.param.requires_grad)
         self.shadow = _shadow_module([(name, s.shard) for (name, _), s in zip(named, self.slots, strict=True)])
         super().__init__(adamw_groups(self.shards, weight_decay), **adamw)
 
@@ -166,11 +169,11 @@ class Zero1AdamW(torch.optim.AdamW):
         over the shard group, then all-reduce over the replicas), written into its chunk of the whole gradient;
         the shards' gradients are views of those chunks. Call after ``settle_gradient_placements``."""
         divide = self.layout.dp * self.layout.cp
-        for bucket in self._buckets():
-            slots = [s for s in bucket if s.param.grad is not None]
-            if not slots:
-                continue
+        for slots in self._buckets():
             g = slots[0].group
+            for s in slots:  # a weight no token reached here may have one elsewhere: every rank sends every chunk
+                if s.param.grad is None:
+                    s.param.grad = torch.zeros_like(s.param)
             grads = [_local(s.param.grad) for s in slots]
             flat = torch.cat([s.padded_rows(t, g.size) for s, t in zip(slots, grads, strict=True)], dim=1)
             if g.size > 1:
@@ -187,7 +190,7 @@ class Zero1AdamW(torch.optim.AdamW):
                 chunk = s.chunk(t)
                 chunk.copy_(s.unpad(mine[offset:offset + n], 1).narrow(s.dim, 0, chunk.shape[s.dim]))
                 offset += n
-                s.shard.grad = _dtensor_shard(s, chunk)
+                s.shard.grad = s.dtensor(chunk)
 
     @torch.no_grad()
     def gather_weights(self) -> None:
@@ -207,7 +210,7 @@ class Zero1AdamW(torch.optim.AdamW):
                 s.local.copy_(whole.narrow(s.dim, 0, s.local.shape[s.dim]))
                 offset += n
 
-    def step(self, closure=None):  # noqa: ANN001, ANN201  (torch.optim.Optimizer's signature)
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """AdamW on the shards (which updates this rank's chunks in place), then the all-gather."""
         loss = super().step(closure)
         self.gather_weights()
