@@ -29,8 +29,9 @@ def run_job(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Com
     return proc
 
 
-def run_layouts(config: Path, steps: int, world: int, layouts: list[str], out: Path) -> dict:
-    """{layout: the worker's result} for ``layouts`` trained ``steps`` steps on ``world`` processes."""
+def run_layouts(config: Path, steps: int, world: int, layouts: list[str], out: Path, save_at: int = 0) -> dict:
+    """{layout: the worker's result} for ``layouts`` trained ``steps`` steps on ``world`` processes (``save_at``:
+    the step the worker's save: items checkpoint at)."""
     result = out / f"world{world}.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if world == 1:
@@ -38,7 +39,8 @@ def run_layouts(config: Path, steps: int, world: int, layouts: list[str], out: P
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
                str(WORKER)]
-    cmd += ["--config", str(config), "--steps", str(steps), "--result", str(result), "--layouts", ";".join(layouts)]
+    cmd += ["--config", str(config), "--steps", str(steps), "--result", str(result), "--layouts", ";".join(layouts),
+            "--save-at", str(save_at)]
     proc = run_job(cmd, env)
     assert proc.returncode == 0, f"world {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(result.read_text())

@@ -224,7 +224,7 @@ class Layout(_Spec):
       context parallel; ``ppN`` [1] pipeline stages; ``dpN`` [1] data-parallel degree. World = tp·cp·pp·dp.
     - ``zeroK`` [0] how model state is spread over the dp (x cp) ranks (Rajbhandari et al. 2020, arXiv
       1910.02054 Sec. 5): 0 every rank holds everything, gradients all-reduced; 1 the optimizer state
-      sharded, whole gradients and weights (planner only: the runtime refuses it, FSDP2 has no ZeRO-1);
+      sharded, whole gradients and weights (Megatron's distributed optimizer; runtime/parallel/zero1.py);
       2 optimizer state and gradients sharded, the weights gathered for a micro-batch's forward and kept
       through its backward (FSDP2 ``reshard_after_forward=False``); 3 everything sharded, the weights
       gathered for each use and freed after (FSDP, ``reshard_after_forward=True``).

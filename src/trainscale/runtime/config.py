@@ -234,9 +234,6 @@ def check_layout(cfg: TrainConfig, layout: Layout) -> None:
     if layout.tp > 1 and layout.sp and (t.seq_len // layout.cp) % layout.tp:
         raise TrainscaleError(f"sequence parallel needs the per-rank sequence ({t.seq_len // layout.cp}) divisible "
                               f"by tp{layout.tp}")
-    if layout.zero == 1:
-        raise TrainscaleError("zero1 (whole gradients, sharded optimizer state) is not in this runtime, whose FSDP2 "
-                              "shards gradients with the optimizer state; use zero2 (less memory, the same traffic)")
     if empty_stages(m.n_layers, layout):
         raise TrainscaleError(f"pp{layout.pp} x v{layout.v} = {layout.pp * layout.v} stages leave a stage with no "
                               f"layer for the model's {m.n_layers} layers")

@@ -64,6 +64,7 @@ from trainscale.runtime.parallel.parallelize import (
     uses_fsdp,
 )
 from trainscale.runtime.parallel.pipeline import Pipeline, split_model
+from trainscale.runtime.parallel.zero1 import Zero1AdamW, adamw_groups, optimizer_module
 from trainscale.specs import Layout
 
 
@@ -134,10 +135,9 @@ class Trainer:
             self.log(f"initialised from {cfg.init}: rank 0 read {self.init_elements_read:,} of the "
                      f"{param_count(cfg.model):,} weights (its shards)")
         # one AdamW per stage (elementwise, so the same math as one): each stage's state dict stands alone
-        self.optimizers = [torch.optim.AdamW(
-            [{"params": [p for p in part.parameters() if p.ndim >= 2], "weight_decay": t.weight_decay},
-             {"params": [p for p in part.parameters() if p.ndim < 2], "weight_decay": 0.0}],
-            lr=lr_at(0, cfg), betas=t.betas, eps=1e-8) for _, part in self.parts]
+        self.optimizers = [self._optimizer(part) for _, part in self.parts]
+        # what the gradient norm runs over: zero1's optimizer shards (each rank's reduced chunk), else the weights
+        self.norm_params = [p for o in self.optimizers for p in o.shards] if layout.zero == 1 else self.params
         self.micro = micro_batch(cfg, layout)
         self.n_micro = t.global_batch // layout.dp // self.micro
         self.pipeline = Pipeline(self.parts, layout, self.mesh, self.device, self.n_micro) if layout.pp > 1 else None
@@ -168,6 +168,14 @@ class Trainer:
     def _checkpoint_root(self) -> Path | None:
         c = self.cfg.checkpoint
         return Path(c.dir) if c.dir else (self.out / "checkpoints" if self.out is not None else None)
+
+    def _optimizer(self, part: Transformer) -> torch.optim.Optimizer:
+        """AdamW on the stage's weights, or under zero1 on this rank's shards of them (runtime/parallel/zero1.py)."""
+        t = self.cfg.train
+        kw = {"lr": lr_at(0, self.cfg), "betas": t.betas, "eps": 1e-8}
+        if self.layout.zero == 1:
+            return Zero1AdamW(part, self.mesh, t.weight_decay, **kw)
+        return torch.optim.AdamW(adamw_groups(list(part.parameters()), t.weight_decay), **kw)
 
     def _bind_run_folder(self) -> tuple[str | None, runfolder.RunLock | None]:
         """-> (run id, lock). Under `trainscale train` the CLI holds the lock and named the run
@@ -257,7 +265,10 @@ class Trainer:
             if self.expert_params:  # summed over the ranks holding the same experts, divided by all dp x cp
                 allreduce_gradients(self.expert_params, self.mesh.group("expert_dp"), divide=lo.dp * lo.cp)
         settle_gradient_placements(self.params)  # each rank keeps only its shard of every gradient
-        grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip, self.mesh)
+        for opt in self.optimizers:
+            if isinstance(opt, Zero1AdamW):  # reduce-scatter: each rank's chunk of the averaged gradients
+                opt.reduce_gradients()
+        grad_norm = clip_grad_norm(self.norm_params, self.cfg.train.grad_clip, self.mesh)
         for opt in self.optimizers:
             opt.step()
         if self.after_update is not None:
@@ -333,7 +344,7 @@ class Trainer:
         optim: dict[str, Any] = {}
         for (_, part), opt in zip(self.parts, self.optimizers, strict=True):
             model.update(get_model_state_dict(part, options=opts))
-            optim.update(get_optimizer_state_dict(part, opt, options=opts))
+            optim.update(get_optimizer_state_dict(optimizer_module(part, opt), opt, options=opts))
         return {"model": model, "optim": optim}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -347,7 +358,7 @@ class Trainer:
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
         for (_, part), opt in zip(self.parts, self.optimizers, strict=True):
             set_model_state_dict(part, state["model"], options=opts)
-            set_optimizer_state_dict(part, opt, state["optim"], options=opts)
+            set_optimizer_state_dict(optimizer_module(part, opt), opt, state["optim"], options=opts)
 
     def extras(self) -> dict[str, Any]:
         """This rank's plain state: the step, the data position and the RNG (the LR follows from the step)."""

@@ -13,7 +13,8 @@ rank by rank, so that ``trainscale train --compare-plan`` can check every figure
   ranks holding the same experts); every other tensor is FSDP-sharded over dp_shard x ep x cp. Gradients
   have the parameters' local shapes; AdamW keeps two moments of that shape and one
   fp32 step counter per tensor (Loshchilov & Hutter 2019, arXiv 1711.05101; torch.optim.AdamW's state
-  layout).
+  layout). zero1 keeps zero0's whole weights and gradients and cuts only the AdamW state as FSDP2 would
+  (runtime/parallel/zero1.py); FSDP2 (zero2/3) cuts all three.
 - activations: the tensors autograd saves for the backward pass of one micro-batch through a rank's
   stage, counted operation by operation from the model's code (norm, projections, RoPE, the attention
   kernel, the MLP, the loss). It is the same accounting Korthikanti et al. 2022 (arXiv 2205.05198,
@@ -57,8 +58,10 @@ ADAM_STEP_BYTES = 4  # torch.optim.AdamW's per-tensor fp32 step counter
 # ----------------------------------------------------------------------------- model state
 
 
-def rank_tensors(m: ModelSpec, layout: Layout, rank: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, local shape) of every parameter tensor ``rank`` holds."""
+def rank_tensors(m: ModelSpec, layout: Layout, rank: int, optimizer: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, local shape) of every parameter tensor ``rank`` holds; with ``optimizer``, of the shard of each
+    that its AdamW state covers. They differ under zero1 only (runtime/parallel/zero1.py: whole weights, the
+    optimizer on FSDP2's cut of them; Rajbhandari et al. 2020, arXiv 1910.02054 Sec. 5.1)."""
     c = coords(layout, rank)
     n_stages = layout.pp * layout.v
     ranges = stage_layers(m.n_layers, n_stages)
@@ -70,7 +73,7 @@ def rank_tensors(m: ModelSpec, layout: Layout, rank: int) -> list[tuple[str, tup
             tensors += layer_tensors(m, i)
         if s == n_stages - 1:
             tensors += head_tensors(m)
-    fsdp = layout.zero > 0
+    fsdp = layout.zero >= (1 if optimizer else 2)  # the ZeRO cut: of the optimizer from zero1, the weights from zero2
     # FSDP's groups (placement.FLAT_DIMS), rank index row-major: dense dp_shard x ep x cp, experts dp_shard x cp
     n_shard, shard_idx = layout.dp_shard * layout.ep * layout.cp, (c["dp_shard"] * layout.ep + c["ep"]) * layout.cp \
         + c["cp"]
@@ -117,11 +120,13 @@ class RankState:
 
 def rank_state_bytes(m: ModelSpec, layout: Layout, rank: int, param_bytes: int = FP32) -> RankState:
     """Parameters, gradients and optimizer state of ``rank`` in bytes: numel x dtype for the weights
-    and their gradients, 2 moments x numel x dtype + one fp32 step per tensor for AdamW."""
+    and their gradients, 2 moments x numel x dtype + one fp32 step per tensor for AdamW, over the
+    optimizer's shards (under zero1 1/(dp_shard x cp) of the weights, each weight one shard, empty or not)."""
     tensors = rank_tensors(m, layout, rank)
-    n = sum(prod(s) for _, s in tensors)
+    shards = rank_tensors(m, layout, rank, optimizer=True)
+    n, n_opt = (sum(prod(s) for _, s in ts) for ts in (tensors, shards))
     return RankState(tensors=len(tensors), parameters=n * param_bytes, gradients=n * param_bytes,
-                     optimizer=ADAM_MOMENTS * n * param_bytes + ADAM_STEP_BYTES * len(tensors))
+                     optimizer=ADAM_MOMENTS * n_opt * param_bytes + ADAM_STEP_BYTES * len(shards))
 
 
 # ----------------------------------------------------------------------------- activations
@@ -395,8 +400,9 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
     gathered under TP, the loss) on the last stage and the embedding's partial sums under TP on the first,
     and a send and a receive per micro-batch and stage boundary. Through the pipeline: m + (p-1)/v
     stage-times of the slowest stage (Narayanan et al. 2021 Eq. 1). Then the data-parallel traffic (zero0:
-    one gradient all-reduce; FSDP: per-block all-gathers in the forward, again in the backward under zero3,
-    and one reduce-scatter), the gradient-norm all-reduce and AdamW. On a CPU the collectives share the
+    one gradient all-reduce; zero1: one reduce-scatter and one all-gather; FSDP: per-block all-gathers in the
+    forward, again in the backward under zero3, and one reduce-scatter), the gradient-norm all-reduce and AdamW
+    (on the optimizer's shard). On a CPU the collectives share the
     cores with the compute: nothing overlaps."""
     from trainscale.estimate.pipeline import pipeline_time
 
@@ -440,12 +446,18 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
     t_compute = float(pipeline_time(max(micro_time(r) for r in range(lo.pp)), n_micro, lo.pp, lo.v))
 
     # data parallel and the optimizer, on this rank's shards
-    tensors = rank_tensors(m, lo, rank)
-    local = sum(prod(s) for _, s in tensors)
+    local = sum(prod(s) for _, s in rank_tensors(m, lo, rank))  # the weights this rank holds
+    shard = sum(prod(s) for _, s in rank_tensors(m, lo, rank, optimizer=True))  # the weights its AdamW updates
     n_shard = lo.dp_shard * lo.ep * lo.cp  # the dense FSDP group (a MoE's experts shard over dp_shard x cp)
-    full = local * (n_shard if lo.zero > 0 else 1)  # this rank's share before FSDP's cut
+    full = local * (n_shard if lo.zero >= 2 else 1)  # this rank's share before FSDP's cut
     if lo.zero == 0:
         t_dp = mach.collective_time("all_reduce", full * e, lo.dp * lo.cp)
+    elif lo.zero == 1:
+        # runtime/parallel/zero1.py: one flat reduce-scatter of the gradients and one all-gather of the updated
+        # weights over the shard group, the shards' all-reduce over HSDP's replicas
+        t_dp = (mach.collective_time("reduce_scatter", full * e, n_shard)
+                + mach.collective_time("all_gather", full * e, n_shard)
+                + mach.collective_time("all_reduce", shard * e, lo.dp_replicate))
     else:
         # FSDP2 gathers unit by unit (runtime/parallelize.apply_fsdp: each block, a MoE block's experts, and
         # the rest of the stage): each unit's collective pays its own latency
@@ -456,7 +468,7 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
                 + units * mach.collective_time("reduce_scatter", full * e / units, n_shard)
                 + mach.collective_time("all_reduce", local * e, lo.dp_replicate))
     t_norm = mach.collective_time("all_reduce", 8, lo.world_size)
-    t_opt = local * mach.optimizer_seconds_per_param
+    t_opt = shard * mach.optimizer_seconds_per_param
     total = t_compute + t_dp + t_norm + t_opt
     return {"compute": t_compute, "data_parallel": t_dp, "optimizer": t_opt + t_norm, "total": total,
             "per_microbatch": t_micro,

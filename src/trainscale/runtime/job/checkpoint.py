@@ -17,8 +17,9 @@ dtypes, the files it points to must lie in the folder, and DCP's non-tensor valu
 
 A kill at any moment leaves either the old set of committed checkpoints or the old set plus the new
 one, never a damaged one. DCP stores each tensor by its fully-qualified name and global shape, so a
-checkpoint saved under one layout (FSDP, TP, PP) loads under another (resharding):
-``torch.distributed.checkpoint.state_dict`` maps model and optimizer state to and from those names.
+checkpoint saved under one layout (zero0-3, TP, PP) loads under another (resharding):
+``torch.distributed.checkpoint.state_dict`` maps model and optimizer state to and from those names (zero1's
+optimizer state has FSDP2's names, shapes and placements: runtime/parallel/zero1.py).
 """
 
 from __future__ import annotations

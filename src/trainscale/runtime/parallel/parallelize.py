@@ -10,7 +10,8 @@
   5. data parallel                         FSDP2 ``fully_shard`` (zero2 / zero3: ZeRO, Rajbhandari et al.
                                            2020; HSDP when dp_replicate > 1), or, with zero0, replicated
                                            weights and one gradient all-reduce per step
-                                           (``allreduce_gradients``); zero1 is refused (FSDP2 has none)
+                                           (``allreduce_gradients``); zero1 keeps zero0's replicated
+                                           weights here and shards the optimizer (runtime/parallel/zero1.py)
 
 Precision ("bf16" | "fp32"): where FSDP applies, its ``MixedPrecisionPolicy`` gathers bf16 weights and
 computes in bf16 while the sharded master weights, the optimizer and the gradient reduce-scatter stay
@@ -38,6 +39,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import checkpoint
 
 from trainscale.placement import EMBEDDINGS, tp_plan
@@ -227,8 +229,8 @@ def apply_fsdp(model: Transformer, mesh: ParallelMesh, layout: Layout, precision
     """FSDP2: each block is one all-gather / reduce-scatter unit, the rest (embeddings, head) another.
     Gradients and optimizer state are sharded either way. zero3 frees the gathered weights after the
     forward and gathers them again for the backward (reshard_after_forward); zero2 keeps them from the
-    forward through the backward. FSDP2 has no ZeRO-1 (whole gradients, sharded optimizer):
-    ``config.check_layout`` refuses zero1 rather than run it as zero2. With bf16,
+    forward through the backward. FSDP2 has no ZeRO-1 (whole gradients, sharded optimizer): zero1 is
+    runtime/parallel/zero1.py's, on zero0's replicated weights. With bf16,
     ``mixed_precision_policy``: the all-gathers move half the bytes of fp32's."""
     if layout.zero not in (2, 3):
         raise ValueError(f"FSDP2 runs zero2 or zero3, not zero{layout.zero}")
@@ -254,14 +256,16 @@ def apply_fsdp(model: Transformer, mesh: ParallelMesh, layout: Layout, precision
 
 
 def uses_fsdp(layout: Layout) -> bool:
-    return layout.zero > 0
+    """zero2 and zero3 run FSDP2; zero0 and zero1 replicate the weights."""
+    return layout.zero >= 2
 
 
 def gradient_group(mesh: ParallelMesh) -> dist.ProcessGroup | None:
-    """The group whose ranks hold replicas of the same weights and average their gradients, when the
-    weights are replicated (zero0): every dp and cp rank with this rank's pp and tp coordinate."""
+    """The group whose ranks hold replicas of the same weights and all-reduce their gradients (zero0): every
+    dp and cp rank with this rank's pp and tp coordinate. None otherwise (zero1 reduce-scatters its own,
+    runtime/parallel/zero1.py; FSDP2 its own)."""
     lo = mesh.layout
-    if uses_fsdp(lo) or lo.dp * lo.cp == 1:
+    if lo.zero != 0 or lo.dp * lo.cp == 1:
         return None
     return mesh.group("dp_cp")
 
@@ -324,7 +328,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMe
                 raise RuntimeError("a gradient is still pending a reduction (Partial): call "
                                    "settle_gradient_placements before clip_grad_norm")
             for size, pl in zip(g.device_mesh.shape, g.placements, strict=True):
-                if pl.is_shard():
+                if pl.is_shard() or isinstance(pl, _StridedShard):  # FSDP2 and zero1 after TP on one dim
                     copies //= size
         by_copies.setdefault(copies, []).append(_local(g))
     total = torch.zeros((), dtype=torch.float64, device=next(iter(params)).device)
