@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-fast lint venv clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,12 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
+
+# The inner loop: everything but the tests that start training processes or services (about 2 minutes here).
+test-fast: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -m "not dist and not service" --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
