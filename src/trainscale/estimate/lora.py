@@ -62,9 +62,3 @@ def lora_optimizer_bytes(m: ModelSpec, rank: int, targets: str | tuple[str, ...]
     Counts the moment tensors; torch's per-tensor ``step`` counters (one scalar each) are not included."""
     per = ADAM_MOMENT_BYTES + (FP32_MASTER_BYTES if mixed_precision else 0)
     return per * lora_trainable_params(m, rank, targets)
-
-
-def lora_adapter_bytes(m: ModelSpec, rank: int, targets: str | tuple[str, ...] | list[str] = "all",
-                       bytes_per_value: int = 4) -> int:
-    """Adapter weights themselves (A and B of every adapted matrix) at ``bytes_per_value``."""
-    return bytes_per_value * lora_trainable_params(m, rank, targets)

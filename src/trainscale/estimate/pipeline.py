@@ -42,11 +42,6 @@ def pipeline_time(stage_time: Any, m: Any, p: Any, v: Any = 1) -> Any:
     return np.asarray(m) * stage_time * (1 + bubble_fraction(p, m, v))
 
 
-def fill_drain_hops(p: Any) -> Any:
-    """Pipeline hops on the critical path that no steady-state compute hides: p-1 to fill, p-1 to drain."""
-    return 2 * (np.asarray(p) - 1)
-
-
 def dualpipe_bubble_fraction(p: Any, m: Any) -> Any:
     """DualPipe's idle time over the ideal (DeepSeek-V3, arXiv 2412.19437 Table 2): a bubble of
     (PP/2 - 1)(F&B + B - 3W), F&B a forward and a backward chunk run together, W the weight-gradient part of B.
