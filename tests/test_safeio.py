@@ -21,7 +21,8 @@ NASTY = 'eot "\n\n" \t tab \\ back \x00 nul \x1f unit \x7f del é 漢字 🙂 \'
 def test_a_run_config_with_control_characters_reads_back_equal(tmp_path):
     cfg = config_from_dict({"name": NASTY, "model": {"name": "tiny", "n_layers": 2, "d_model": 32, "n_heads": 2,
                                                     "n_kv_heads": 2, "d_ff": 64, "vocab_size": 128, "max_seq_len": 32},
-                            "train": {"seq_len": 32}, "data": {"eot": "\n\n"}, "run": {"out": str(tmp_path / "r\u00e9\t\"x\"")}},
+                            "train": {"seq_len": 32}, "data": {"eot": "\n\n"},
+                            "run": {"out": str(tmp_path / "r\u00e9\t\"x\"")}},
                            "test config")
     text = cfg.to_toml()
     assert tomllib.loads(text)["data"]["eot"] == "\n\n"  # the old writer wrote a raw newline tomllib refuses
