@@ -4,7 +4,7 @@ For each config (tiny, small): single-process tokens/s of ``trainscale``'s Train
 layout machinery, global-norm clipping, loss averaging, metrics) against a plain hand-written PyTorch
 loop over the same model, the same batches and the same optimizer (AdamW + clip_grad_norm_). The two
 run alternately, step by step, in one process, so machine noise hits both alike; the ratio is of the
-median step times after warm-up. MFU = tokens/s x (6N + 12LHQT) / the CPU's measured matmul peak.
+median step times after warm-up. MFU = tokens/s x (6N + 6LHQT: runtime/measure.py) / the CPU's measured matmul peak.
 
     .venv/bin/python benchmarks/bench_train.py [--steps 30] [--configs tiny,small,medium] [--json out.json]
     .venv/bin/python benchmarks/bench_train.py --profile small   # where the Trainer's extra time goes

@@ -103,6 +103,7 @@ def model(args: argparse.Namespace) -> None:
     from trainscale.estimate.measured import rank as R
     from trainscale.estimate.params import param_count
     from trainscale.runtime.config import config_from_dict, micro_batch
+    from trainscale.runtime.measure import FLOP_CONVENTION, FLOP_CONVENTION_NAME
     from trainscale.runtime.train import Trainer
     from trainscale.specs import Layout
 
@@ -128,7 +129,7 @@ def model(args: argparse.Namespace) -> None:
         row = trainer.train_step()
         rows.append(row)
         print(f"step {i + 1}: loss {row['loss']:.3f}, {row['step_time_s'] * 1e3:,.0f} ms, "
-              f"{row['tokens_per_s']:,.0f} tok/s, MFU {row['mfu']:.1%}", flush=True)
+              f"{row['tokens_per_s']:,.0f} tok/s, MFU {row['mfu']:.1%} ({FLOP_CONVENTION_NAME})", flush=True)
     timed = rows[args.warmup:]
     step = statistics.median(r["step_time_s"] for r in timed)
     tokens = cfg.train.global_batch * cfg.train.seq_len
@@ -144,12 +145,13 @@ def model(args: argparse.Namespace) -> None:
             "tokens_per_step": tokens, "setup_s": setup, "first_step_s": rows[0]["step_time_s"],
             "median_step_s": step, "tokens_per_s": tps, "mfu": trainer.flops_per_token * tps / trainer.peak,
             "peak_flops": trainer.peak, "peak_source": trainer.peak_source, "flops_per_token": trainer.flops_per_token,
+            "flop_convention": FLOP_CONVENTION,
             "peak_memory_bytes": peak_mem, "predicted_state_bytes": state, "predicted_activation_bytes": acts,
             "predicted_memory_bytes": predicted, "final_loss": rows[-1]["loss"]}
     print(f"{info['model']} ({info['params'] / 1e6:,.1f}M params) on {info['device']}, {info['precision']}, "
           f"compile={args.compile}: {tps:,.0f} tokens/s, step {step * 1e3:,.1f} ms (median of {len(timed)}), "
           f"first step {rows[0]['step_time_s']:.1f} s, MFU {info['mfu']:.1%} of {info['peak_source']} "
-          f"(6N + 12LHQT FLOPs per token, causal attention not halved)")
+          f"(FLOPs per token: {info['flop_convention']})")
     print(f"peak memory {peak_mem / 2**30:.2f} GiB measured vs {predicted / 2**30:.2f} GiB predicted "
           f"(state {state / 2**30:.2f} + saved activations {acts / 2**30:.2f}; estimate/measured/rank.py, as train "
           f"--compare-plan): {peak_mem / predicted - 1:+.1%}")

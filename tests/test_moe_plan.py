@@ -40,8 +40,10 @@ def test_explain_deepseek_v3_total_and_active(tmp_path):
     assert abs(fig["active_params"] / 37e9 - 1) < 0.02, fig["active_params"]
     # memory follows the total, time the active
     assert fig["memory_follows_total"] == 16 * fig["params"]
-    assert fig["time_follows_active"] == 6 * fig["active_params"]
-    assert fig["training_flops"] == pytest.approx(6 * fig["active_params"] * out["inputs"]["tokens"])
+    # time: 6 x active matmul weights (embedding out) + causal MLA attention at the walkthrough's seq (8,192)
+    per_token = 6 * fig["active_params_no_embedding"] + 6.0 * 61 * 128 * (192 + 128) * 8192 / 2
+    assert fig["time_follows_active"] == pytest.approx(per_token, rel=1e-12)
+    assert fig["training_flops"] == pytest.approx(per_token * out["inputs"]["tokens"])
     labels = [f["label"] for s in out["sections"] for f in s["figures"]]
     assert "total parameters (embedding in)" in labels and "active per token (embedding in)" in labels
 

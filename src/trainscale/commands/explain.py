@@ -26,6 +26,8 @@ def explain(
     home_model: str = typer.Option("llama3.1-8b", callback=catalog_or_file("model"), help="the model to run at home"),
     gpu_hours: float = typer.Option(None, callback=number(gt=0, le=1e13),
                                     help="reported GPU-hours (default: Meta's 30.84M for 405B)"),
+    seq: int = typer.Option(None, callback=number(gt=0, le=1 << 24),
+                            help="training sequence length of the attention FLOPs (default: Llama 3's 8,192)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Walk through why training takes a data center, every figure with its formula and source."""
@@ -37,13 +39,15 @@ def explain(
     if tokens is not None and tokens <= 0:
         raise TrainscaleError(f"--tokens must be positive, not {tokens}")
     w = walkthrough(model=model, tokens=tokens, gpu=gpu, gpus=gpus, mfu=mfu, home_gpu=home_gpu,
-                    home_model=home_model, gpu_hours=gpu_hours)
+                    home_model=home_model, gpu_hours=gpu_hours, seq=seq)
     if as_json:
         emit_json(w)
         return
     inp = w["inputs"]
     console.print(f"[bold]Why training {inp['model']} takes a data center[/bold] "
-                  f"({inp['tokens']:.3g} tokens, {inp['gpus']:,} x {inp['gpu']}, home: {inp['home_gpu']})")
+                  f"({inp['tokens']:.3g} tokens of seq {inp['seq']:,}, {inp['gpus']:,} x {inp['gpu']}, "
+                  f"home: {inp['home_gpu']})")
+    console.print(f"FLOPs counted as {w['flop_convention']}")
     for sec in w["sections"]:
         t = Table(title=sec["title"], title_justify="left", show_edge=False, pad_edge=False)
         t.add_column("figure")

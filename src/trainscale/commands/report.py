@@ -33,10 +33,12 @@ def report(
     tokens: float = typer.Option(None, callback=number(gt=0, le=1e18),
                                  help="training tokens (default: Llama 3.1's 15.6T)"),
     mfu: float = typer.Option(0.40, callback=number(gt=0, le=1), help="MFU for time and energy"),
+    seq: int = typer.Option(None, callback=number(gt=0, le=1 << 24),
+                            help="training sequence length of the attention FLOPs (default 8,192)"),
     run: Path = typer.Option(None, "--run", callback=input_folder("run folder", "metrics.jsonl"),
                              help="a trainscale run folder to report on"),
     plan: Path = typer.Option(None, "--plan", callback=input_file("plan JSON"),
-                              help="the JSON of 'trainscale plan --json' (sets model, GPUs, layout)"),
+                              help="the JSON of 'trainscale plan --json' (sets model, GPUs, layout, MFU, seq, tokens)"),
     check: bool = typer.Option(False, help="open the page in headless Chromium and check every image loads"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -54,7 +56,7 @@ def report(
     if not 0 < mfu <= 1:
         raise TrainscaleError(f"--mfu must be in (0, 1], not {mfu}")
     page = build_report(out, model=model, gpu=gpu, gpus=gpus, cluster=cluster, layout=layout or None,
-                        tokens=tokens, mfu=mfu, run_dir=run, plan_file=plan)
+                        tokens=tokens, mfu=mfu, run_dir=run, plan_file=plan, seq=seq)
     result = {"page": str(page), "files": sorted(p.name for p in Path(out).iterdir())}
     if check:
         from trainscale.report.browser import check_page

@@ -191,11 +191,11 @@ def _raise_failure(err_file: Path, log_path: Path, code: int) -> None:
     """The one sentence that failed the job: a rank's recorded error (exit 2 for bad input such as a refused
     checkpoint, 1 for a failed job such as a full disk), else the last rank failure in the log."""
     from trainscale.errors import JobFailed
-    from trainscale.runtime.job.runfolder import read_json
+    from trainscale.safeio import read_json_object
 
     if err_file.exists():
         try:
-            got = read_json(err_file, "error record")
+            got = read_json_object(err_file, "error record")
         except TrainscaleError:
             got = {}
         if isinstance(got.get("error"), str):
@@ -266,7 +266,8 @@ def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, l
                     if row["step"] % log_every == 0 and not quiet:
                         progress.console.print(
                             f"step {row['step']:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
-                            f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%}", highlight=False)
+                            f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%} "
+                            f"({row.get('flop_convention', '')})", highlight=False)
             if done:
                 break
             if error_file is not None and error_file.exists():
@@ -289,7 +290,8 @@ def _summary(info: dict[str, Any], rows: list[dict[str, Any]], run_dir: Path) ->
     if info.get("eval_loss") is not None:
         t.add_row("held-out loss", f"{info['eval_loss']:.4f} (unigram baseline {info['unigram_loss']:.4f})")
     t.add_row("tokens/s", f"{info['tokens_per_s']:,.0f}")
-    t.add_row("MFU", f"{info['mfu']:.1%} of {info['peak_flops'] / 1e9:,.1f} GFLOP/s ({info['peak_source']})")
+    t.add_row("MFU", f"{info['mfu']:.1%} of {info['peak_flops'] / 1e9:,.1f} GFLOP/s ({info['peak_source']}), FLOPs "
+              f"counted as {info.get('flop_convention', 'the planner counts them')}")
     if "goodput" in info:
         t.add_row("goodput", f"{info['goodput']:.1%} ({info['useful_step_s']:.1f} s of useful steps in "
                   f"{info['wall_s']:.1f} s wall)")

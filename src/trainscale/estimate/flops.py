@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from trainscale.estimate.params import active_params
 from trainscale.specs import ModelSpec
 
 SECONDS_PER_HOUR = 3600.0
@@ -42,6 +43,35 @@ def attention_flops_per_token(m: ModelSpec, seq_len: int, causal: bool = False) 
 def model_flops_per_token(m: ModelSpec, n_params: float, seq_len: int, causal: bool = False) -> float:
     """6N + 12·L·H·Q·T (PaLM, arXiv 2204.02311 App. B): the FLOPs MFU counts per trained token."""
     return 6.0 * n_params + attention_flops_per_token(m, seq_len, causal)
+
+
+# The one FLOP convention of every training-compute figure trainscale prints (explain, plan, report, the runtime's
+# MFU): PaLM's model FLOPs (arXiv 2204.02311 App. B) with N the matmul weights (``matmul_params``) and the attention
+# term halved for causal masking (a fused causal kernel skips the masked half: FlashAttention-2, arXiv 2307.08691
+# Sec. 3.1.1). Published runs read in their own conventions live in estimate/planner/validate.py CONVENTIONS.
+FLOP_CONVENTION_NAME = "6N + 6LHQT"
+FLOP_CONVENTION = ("6N + 6LHQT: N the matmul weights a token passes through (active ones for a MoE; LM head in, "
+                   "input embedding out), + 12·L·H·Q·T attention halved for causal masking")
+
+
+def matmul_params(m: ModelSpec) -> int:
+    """N for the FLOP convention: every weight in a matmul a token passes through. The input embedding is a lookup
+    (no multiply-adds); a tied output head still runs its V x d GEMM, so tied models count it once. A MoE counts
+    its ACTIVE parameters (``params.active_params``: the router and shared experts in full, top-k of the routed
+    experts), so FLOPs per token follow the active count and training state the total."""
+    tied_head = m.vocab_size * m.d_model if m.tied_embeddings else 0
+    return active_params(m, embeddings=False) + tied_head
+
+
+def training_flops_per_token(m: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token under FLOP_CONVENTION: 6·matmul_params + the causal attention term at ``seq_len``."""
+    return model_flops_per_token(m, matmul_params(m), seq_len, causal=True)
+
+
+def training_compute(m: ModelSpec, tokens: float, seq_len: int) -> float:
+    """Training FLOPs of ``tokens`` tokens in sequences of ``seq_len`` under FLOP_CONVENTION (C = per token x D,
+    Kaplan et al. 2020 Sec. 2.1 with PaLM App. B's attention term)."""
+    return training_flops_per_token(m, seq_len) * tokens
 
 
 def recompute_flops_per_token(m: ModelSpec, n_params: float, seq_len: int, mode: str,

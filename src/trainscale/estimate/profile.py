@@ -16,12 +16,12 @@ Tables (process counts as strings):
 from __future__ import annotations
 
 import math
-import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import atomic_write_text, toml_text
 
 PROFILE_VERSION = 1
 
@@ -37,8 +37,6 @@ DERIVED_COMPUTE_KEYS = ("layer_fixed_seconds", "elementwise_seconds_per_token")
 REQUIRED_COMPUTE_KEYS = ("matmul_flops", "attention_flops", "memory_bandwidth", "optimizer_seconds_per_param")
 
 TABLES = ("machine", "processes")  # what makes a file a hardware profile
-
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
 def is_hardware_profile(data: dict[str, Any]) -> bool:
@@ -98,61 +96,12 @@ def write_profile(profile: dict[str, Any], path: str | Path) -> Path:
     text = to_toml(profile)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        atomic_write_text(path, text)
     except OSError as e:
         raise TrainscaleError(f"cannot write the profile to {path}: {e.strerror or e}") from None
     return path
 
 
 def to_toml(profile: dict[str, Any]) -> str:
-    """The profile as TOML (floats in repr form, so reading it back gives the same numbers)."""
-    lines = ["# trainscale hardware profile, written by `trainscale calibrate`"]
-    _toml_table(profile, [], lines)
-    return "\n".join(lines) + "\n"
-
-
-def _toml_key(k: Any) -> str:
-    k = str(k)
-    return k if _BARE_KEY.match(k) else _toml_str(k)
-
-
-def _toml_str(s: str) -> str:
-    out = []
-    for ch in s:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
-    if isinstance(v, str):
-        return _toml_str(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _toml_table(table: dict[str, Any], prefix: list[str], lines: list[str]) -> None:
-    scalars = [(k, v) for k, v in table.items() if not isinstance(v, dict)]
-    subs = [(k, v) for k, v in table.items() if isinstance(v, dict)]
-    if prefix and (scalars or not subs):
-        lines += ["", f"[{'.'.join(prefix)}]"]
-    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars]
-    for k, v in subs:
-        _toml_table(v, [*prefix, _toml_key(k)], lines)
+    """The profile as TOML (floats in shortest round-trip form, so reading it back gives the same numbers)."""
+    return toml_text(profile, header="trainscale hardware profile, written by `trainscale calibrate`")

@@ -7,7 +7,6 @@ import nothing from it: the pipelines that start from a folder (commands/, expor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, read_qu
 from trainscale.runtime.artifact import load_model_dir
 from trainscale.runtime.data.corpus import load_tokenizer
 from trainscale.runtime.model import build_model
-from trainscale.safeio import check_folder_files, read_text
+from trainscale.safeio import check_folder_files, read_json_object
 from trainscale.specs import ModelSpec, load_model
 
 
@@ -41,13 +40,7 @@ def find_folder(path: str | Path) -> Path:
 
 
 def read_spec(folder: Path) -> ModelSpec:
-    try:
-        data = json.loads(read_text(folder / "model.json", "model description"))
-    except (OSError, ValueError) as e:
-        raise TrainscaleError(f"{folder / 'model.json'} is corrupt or unreadable: {e}") from None
-    if not isinstance(data, dict):
-        raise TrainscaleError(f"{folder / 'model.json'} is not a model description (a JSON object)")
-    return load_model(data)
+    return load_model(read_json_object(folder / "model.json", "model description"))
 
 
 def folder_kind(folder: Path) -> str:

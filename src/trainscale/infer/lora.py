@@ -26,7 +26,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate.lora import lora_targets
 from trainscale.runtime.data.corpus import corpus_text
 from trainscale.runtime.model import lm_loss
-from trainscale.safeio import read_text
+from trainscale.safeio import read_json_object, read_text
 
 ADAPTER_FILE = "adapter.safetensors"
 
@@ -188,10 +188,10 @@ class AdapterConfig:
 
 def read_adapter_config(folder: Path) -> AdapterConfig:
     """adapter.json of ``folder``, checked: rank and alpha in range, the base another folder than this one."""
+    cfg = read_json_object(folder / "adapter.json", "adapter description")
     try:
-        cfg = json.loads(read_text(folder / "adapter.json", "adapter description"))
         base, rank, alpha, targets = cfg["base"], int(cfg["rank"]), float(cfg["alpha"]), tuple(cfg["targets"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         raise TrainscaleError(f"{folder / 'adapter.json'} is corrupt or incomplete: {e}") from None
     if not (0 < rank <= 1 << 16 and math.isfinite(alpha) and 0 < alpha <= 1e6):
         raise TrainscaleError(f"{folder / 'adapter.json'}: rank {rank} or alpha {alpha} is out of range")

@@ -21,7 +21,6 @@ stored fp16 values reproduces exactly what was optimised. The file is a safetens
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from safetensors.torch import save_file
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.model import build_model
+from trainscale.safeio import atomic_write, atomic_write_bytes, atomic_write_json
 
 QUANT_FILE = "quantized.safetensors"
 FORMATS = {"int8": 8, "int4": 4, "bf16": 16}
@@ -214,12 +214,10 @@ def save_quantized(model, spec, src: Path, out: str | Path, cfg: QuantConfig) ->
     out.mkdir(parents=True, exist_ok=True)
     meta = {"producer": "trainscale", "format": cfg.fmt, "bits": str(cfg.bits), "group_size": str(cfg.group_size),
             "scheme": cfg.scheme}
-    tmp = out / (QUANT_FILE + ".tmp")
-    save_file(qsd, str(tmp), metadata=meta)
-    tmp.replace(out / QUANT_FILE)
-    (out / "model.json").write_text(json.dumps(spec.model_dump(by_alias=True, exclude_none=True), indent=2))
+    atomic_write(out / QUANT_FILE, lambda tmp: save_file(qsd, str(tmp), metadata=meta))
+    atomic_write_json(out / "model.json", spec.model_dump(by_alias=True, exclude_none=True))
     if (src / "tokenizer.json").exists():
-        (out / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+        atomic_write_bytes(out / "tokenizer.json", (src / "tokenizer.json").read_bytes())
     restored = dequantize_state_dict(qsd, cfg, {k: tuple(v.shape) for k, v in sd.items()})
     return QuantResult(spec, src, out / QUANT_FILE, sd, restored)
 

@@ -9,21 +9,23 @@ from typing import Any
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops, power
 from trainscale.estimate.params import param_count
+from trainscale.estimate.walkthrough import DEFAULT_SEQ
 from trainscale.report import plots
 from trainscale.report.html import write_page
 from trainscale.report.schedule import bubble_fraction, rank_orders, timeline
+from trainscale.safeio import atomic_write_json, read_json_object
 from trainscale.specs import Layout, facts, load_cluster, load_facility, load_gpu, load_model
 
 
 def seed_sections(out: Path, model: str, gpu: str, gpus: int, cluster: str, layout: Layout | None,
-                  tokens: float, mfu: float, home_gpu: str = "rtx4090", micro_batches: int | None = None
-                  ) -> tuple[list, list[tuple[str, str]]]:
+                  tokens: float, mfu: float, home_gpu: str = "rtx4090", micro_batches: int | None = None,
+                  seq: int = DEFAULT_SEQ) -> tuple[list, list[tuple[str, str]]]:
     m, g, home, cl, fac = load_model(model), load_gpu(gpu), load_gpu(home_gpu), load_cluster(cluster), load_facility()
-    c = flops.training_flops(param_count(m), tokens)
+    c = flops.training_compute(m, tokens, seq)  # the one convention explain, plan and the runtime count in
     sections: list[tuple[str, list[plots.Plot]]] = []
     sections.append(("Memory", [plots.training_state(m, [home, g], out)]))
     gr = facts()["compute_growth"]
-    sections.append(("Time and compute", [plots.time_to_train(m, tokens, home, g, gpus, mfu, out),
+    sections.append(("Time and compute", [plots.time_to_train(m, tokens, c, home, g, gpus, mfu, out),
                                           plots.compute_growth(c, gr["low"], gr["high"], out)]))
     if layout is not None:
         if layout.world_size != gpus:
@@ -45,7 +47,8 @@ def seed_sections(out: Path, model: str, gpu: str, gpus: int, cluster: str, layo
     energy = power.energy_joules(power.facility_power_watts(it, fac.pue), days * flops.SECONDS_PER_DAY)
     summary = [
         ("model", f"{m.name}: {param_count(m):,} parameters"),
-        ("training compute", f"{c:.3g} FLOPs (6ND, {tokens:.3g} tokens)"),
+        ("training compute", f"{c:.3g} FLOPs ({flops.FLOP_CONVENTION_NAME}: {tokens:.3g} tokens of seq {seq:,})"),
+        ("FLOP convention", flops.FLOP_CONVENTION),
         ("cluster", f"{gpus:,} x {g.name} in {racks:,} racks of {cl.gpus_per_rack}"),
         ("GPU power at TDP", f"{gw / 1e6:,.2f} MW ({g.tdp_watts:.0f} W each)"),
         ("GPUs at PUE " + f"{fac.pue}", f"{power.facility_power_watts(gw, fac.pue) / 1e6:,.2f} MW"),
@@ -183,23 +186,27 @@ def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]
 def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100-sxm", gpus: int = 16384,
                  cluster: str = "meta-h100", layout: str | None = "tp8,cp1,pp16,dp128,mb1",
                  tokens: float | None = None, mfu: float = 0.40, run_dir: str | Path | None = None,
-                 plan_file: str | Path | None = None) -> Path:
+                 plan_file: str | Path | None = None, seq: int | None = None) -> Path:
+    """The report page; with ``plan_file`` (``trainscale plan --json``) the model, GPUs, cluster, layout, MFU,
+    sequence and training tokens are the plan's, so its days are the plan's days."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokens = tokens if tokens is not None else facts()["llama3_405b_training"]["tokens"]
     plan = None
+    plan, seq = None, seq or DEFAULT_SEQ
     if plan_file is not None:
+        plan = read_json_object(plan_file, "plan JSON")
         try:
-            plan = json.loads(Path(plan_file).read_text())
             inp = plan["inputs"]
             model, gpu, gpus, layout = inp["model"], inp["gpu"], int(inp["gpus"]), plan["layout"]
             cluster = inp.get("cluster") or cluster
-            mfu = float(plan["mfu"])
-        except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise TrainscaleError(f"{plan_file} is not the output of 'trainscale plan --json' ({e})") from None
+            mfu, seq = float(plan["mfu"]), int(inp["seq"])
+            tokens = float(inp["train_tokens"]) if inp.get("train_tokens") else tokens
+        except (KeyError, TypeError, ValueError) as e:
+            raise TrainscaleError(f"{plan_file} is not the output of 'trainscale plan --json' (no {e})") from None
     lay = Layout.parse(layout) if layout else None
     sections, summary = seed_sections(out, model, gpu, gpus, cluster, lay, tokens, mfu,
-                                      micro_batches=plan.get("micro_batches") if plan else None)
+                                      micro_batches=plan.get("micro_batches") if plan else None, seq=seq)
     if plan is not None:
         ps, psum = plan_sections(out, plan)
         sections += ps
@@ -214,8 +221,8 @@ def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100
     page = write_page(out, f"trainscale report: {model} on {gpus:,} x {gpu}",
                       "Every number below is computed by trainscale from the model, hardware and run inputs.",
                       sections, summary)
-    (out / "report.json").write_text(json.dumps({
+    atomic_write_json(out / "report.json", {
         "summary": dict(summary),
         "figures": [{"key": p.key, "title": p.title, "files": p.files, "table": dict(p.table)}
-                    for _, ps in sections for p in ps]}, indent=2))
+                    for _, ps in sections for p in ps]})
     return page

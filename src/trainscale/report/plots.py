@@ -70,10 +70,9 @@ def training_state(m: ModelSpec, gpus: list[GPUSpec], out: Path, seq: int = 8192
                 _save(fig, out, "training_state"), table)
 
 
-def time_to_train(m: ModelSpec, tokens: float, one: GPUSpec, cluster_gpu: GPUSpec, n_gpus: int, mfu: float,
+def time_to_train(m: ModelSpec, tokens: float, c: float, one: GPUSpec, cluster_gpu: GPUSpec, n_gpus: int, mfu: float,
                   out: Path) -> Plot:
-    """One GPU vs the cluster: years vs days, log scale."""
-    c = flops.training_flops(param_count(m), tokens)
+    """One GPU vs the cluster: years vs days, log scale, for training compute ``c`` (``flops.training_compute``)."""
     rows = [
         (f"1 x {one.name} at peak", flops.seconds_on(c, 1, one.peak_bf16_flops)),
         (f"1 x {one.name} at {mfu:.0%} MFU", flops.seconds_on(c, 1, one.peak_bf16_flops, mfu)),
@@ -92,7 +91,8 @@ def time_to_train(m: ModelSpec, tokens: float, one: GPUSpec, cluster_gpu: GPUSpe
     ax.invert_yaxis()
     table = [(label, f"{s / flops.SECONDS_PER_DAY:,.1f} days ({s / flops.SECONDS_PER_YEAR:,.1f} years)")
              for label, s in rows]
-    return Plot("time_to_train", ax.get_title(), "6ND FLOPs divided by peak x MFU x GPUs.",
+    return Plot("time_to_train", ax.get_title(), f"Training FLOPs ({flops.FLOP_CONVENTION_NAME}) divided by peak x "
+                "MFU x GPUs.",
                 _save(fig, out, "time_to_train"), table)
 
 

@@ -10,12 +10,12 @@ lora, export) reads it. A run directory is accepted wherever a model folder is (
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import atomic_write, atomic_write_bytes, atomic_write_json, read_json_object
 from trainscale.specs import ModelSpec, load_model
 
 
@@ -26,12 +26,11 @@ def save_model_dir(out: str | Path, state_dict: dict[str, torch.Tensor], spec: M
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "trainscale"})
-    tmp.replace(out / "model.safetensors")
-    (out / "model.json").write_text(json.dumps(spec.model_dump(by_alias=True, exclude_none=True), indent=2))
+    atomic_write(out / "model.safetensors",
+                 lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt", "producer": "trainscale"}))
+    atomic_write_json(out / "model.json", spec.model_dump(by_alias=True, exclude_none=True))
     if tokenizer_json is not None and Path(tokenizer_json).resolve() != (out / "tokenizer.json").resolve():
-        (out / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
+        atomic_write_bytes(out / "tokenizer.json", Path(tokenizer_json).read_bytes())
     return out
 
 
@@ -56,15 +55,7 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: torch.dtype = t
     from trainscale.runtime.model import build_model
 
     p = resolve_model_dir(path)
-    from trainscale.safeio import read_text
-
-    try:
-        data = json.loads(read_text(p / "model.json", "model description"))
-    except ValueError as e:
-        raise TrainscaleError(f"{p / 'model.json'} is corrupt: {e}") from None
-    if not isinstance(data, dict):
-        raise TrainscaleError(f"{p / 'model.json'} is not a model description (a JSON object)")
-    spec = load_model(data)
+    spec = load_model(read_json_object(p / "model.json", "model description"))
     model = build_model(spec, "meta")
     try:
         sd = load_file(str(p / "model.safetensors"))

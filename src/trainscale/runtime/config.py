@@ -123,26 +123,15 @@ class TrainConfig(_Section):
         return self.data.tokenizer_vocab or self.model.vocab_size
 
     def to_toml(self) -> str:
-        """The resolved config (model fields spelled out), as TOML."""
-        def val(v: Any) -> str:
-            if isinstance(v, bool):
-                return "true" if v else "false"
-            if isinstance(v, str):
-                return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-            if isinstance(v, tuple | list):
-                return "[" + ", ".join(val(x) for x in v) + "]"
-            return repr(v)
+        """The resolved config (model fields spelled out), as TOML that reads back equal (``safeio.toml_text``)."""
+        from trainscale.safeio import toml_text
 
-        lines = [f"name = {val(self.name)}", ""]
+        data: dict[str, Any] = {"name": self.name}
         for section, obj in (("model", self.model), ("train", self.train), ("data", self.data), ("run", self.run),
                              ("checkpoint", self.checkpoint)):
-            lines.append(f"[{section}]")
-            if section == "model" and self.init is not None:
-                lines.append(f"init = {val(self.init)}")
-            for k, v in obj.model_dump(by_alias=True, exclude_none=True).items():
-                lines.append(f"{k} = {val(v)}")
-            lines.append("")
-        return "\n".join(lines)
+            fields = obj.model_dump(by_alias=True, exclude_none=True)
+            data[section] = {"init": self.init, **fields} if section == "model" and self.init is not None else fields
+        return toml_text(data)
 
 
 def _model_from(section: dict[str, Any]) -> ModelSpec:

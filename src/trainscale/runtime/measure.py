@@ -1,35 +1,33 @@
 """Throughput and utilization of a running job: tokens/s, achieved FLOP/s, MFU.
 
 MFU = model FLOPs per token x tokens/s / peak (Chowdhery et al. 2022, PaLM App. B), with the FLOPs
-per token from ``estimate.flops.model_flops_per_token`` (6N + 12·L·H·Q·T), N counting the weights
-that take part in matrix multiplies (every parameter but the embedding lookup tables; a tied output
-head is a matmul and counts). The peak is the GPU's datasheet bf16 figure from the catalog, times
-the GPUs in the job; on CPU it is this machine's peak, measured with a large fp32 matmul using all
-cores and cached (the processes of a CPU job share those cores, so the machine is the device).
+per token of the one convention the planner, explain and report use (``estimate.flops.FLOP_CONVENTION``,
+"6N + 6LHQT": N the matmul weights a token passes through, active ones for a MoE; attention halved for
+causal masking), from ``estimate.flops.training_flops_per_token``. The peak is the GPU's datasheet bf16
+figure from the catalog, times the GPUs in the job; on CPU it is this machine's peak, measured with a large
+fp32 matmul using all cores and cached (the processes of a CPU job share those cores, so the machine is the device).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
 
 import torch
 
+from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
-from trainscale.estimate.planner import step
+from trainscale.safeio import atomic_write_json, read_json_object
 from trainscale.specs import ModelSpec, catalog_names, load_gpu
 
-
-def matmul_params(spec: ModelSpec) -> int:
-    """N of the MFU the runtime reports: the planner's (``estimate.planner.step.matmul_params``), so a MoE counts
-    its active parameters, as the plan it is compared with does."""
-    return step.matmul_params(spec)
+FLOP_CONVENTION = flops.FLOP_CONVENTION  # printed wherever the runtime prints MFU
+FLOP_CONVENTION_NAME = flops.FLOP_CONVENTION_NAME
 
 
 def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
-    return flops.model_flops_per_token(spec, matmul_params(spec), seq_len)
+    """Training FLOPs per token of the MFU the runtime reports: the planner's (``flops.training_flops_per_token``)."""
+    return flops.training_flops_per_token(spec, seq_len)
 
 
 def measure_matmul_peak(n: int = 2048, repeat: int = 5, threads: int | None = None) -> float:
@@ -62,20 +60,18 @@ def cpu_peak_flops(remeasure: bool = False) -> float:
     path = cache_root() / "cpu_peak.json"
     cached = 0.0
     try:
-        got = json.loads(path.read_text())
+        got = read_json_object(path, "CPU peak cache")
         if got.get("key") == key:
             cached = float(got["flops"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (TrainscaleError, ValueError, KeyError, TypeError):  # absent or damaged: measure again
         pass
     if cached and not remeasure:
         return cached
     best = max(cached, measure_matmul_peak(repeat=10))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "flops": best,
-                                   "how": "highest best-of-10 fp32 2048^3 matmul seen, all cores"}))
-        tmp.replace(path)
+        atomic_write_json(path, {"key": key, "flops": best,
+                                 "how": "highest best-of-10 fp32 2048^3 matmul seen, all cores"}, indent=None)
     except OSError:
         pass
     return best

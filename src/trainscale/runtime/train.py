@@ -286,7 +286,8 @@ class Trainer:
         tps = tokens / dt
         self.step += 1
         row = {"step": self.step, "loss": value, "tokens_per_s": tps, "flops_per_s": tps * self.flops_per_token,
-               "mfu": measure.mfu(tps, self.flops_per_token, self.peak), "lr": lr, "grad_norm": grad_norm,
+               "mfu": measure.mfu(tps, self.flops_per_token, self.peak),
+               "flop_convention": measure.FLOP_CONVENTION_NAME, "lr": lr, "grad_norm": grad_norm,
                "step_time_s": dt, "memory_bytes": measure.peak_memory_bytes(self.device)}
         if self.cfg.model.is_moe:
             row.update(self._moe_metrics(dt))
@@ -422,7 +423,8 @@ class Trainer:
                 tb.step(row)
             if self.step % self.cfg.run.log_every == 0 or self.step == steps:
                 self.log(f"step {self.step:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
-                         f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%}  lr {row['lr']:.2e}")
+                         f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%} "
+                         f"({measure.FLOP_CONVENTION_NAME})  lr {row['lr']:.2e}")
             if mgr is not None:
                 mgr.poll()
                 c = self.cfg.checkpoint
@@ -540,7 +542,7 @@ class Trainer:
                 "backend": dist.get_backend(), "device": self.device.type,
                 "model": self.cfg.model.model_dump(by_alias=True, exclude_none=True),
                 "params": param_count(self.cfg.model), "local_params_rank0": self.local_params(),
-                "flops_per_token": self.flops_per_token,
+                "flops_per_token": self.flops_per_token, "flop_convention": measure.FLOP_CONVENTION,
                 "peak_flops": self.peak, "peak_source": self.peak_source, "micro_batch": self.micro,
                 "microbatches": self.n_micro, "config": self.cfg.model_dump(mode="json", exclude={"model"})}
 

@@ -30,7 +30,6 @@ from trainscale.estimate.planner.step import (
     load_efficiencies,
     planner_catalog,
 )
-from trainscale.estimate.planner.step import matmul_params as step_matmul_params
 from trainscale.specs import (
     ClusterSpec,
     GPUSpec,
@@ -306,8 +305,8 @@ class Problem:
     def mfu_conventions(self, tokens_per_s: float) -> dict[str, float]:
         """The same throughput under the MFU conventions in use: 6N + attention with and without causal halving
         (PaLM App. B counts the full 12·L·H·Q·T; FlashAttention skips the masked half), and 6N alone."""
-        m, n = self.model, step_matmul_params(self.model)
-        per = {"6N+attention causal": flops.model_flops_per_token(m, n, self.seq, causal=True),
+        m, n = self.model, flops.matmul_params(self.model)
+        per = {"6N+attention causal": flops.training_flops_per_token(m, self.seq),  # the one FLOP_CONVENTION
                "6N+attention full": flops.model_flops_per_token(m, n, self.seq, causal=False),
                "6N": 6.0 * n}
         return {k: flops.mfu(tokens_per_s, v, self.n_gpus, self.gpu.peak_bf16_flops) for k, v in per.items()}
@@ -584,8 +583,7 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
                    sw, fix or {}, forbid or (), max_v)
 
 
-FLOP_CONVENTION = ("MFU = model FLOPs (6N, N with the LM head, + 12·L·H·Q·T attention halved for causal masking) / "
-                   "peak; HFU adds the recomputed FLOPs")
+FLOP_CONVENTION = f"MFU = model FLOPs ({flops.FLOP_CONVENTION}) / peak; HFU adds the recomputed FLOPs"
 FIXABLE = {"tp": int, "cp": int, "pp": int, "dp": int, "mb": int, "v": int, "zero": int, "hsdp": int, "ep": int,
            "schedule": SCHEDULE.index, "recompute": RECOMPUTE.index, "rc": RECOMPUTE.index}
 # --forbid tokens: a dimension (forbids degrees > 1) or one choice

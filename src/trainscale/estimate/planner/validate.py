@@ -20,7 +20,7 @@ from typing import Any
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.params import embedding_params, param_count
-from trainscale.estimate.planner import plan, step
+from trainscale.estimate.planner import plan
 from trainscale.specs import Layout, ModelSpec
 
 FIGURES = {
@@ -67,7 +67,7 @@ def convention_flops_per_token(convention: str, m: ModelSpec, seq: int, n_params
     count where the source logged its own (llm-foundry's NumParams column)."""
     attn_full = flops.attention_flops_per_token(m, seq, causal=False)  # 12·L·H·Q·T
     if convention == "trainscale":
-        return flops.model_flops_per_token(m, step.matmul_params(m), seq, causal=True)
+        return flops.training_flops_per_token(m, seq)
     if convention == "torchtitan-2024-04":
         return 6.0 * (n_params or param_count(m)) + attn_full
     if convention == "torchtitan":

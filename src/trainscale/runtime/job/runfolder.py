@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from trainscale.errors import JobFailed, TrainscaleError
+from trainscale.safeio import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json_object
 
 IDENTITY = "identity.json"
 LOCK = ".lock"
@@ -57,30 +58,6 @@ def config_hash(cfg: Any) -> str:
             data[section].pop(key, None)
     data.pop("name", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write a JSON file whole or not at all (tmp + rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """A small JSON object from a run folder (a regular file, under 16 MB), else one sentence."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        raise TrainscaleError(f"{what} {path} is missing") from None
-    if not os.path.isfile(path) or st.st_size > 16 << 20:
-        raise TrainscaleError(f"{what} {path} is not a small regular file")
-    try:
-        got = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise TrainscaleError(f"{what} {path} is not valid JSON ({e})") from None
-    if not isinstance(got, dict):
-        raise TrainscaleError(f"{what} {path} is not a JSON object")
-    return got
 
 
 # ------------------------------------------------------------------ lock
@@ -138,7 +115,7 @@ def claim(folder: Path, ckpt_root: Path, cfg: Any, resume: bool) -> str:
     folder, ckpt_root = Path(folder), Path(ckpt_root)
     ident_path = folder / IDENTITY
     digest = config_hash(cfg)
-    ident = read_json(ident_path, "run identity") if ident_path.exists() else None
+    ident = read_json_object(ident_path, "run identity") if ident_path.exists() else None
     if ident is not None and not (isinstance(ident.get("run_id"), str) and isinstance(ident.get("config_sha256"),
                                                                                          str)):
         raise TrainscaleError(f"run identity {ident_path} is malformed; train into a fresh folder")
@@ -154,14 +131,14 @@ def claim(folder: Path, ckpt_root: Path, cfg: Any, resume: bool) -> str:
         raise TrainscaleError(f"{ckpt_root} holds the checkpoints of {owner}; {hint}, or train into a fresh folder")
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
     folder.mkdir(parents=True, exist_ok=True)
-    write_json(ident_path, {"run_id": run_id, "config_sha256": digest, "created": time.time()})
+    atomic_write_json(ident_path, {"run_id": run_id, "config_sha256": digest, "created": time.time()})
     (folder / ERROR).unlink(missing_ok=True)
     return run_id
 
 
 def check_identity(folder: Path, run_id: str) -> None:
     """A restarted or launched worker: the folder must still belong to ``run_id``."""
-    ident = read_json(Path(folder) / IDENTITY, "run identity")
+    ident = read_json_object(Path(folder) / IDENTITY, "run identity")
     if ident.get("run_id") != run_id:
         raise TrainscaleError(f"run folder {folder} now belongs to run {ident.get('run_id')}, not {run_id}; "
                               "this job stops")
@@ -181,12 +158,12 @@ class RunFolder:
 
     def start(self, config_toml: str, tokenizer: Path, info: dict[str, Any]) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "config.toml").write_text(config_toml)
-        (self.path / "tokenizer.json").write_bytes(Path(tokenizer).read_bytes())
+        atomic_write_text(self.path / "config.toml", config_toml)
+        atomic_write_bytes(self.path / "tokenizer.json", Path(tokenizer).read_bytes())
         self.write_run_json({**info, "status": "running"})
         job = self.path / "job.json"  # the first attempt's start: wall time for goodput spans restarts
         if not self.resume or not job.exists():
-            write_json(job, {"start": time.time()})
+            atomic_write_json(job, {"start": time.time()})
         self.metrics = open(self.path / "metrics.jsonl", "a" if self.resume else "w")  # noqa: SIM115
         self.log(start_event())
 
@@ -207,7 +184,7 @@ class RunFolder:
 
     def write_run_json(self, info: dict[str, Any]) -> None:
         self.info = {**self.info, **info}
-        write_json(self.path / "run.json", self.info)
+        atomic_write_json(self.path / "run.json", self.info)
 
     def goodput(self, log: Callable[[str], None]) -> dict[str, Any]:
         """Useful step time / the job's wall time, restarts included, from metrics.jsonl: a step that was run
@@ -230,7 +207,7 @@ class RunFolder:
         save = sum(float(r["save_s"]) for r in rows if r.get("event") == "checkpoint")
         wall, starts = launch_wall(rows, time.time())
         if not starts:  # a run folder from before start events: the first attempt's start (job.json)
-            wall = time.time() - float(read_json(self.path / "job.json", "job start")["start"])
+            wall = time.time() - float(read_json_object(self.path / "job.json", "job start")["start"])
         g = {"goodput": useful / wall, "useful_step_s": useful, "wall_s": wall, "lost_steps": len(steps) - len(last),
              "lost_step_s": ran - useful, "checkpoint_s": save,
              "checkpoints": sum(r.get("event") == "checkpoint" for r in rows),
@@ -321,10 +298,10 @@ def previous_error() -> dict[str, Any] | None:
     if not path or not os.path.isfile(path):
         return None
     try:
-        got = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+        got = read_json_object(path, "error record")
+    except TrainscaleError:
         return None
-    return got if isinstance(got, dict) and isinstance(got.get("error"), str) else None
+    return got if isinstance(got.get("error"), str) else None
 
 
 def worker_main(body: Callable[[], None]) -> int:
