@@ -26,7 +26,7 @@ import numpy as np
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import comms, flops
-from trainscale.estimate.params import active_params
+from trainscale.estimate.flops import matmul_params
 from trainscale.estimate.planner import dp, layer, moe, stage_memory, stages
 from trainscale.estimate.planner.candidates import (
     FULL,
@@ -64,15 +64,6 @@ from trainscale.estimate.planner.stage_memory import in_flight
 from trainscale.specs import GPUSpec, ModelSpec
 
 
-def matmul_params(m: ModelSpec) -> int:
-    """N for MFU: every weight in a matmul a token passes through. The input embedding is a lookup (no
-    multiply-adds); a tied output head still runs its V x d GEMM, so tied models count it once. A MoE counts
-    its ACTIVE parameters (``params.active_params``: the router and shared experts in full, top-k of the
-    routed experts), so FLOPs per token follow the active count and training state the total."""
-    tied_head = m.vocab_size * m.d_model if m.tied_embeddings else 0
-    return active_params(m, embeddings=False) + tied_head
-
-
 def layer_times(m: ModelSpec, c: Candidates, r: layer.Rates, topo: comms.Topology, eff: Efficiencies,
                 sw: Software, seq: int) -> tuple[LayerTime, LayerTime, Any, Any]:
     """(a dense layer, a MoE layer (none for a dense model), the exposed TP and CP traffic of either), each with
@@ -105,9 +96,9 @@ def recompute_flops_per_token(m: ModelSpec, c: Candidates, sw: Software, seq: in
 
 def utilisation(m: ModelSpec, c: Candidates, sw: Software, seq: int, global_seqs: int, step: Any,
                 peak: float) -> dict[str, Any]:
-    """Tokens/s, and (item 6) MFU counting 6N (N with the LM head) + 12·L·H·Q·T attention with causal halving;
-    HFU adds the recomputed FLOPs."""
-    fpt = flops.model_flops_per_token(m, matmul_params(m), seq, causal=True)
+    """Tokens/s, and MFU under the one FLOP convention (``flops.FLOP_CONVENTION``: 6N + 12·L·H·Q·T attention
+    halved for causal masking); HFU adds the recomputed FLOPs."""
+    fpt = flops.training_flops_per_token(m, seq)
     tps = float(global_seqs) * seq / step
     mfu = flops.mfu(tps, fpt, c.world, peak)
     hfu = flops.hfu(tps, fpt, recompute_flops_per_token(m, c, sw, seq), c.world, peak)
