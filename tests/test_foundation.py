@@ -112,6 +112,8 @@ def test_seed_one_gpu_and_cluster_time(seed):
     six_nd_s = seed["figures"]["rule_of_thumb_flops"] / 165.2e12
     assert rel(six_nd_s, 230e9) < 0.01 and rel(six_nd_s / 31_557_600, 7300) < 0.01
     assert rel(six_nd_s / 31_557_600 / 0.4, 18000) < 0.02
+    assert seed["figures"]["one_gpu_years_at_peak_6nd"] == pytest.approx(six_nd_s / 31_557_600)  # printed
+    assert seed["figures"]["one_gpu_years_at_mfu_6nd"] == pytest.approx(six_nd_s / 31_557_600 / 0.4)
     # the figures printed count the one convention: the same arithmetic on its compute
     assert seed["figures"]["one_gpu_seconds_at_peak"] == pytest.approx(seed["training_flops"] / 165.2e12)
     assert seed["one_gpu_years_at_peak"] == pytest.approx(seed["training_flops"] / 165.2e12 / 31_557_600)

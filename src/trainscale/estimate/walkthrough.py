@@ -155,6 +155,13 @@ def _one_gpu(w: _Walk) -> Section:
     s.add("one_gpu_years_at_peak", f"one {home.name} at peak", years_peak, "years", "seconds / 31,557,600")
     s.add("one_gpu_years_at_mfu", f"one {home.name} at {mfu:.0%} MFU",
           flops.seconds_on(c, 1, home.peak_bf16_flops, mfu) / flops.SECONDS_PER_YEAR, "years", "years at peak / MFU")
+    thumb = flops.training_flops(w.n_c, w.tokens)  # the seed's own chain: 6ND / peak, then at the MFU
+    s.add("one_gpu_years_at_peak_6nd", f"one {home.name} at peak, 6ND rule of thumb",
+          flops.seconds_on(thumb, 1, home.peak_bf16_flops) / flops.SECONDS_PER_YEAR, "years",
+          "6ND / peak / 31,557,600")
+    s.add("one_gpu_years_at_mfu_6nd", f"one {home.name} at {mfu:.0%} MFU, 6ND rule of thumb",
+          flops.seconds_on(thumb, 1, home.peak_bf16_flops, mfu) / flops.SECONDS_PER_YEAR, "years",
+          "6ND years at peak / MFU")
     if w.gpu_hours is not None:
         w.days = flops.days_from_gpu_hours(w.gpu_hours, gpus)
         s.add("gpu_hours", "reported GPU-hours", w.gpu_hours, "GPU-h", "published", w.run["gpu_hours_source"])
