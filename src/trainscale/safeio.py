@@ -17,11 +17,12 @@ from trainscale.errors import TrainscaleError
 MAX_TEXT_BYTES = 64 << 20  # a config, profile or model.json is kilobytes; this is far beyond any
 
 
-def check_regular(path: str | Path, what: str) -> Path:
-    """``path`` must be an existing, readable regular file (links followed)."""
+def check_regular(path: str | Path, what: str, follow_links: bool = True) -> Path:
+    """``path`` must be an existing, readable regular file (links followed, unless ``follow_links`` is False: then
+    a link is refused too, as inside a checkpoint folder, where a link could point out of it)."""
     p = Path(path)
     try:
-        st = os.stat(p)
+        st = os.stat(p) if follow_links else os.lstat(p)
     except FileNotFoundError:
         raise TrainscaleError(f"{what} {p} does not exist") from None
     except OSError as e:
@@ -29,23 +30,31 @@ def check_regular(path: str | Path, what: str) -> Path:
     if stat.S_ISDIR(st.st_mode):
         raise TrainscaleError(f"{what} {p} is a folder, not a file")
     if not stat.S_ISREG(st.st_mode):
-        raise TrainscaleError(f"{what} {p} is not a regular file (a FIFO, socket or device is never read)")
+        raise TrainscaleError(f"{what} {p} is not a regular file (a FIFO, socket, device or link is never read)")
     if not os.access(p, os.R_OK):
         raise TrainscaleError(f"{what} {p} is not readable")
     return p
 
 
-def read_text(path: str | Path, what: str, limit: int = MAX_TEXT_BYTES) -> str:
-    """The text of a small regular file."""
-    p = check_regular(path, what)
-    if p.stat().st_size > limit:
-        raise TrainscaleError(f"{what} {p} is {p.stat().st_size:,} bytes, larger than any such file ({limit:,})")
+def read_bytes(path: str | Path, what: str, limit: int | None = MAX_TEXT_BYTES, follow_links: bool = True) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes (None: any size); every failure one sentence."""
+    p = check_regular(path, what, follow_links)
+    size = p.stat().st_size
+    if limit is not None and size > limit:
+        raise TrainscaleError(f"{what} {p} is {size:,} bytes, larger than any such file ({limit:,})")
     try:
-        return p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise TrainscaleError(f"{what} {p} is not UTF-8 text (byte {e.start})") from None
+        return p.read_bytes()
     except OSError as e:
         raise TrainscaleError(f"{what} {p} cannot be read: {e.strerror}") from None
+
+
+def read_text(path: str | Path, what: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """The text of a small regular file."""
+    data = read_bytes(path, what, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TrainscaleError(f"{what} {path} is not UTF-8 text (byte {e.start})") from None
 
 
 MAX_JSON_BYTES = 16 << 20  # run.json, model.json, adapter.json, a plan: kilobytes

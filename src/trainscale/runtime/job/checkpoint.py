@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainscale.errors import JobFailed, TrainscaleError
+from trainscale.safeio import read_bytes
 
 MANIFEST = "manifest.json"
 METADATA = ".metadata"
@@ -158,20 +159,7 @@ def _plain_name(name: Any) -> bool:
 
 def _read_regular(path: Path, what: str, limit: int | None = None) -> bytes:
     """The bytes of a regular file (never a FIFO, device or link out of the folder), bounded in size."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise TrainscaleError(f"{what} {path} is missing") from None
-    except OSError as e:
-        raise TrainscaleError(f"{what} {path} cannot be read: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise TrainscaleError(f"{what} {path} is not a regular file")
-    if limit is not None and st.st_size > limit:
-        raise TrainscaleError(f"{what} {path} is {st.st_size:,} bytes, more than any we write")
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise TrainscaleError(f"{what} {path} cannot be read: {e.strerror}") from None
+    return read_bytes(path, what, limit, follow_links=False)
 
 
 def _encode(obj: Any) -> Any:
