@@ -115,12 +115,11 @@ def test_bad_layouts_are_one_sentence(text, match):
     assert "\n" not in str(e.value)
 
 
-def test_runtime_refuses_zero1_rather_than_running_zero2():
-    """zero1 (whole gradients, sharded optimizer state) is the planner's ZeRO-1; FSDP2 has no such mode."""
+def test_runtime_checks_accept_every_zero_stage():
+    """zero0-3 are all runnable (``rules.RUNNABLE``): zero1 is optimizer-state sharding over the data-parallel
+    mesh (Megatron's distributed optimizer), no longer refused as it was while FSDP2 was the only sharding."""
     cfg = config_from_dict({"model": {**TINY, "n_layers": 4}, "train": {"seq_len": 32, "global_batch": 8}})
-    with pytest.raises(TrainscaleError, match="zero1"):
-        check_layout(cfg, Layout.parse("dp2,zero1"))
-    for ok in ("dp2,zero0", "dp2,zero2", "dp2,zero3"):
+    for ok in ("dp2,zero0", "dp2,zero1", "dp2,zero2", "dp2,zero3"):
         check_layout(cfg, Layout.parse(ok))
 
 
