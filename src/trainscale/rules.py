@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from math import gcd, isqrt
 from types import SimpleNamespace
 from typing import Any
 
@@ -84,8 +85,8 @@ def case_of(layouts: Iterable[Any], model: Any = None, seq: int | None = None, s
     """A ``Case`` of ``specs.Layout`` objects (anything with the layout's fields)."""
     lays = list(layouts)
     names = tuple(sorted({lay.schedule for lay in lays}))
-    arrays = {k: np.array([getattr(lay, k) for lay in lays], dtype=bool if k == "sp" else np.int64)
-              for k in LAYOUT_FIELDS if k != "schedule"}
+    # int64, or Python ints (object) for a count past int64 that a later check refuses in its own words
+    arrays = {k: np.asarray([getattr(lay, k) for lay in lays]) for k in LAYOUT_FIELDS if k != "schedule"}
     arrays["schedule"] = np.array([names.index(lay.schedule) for lay in lays], dtype=np.int64)
     return Case(arrays, names, model, seq, seqs, gpus)
 
@@ -103,13 +104,15 @@ class Rule:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (O(sqrt n))."""
+    small = [d for d in range(1, isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small) | {n // d for d in small})
 
 
 def _good_tp(r: SimpleNamespace) -> list[int]:
-    """Tensor-parallel degrees that split the heads, KV heads and MLP, among the divisors of the GPU count."""
+    """Tensor-parallel degrees that split the heads, KV heads and MLP and divide the GPU count."""
     m, n = r.model, r.gpus or r.tp * r.cp * r.pp * r.dp
-    return [t for t in _divisors(n) if m.n_heads % t == 0 and m.n_kv_heads % t == 0 and m.d_ff % t == 0][:8]
+    return [t for t in _divisors(gcd(m.n_heads, m.n_kv_heads, m.d_ff)) if n % t == 0][:8]
 
 
 def _tp_says(what: str) -> Callable[[SimpleNamespace], str]:
@@ -140,9 +143,9 @@ def _cut_says(r: SimpleNamespace) -> str:
 def balanced_cut(n_layers: int, pp: Any, chunks: Any) -> np.ndarray:
     """The cuts the planner searches: the L layers split evenly over the pp x v chunks, or L + 2 slots do (the
     end stages give a slot each to the embedding and the head, Llama 3's cut: arXiv 2407.21783 Sec. 3.3.2), on
-    at most L pipeline ranks (``placement``'s "balanced" cuts)."""
+    at most L pipeline ranks (``placement``'s "balanced" cuts; the end stages are two only with pp > 1)."""
     pp, chunks = np.asarray(pp), np.asarray(chunks)
-    return (pp <= n_layers) & ((n_layers % chunks == 0) | ((n_layers + 2) % chunks == 0))
+    return (pp <= n_layers) & ((n_layers % chunks == 0) | ((pp > 1) & ((n_layers + 2) % chunks == 0)))
 
 
 def _cut(c: Case) -> np.ndarray:
