@@ -136,11 +136,9 @@ CASES = {
     "experts_dense": (L8, dict(dp=2, ep=2), 8192, 8, None, "needs a mixture-of-experts model, and llama3.1-8b is "
                       "a dense model"),
     "experts": (MIXTRAL, dict(dp=6, ep=3), 4096, 12, None, "ep3 must divide the model's 8 experts; use ep in [1, 2]"),
-    "heads": (L8, dict(tp=3), 8192, 8, None, "tp3 does not split llama3.1-8b's 32 attention heads evenly; use tp in "
-              "[1]"),
-    "kv_heads": (L8, dict(tp=16), 8192, 8, None, "tp16 does not split llama3.1-8b's 8 KV heads evenly; use tp in "
-                 "[1, 2, 4, 8]"),
-    "ffn": (ModelSpec(**{**CUSTOM, "d_ff": 102}), dict(tp=4), 32, 8, None, "102-wide MLP evenly; use tp in [1, 2]"),
+    "heads": (L8, dict(tp=3), 8192, 8, None, "tp3 must divide llama3.1-8b's 32 attention heads; use tp in [1]"),
+    "kv_heads": (L8, dict(tp=16), 8192, 8, None, "tp16 must divide llama3.1-8b's 8 KV heads; use tp in [1, 2, 4, 8]"),
+    "ffn": (ModelSpec(**{**CUSTOM, "d_ff": 102}), dict(tp=4), 32, 8, None, "MLP width of 102; use tp in [1, 2]"),
     "vocab": (ModelSpec(**{**CUSTOM, "vocab_size": 1001}), dict(tp=2), 32, 8, None, "vocabulary of 1,001"),
     "stages": (L8, dict(pp=16, v=4, schedule="interleaved"), 8192, 64, None, "pp16 x v4 = 64 stages leave a stage "
                "with no layer for the model's 32 layers"),
@@ -246,3 +244,71 @@ def test_partial_check_skips_what_it_cannot_read_and_full_check_refuses():
     assert rules.holds(case, rules.PLANNED, partial=True).tolist() == [True, False]
     with pytest.raises(ValueError, match="reads"):
         rules.check(case, rules.PLANNED)
+
+
+# ----------------------------------------------------------------------------- train --plan and plan --runnable
+
+
+def _gpus_here(monkeypatch, n: int, gpu: str = "h100-sxm") -> None:
+    """As if this machine had ``n`` GPUs of catalog kind ``gpu`` (plan_layout reads torch.cuda and the catalog)."""
+    import torch
+
+    from trainscale.runtime import measure
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.setattr(measure, "gpu_peak_flops", lambda: (989e12, gpu))
+
+
+def test_train_plan_takes_the_best_runnable_layout(monkeypatch):
+    from trainscale.runtime.job.launch import plan_layout
+
+    _gpus_here(monkeypatch, 8)
+    cfg = train_config(load_model("mpt-7b"), 2048, 512)  # tied embeddings: no tp, no pp
+    text, why = plan_layout(cfg)
+    lay = Layout.parse(text)
+    check_layout(cfg, lay)
+    s = plan.problem(cfg.model, "h100-sxm", 8, 2048, 512 * 2048, runnable=True).search()
+    assert text == str(plan.layout_at(s.cfg, s.best())) and lay.tp == lay.pp == 1
+    assert "this runtime trains on 8 x h100-sxm" in why
+    # the planner's own best for this model uses a layout the runtime does not train
+    best = plan.problem(cfg.model, "h100-sxm", 8, 2048, 512 * 2048).search()
+    assert best.n_valid > s.n_valid
+
+
+def test_train_plan_says_why_nothing_runs_in_one_sentence(monkeypatch):
+    from trainscale.runtime.job.launch import plan_layout
+
+    _gpus_here(monkeypatch, 8)
+    with pytest.raises(TrainscaleError, match="multi-head latent attention") as e:
+        plan_layout(train_config(load_model("deepseek-v3"), 4096, 64))
+    assert "\n" not in str(e.value)
+    # tied embeddings on 2 GPUs with one sequence a step of 126 tokens (2 x cp2 does not divide it): the planner
+    # finds tp2 and pp2 (gpipe, 1f1b; 3 recompute modes each), the runtime trains none, and the sentence says which
+    # rule
+    _gpus_here(monkeypatch, 2)
+    tied = train_config(SMALL.model_copy(update={"tied_embeddings": True}), 126, 1)
+    with pytest.raises(TrainscaleError, match="none of the 9 layouts the planner finds for small-llama on 2 GPUs "
+                       "is one this runtime trains, e.g. tp1,cp1,pp2,dp1,mb1,gpipe,zero0: model small-llama ties"):
+        plan_layout(tied)
+    assert "\n" not in str(e.value)
+
+
+def test_plan_cli_runnable_flag(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trainscale", "plan", "--model", "gpt3-175b", "--gpus", "1024",
+                               "--seq", "2048", "--global-batch-tokens", "2M", *args], capture_output=True, text=True)
+
+    r = run("--runnable", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["inputs"]["runnable_only"] and all(row["runnable"] for row in out["top"])
+    assert out["search"]["valid"] == 540  # of the planner's 68,265: tied embeddings and vocab 50,257 keep tp1, pp1
+    r = run("--runnable")
+    assert r.returncode == 0 and "only layouts trainscale's runtime trains (--runnable)" in " ".join(r.stdout.split())
+    r = run("--layout", "tp8,pp8,dp16,zero1", "--json")
+    assert json.loads(r.stdout)["not_runnable_because"].startswith("tp8 must divide gpt3-175b's vocabulary of 50,257")

@@ -116,7 +116,7 @@ def _good_tp(r: SimpleNamespace) -> list[int]:
 
 
 def _tp_says(what: str) -> Callable[[SimpleNamespace], str]:
-    return lambda r: (f"tp{r.tp} does not split {r.model.name}'s {what(r.model)} evenly; use tp in {_good_tp(r)}")
+    return lambda r: f"tp{r.tp} must divide {r.model.name}'s {what(r.model)}; use tp in {_good_tp(r)}"
 
 
 def _world_says(r: SimpleNamespace) -> str:
@@ -207,11 +207,11 @@ _RULES = (
          "Megatron-Core: divide(num_query_groups, tp) asserts (megatron/core/transformer/attention.py); torchtitan "
          "and torch's TP tutorial shard n_kv_heads // tp"),
     Rule("ffn", ("tp", "model"), lambda c: c.model.d_ff % c.tp == 0,
-         _tp_says(lambda m: f"{m.d_ff:,}-wide MLP"),
+         _tp_says(lambda m: f"MLP width of {m.d_ff:,}"),
          "Megatron-LM's ColumnParallelLinear: divide(output_size, tp) (Shoeybi et al. 2019, arXiv 1909.08053)"),
     Rule("vocab", ("tp", "model"), lambda c: (c.tp == 1) | (c.model.vocab_size % c.tp == 0),
-         lambda r: (f"tp{r.tp} does not split {r.model.name}'s vocabulary of {r.model.vocab_size:,} evenly (the "
-                    "runtime does not pad it)"),
+         lambda r: (f"tp{r.tp} must divide {r.model.name}'s vocabulary of {r.model.vocab_size:,} (the runtime "
+                    "does not pad it)"),
          "the runtime shards the embedding and head by vocabulary rows unpadded (Megatron pads the vocabulary to "
          "a multiple of 128 x tp, make_vocab_size_divisible_by, and runs any)"),
     Rule("stages", ("pp", "v", "model"), lambda c: c.pp * c.v <= c.model.n_layers + 2,

@@ -117,11 +117,12 @@ class Problem:
         if ep is not None:  # a fixed EP degree the model cannot take is said as such, not as "no layout divides"
             if ep < 1:
                 raise TrainscaleError(f"--fix ep={ep}: the expert-parallel degree must be at least 1")
-            if ep > 1 and not self.model.is_moe:
-                raise TrainscaleError(f"--fix ep={ep}: expert parallelism needs a mixture-of-experts model, and "
-                                      f"{self.model.name} is dense")
-            if self.model.is_moe and self.model.n_experts % ep:
-                raise TrainscaleError(f"--fix ep={ep} must divide the model's {self.model.n_experts} experts")
+            # the experts rules alone, over the whole GPU count (dp is not known yet) for what would divide
+            fixed = rules.Case({"ep": np.array([ep]), "dp": np.array([self.n_gpus]), "hsdp": np.array([1])},
+                               model=self.model)
+            why = rules.first_broken(fixed, ("experts_dense", "experts"))
+            if why:
+                raise TrainscaleError(f"--fix ep={ep}: {why}")
 
     # ------------------------------------------------------------------ validity
 
