@@ -8,7 +8,8 @@ count (``gpus``); a rule whose inputs a caller does not have is not evaluated (`
 
 The sets, by name:
 
-- ``FRAMEWORK``: what no training framework runs (Megatron-Core, torchtitan, this runtime alike).
+- ``FRAMEWORK``: rules every training framework keeps (Megatron-Core, torchtitan, this runtime alike): a
+  layout that breaks one runs nowhere.
 - ``SEARCH``: what the planner leaves out of its search although a framework could run it, because its model
   does not cover it or it is never faster (uneven pipeline cuts, an interleaved pipeline short of micro-batches).
 - ``RUNTIME``: what this runtime (torch.distributed, ``trainscale.runtime``) does not train.
@@ -115,7 +116,8 @@ def _good_tp(r: SimpleNamespace) -> list[int]:
     return [t for t in _divisors(gcd(m.n_heads, m.n_kv_heads, m.d_ff)) if n % t == 0][:8]
 
 
-def _tp_says(what: str) -> Callable[[SimpleNamespace], str]:
+def _tp_says(what: Callable[[Any], str]) -> Callable[[SimpleNamespace], str]:
+    """The sentence of a rule on what tp must divide: ``what(model)`` names it."""
     return lambda r: f"tp{r.tp} must divide {r.model.name}'s {what(r.model)}; use tp in {_good_tp(r)}"
 
 
