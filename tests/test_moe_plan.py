@@ -154,7 +154,7 @@ def test_fp8_gemms_run_faster_and_keep_the_state():
 @pytest.mark.parametrize("args,words", [
     (["--model", "llama3.1-8b", "--layout", "dp8,ep2,zero1"], "dense model"),
     (["--model", "mixtral-8x7b", "--layout", "dp12,ep3,zero1", "--global-batch-tokens", "96K", "--seq", "4096"],
-     "does not split mixtral-8x7b's 8 experts"),
+     "ep3 must divide the model's 8 experts; use ep in [1, 2, 4]"),
     (["--model", "llama3.1-8b", "--gpu", "a100-sxm-80gb", "--gpus", "8", "--precision", "fp8"], "no FP8 tensor cores"),
     (["--model", "mixtral-8x7b", "--gpus", "8", "--precision", "fp4"], "--precision must be one of"),
     (["--model", "llama3.1-8b", "--gpus", "64", "--fix", "ep=2"], "needs a mixture-of-experts model"),

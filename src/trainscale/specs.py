@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from trainscale import rules
 from trainscale.errors import TrainscaleError
 
 
@@ -271,17 +272,9 @@ class Layout(_Spec):
 
     @model_validator(mode="after")
     def _check(self) -> Layout:
-        if self.dp % self.hsdp:
-            raise ValueError(f"hsdp{self.hsdp} must divide dp{self.dp}")
-        if self.hsdp > 1 and self.zero == 0:
-            raise ValueError("hsdp needs a sharded data-parallel mode (zero1-3 or fsdp)")
-        if (self.dp // self.hsdp) % self.ep:
-            where = f"dp{self.dp}" if self.hsdp == 1 else f"dp{self.dp} / hsdp{self.hsdp} = {self.dp // self.hsdp}"
-            raise ValueError(f"ep{self.ep} must divide {where} (expert parallelism splits data-parallel ranks)")
-        if self.v > 1 and self.schedule != "interleaved":
-            raise ValueError(f"v{self.v} (virtual stages) needs the interleaved schedule")
-        if self.schedule != "1f1b" and self.pp == 1:
-            raise ValueError(f"the {self.schedule} schedule needs pp > 1")
+        why = rules.first_broken(rules.case_of([self]), rules.LAYOUT)  # the rules on a layout's own fields
+        if why:
+            raise ValueError(why)
         return self
 
     @property

@@ -70,6 +70,8 @@ def plan(
     max_v: int = typer.Option(None, "--max-v", help="at most this many virtual stages per GPU"),
     precision: str = typer.Option(None, help="bf16 | fp8: the layers' GEMMs at the GPU's FP8 peak (default: the "
                                   "software's); weights, gradients and Adam state as the software keeps them"),
+    runnable: bool = typer.Option(False, "--runnable", help="search only the layouts trainscale's own runtime "
+                                  "trains (rules.RUNNABLE; `train --plan` searches these)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days."""
@@ -85,16 +87,19 @@ def plan(
     if gpus is None:
         gpus = lay.world_size if lay is not None else 16384
     p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_), software,
-                        fix, forbid, max_v, precision)
+                        fix, forbid, max_v, precision, runnable)
     head = _header(p)
     if lay is not None:
         row = p.evaluate_layout(lay)
+        row["not_runnable_because"] = p.why_not_runnable(lay)
         sugg = [] if row["fits"] else p.suggestions(lay)
         if as_json:
             emit_json({**row, **head, "suggestions": sugg})
             return
         _print_header(p)
         _print_rows([row], "Layout")
+        if row["not_runnable_because"]:
+            console.print(f"trainscale's runtime does not train it: {row['not_runnable_because']}.")
         if not row["fits"]:
             console.print(f"[bold red]{row['layout']} does not fit[/bold red]: it needs "
                           f"{_gb(row['memory_per_gpu_bytes']['total'])} per GPU of "
@@ -150,7 +155,8 @@ def _print_header(p: Any) -> None:
                   f"NVLink domains at {t.scale_up_bandwidth / 1e9:,.0f} GB/s, {t.network_bandwidth / 1e9:,.0f} GB/s "
                   f"per GPU between them{pods}); seq {p.seq:,}, {p.global_batch_tokens:,} tokens "
                   f"({p.global_seqs:,} sequences) per step; software {p.software.name}"
-                  + (f", {p.software.precision.upper()} GEMMs" if p.software.precision != "bf16" else ""))
+                  + (f", {p.software.precision.upper()} GEMMs" if p.software.precision != "bf16" else "")
+                  + ("; only layouts trainscale's runtime trains (--runnable)" if p.runnable else ""))
 
 
 def _print_rows(rows: list[dict[str, Any]], title: str, breakdown: bool = True) -> None:

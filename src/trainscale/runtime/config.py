@@ -22,8 +22,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from trainscale import rules
 from trainscale.errors import TrainscaleError
-from trainscale.placement import empty_stages
 from trainscale.specs import Layout, ModelSpec, _first_error, catalog_names, load_model
 
 
@@ -193,50 +193,10 @@ def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = 
     return config_from_dict(data, f"config {path}")
 
 
-def check_model(spec: ModelSpec) -> None:
-    """What this runtime cannot build, refused in one sentence each (the planner models more)."""
-    if spec.attention == "mla":
-        raise TrainscaleError(f"model {spec.name} uses multi-head latent attention, which trainscale plans but "
-                              "does not train (the runtime has multi-head and grouped-query attention only)")
-    if spec.is_moe and spec.capacity_factor:
-        raise TrainscaleError(f"model {spec.name} has capacity_factor {spec.capacity_factor}: the runtime routes "
-                              "dropless only (capacity_factor = 0)")
-
-
 def check_layout(cfg: TrainConfig, layout: Layout) -> None:
-    """Everything a layout must divide, said in one sentence each."""
-    m, t = cfg.model, cfg.train
-    check_model(m)
-    if layout.ep > 1 and not m.is_moe:
-        raise TrainscaleError(f"ep{layout.ep} (expert parallelism) needs a mixture-of-experts model, and "
-                              f"{m.name} is dense")
-    if layout.ep > 1 and m.n_experts % layout.ep:
-        raise TrainscaleError(f"ep{layout.ep} must divide the model's {m.n_experts} experts")
-    if m.n_heads % layout.tp or m.n_kv_heads % layout.tp:
-        raise TrainscaleError(f"tp{layout.tp} must divide the model's {m.n_heads} heads and {m.n_kv_heads} KV heads")
-    if m.d_ff % layout.tp:
-        raise TrainscaleError(f"tp{layout.tp} must divide d_ff {m.d_ff}")
-    if layout.tp > 1 and m.vocab_size % layout.tp:
-        raise TrainscaleError(f"tp{layout.tp} must divide vocab_size {m.vocab_size}")
-    if layout.cp > 1 and t.seq_len % (2 * layout.cp):
-        raise TrainscaleError(f"cp{layout.cp} needs seq_len divisible by 2*cp = {2 * layout.cp}, not {t.seq_len}")
-    if layout.tp > 1 and layout.sp and (t.seq_len // layout.cp) % layout.tp:
-        raise TrainscaleError(f"sequence parallel needs the per-rank sequence ({t.seq_len // layout.cp}) divisible "
-                              f"by tp{layout.tp}")
-    if empty_stages(m.n_layers, layout):
-        raise TrainscaleError(f"pp{layout.pp} x v{layout.v} = {layout.pp * layout.v} stages leave a stage with no "
-                              f"layer for the model's {m.n_layers} layers")
-    if t.global_batch % (layout.dp * layout.mb):
-        raise TrainscaleError(f"global_batch {t.global_batch} must be divisible by dp{layout.dp} x mb{layout.mb}")
-    n_micro = t.global_batch // (layout.dp * layout.mb)
-    if layout.pp > 1 and layout.schedule == "1f1b" and n_micro < layout.pp:
-        raise TrainscaleError(f"1F1B needs at least pp{layout.pp} microbatches per step, but global_batch / (dp x mb) "
-                              f"= {n_micro}")
-    if layout.pp > 1 and layout.schedule == "interleaved" and n_micro % max(1, n_micro // layout.pp):
-        raise TrainscaleError(f"interleaved 1F1B needs the {n_micro} microbatches to be a multiple of "
-                              f"{n_micro // layout.pp}")
-    if m.tied_embeddings and (layout.tp > 1 or layout.pp > 1):
-        raise TrainscaleError("tied embeddings are supported without tensor or pipeline parallelism only")
+    """What this runtime refuses to train, in one sentence: ``rules.RUNTIME_CHECK`` (the model, the layout, the
+    config's sequence length and global batch)."""
+    rules.check_layout(cfg.model, layout, cfg.train.seq_len, cfg.train.global_batch)
 
 
 def micro_batch(cfg: TrainConfig, layout: Layout) -> int:

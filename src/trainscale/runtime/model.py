@@ -11,7 +11,7 @@ the math here:
   rank that holds a (load-balanced) slice of the sequence rotates by the right angles.
 - A MoE model's layers from ``first_dense_layers`` on hold ``moe`` (runtime/moe.py: router, routed
   experts, shared expert, the balance loss) instead of ``feed_forward``; expert parallelism sets its
-  groups from outside too. Multi-head latent attention is planner-only (``config.check_model``).
+  groups from outside too. Multi-head latent attention is planner-only (``rules.check_model``).
 - ``Transformer.forward(tokens, cache=KVCache(...))`` is inference's path (infer/generate.py): the
   tokens follow the cached positions, their K/V are appended and the same attention attends over all.
 Head counts are inferred from tensor shapes (``view(b, s, -1, head_dim)``), so a tensor-parallel
@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainscale.errors import TrainscaleError
-from trainscale.runtime.config import check_model
+from trainscale.rules import check_model
 from trainscale.runtime.moe import FFN, MoE
 from trainscale.specs import ModelSpec
 

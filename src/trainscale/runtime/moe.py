@@ -151,7 +151,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = spec.n_experts, spec.experts_per_token
         self.norm_topk, self.aux_coef = spec.router_norm_topk, spec.aux_loss_coef
         if spec.capacity_factor:
-            raise ValueError("only dropless routing (capacity_factor 0) runs")  # config.check_model says it first
+            raise ValueError("only dropless routing (capacity_factor 0) runs")  # rules.check_model says it first
         self.router = nn.Linear(spec.d_model, spec.n_experts, bias=False)
         self.experts = GroupedExperts(spec)
         self.shared = FFN(spec, spec.d_ff_shared) if spec.d_ff_shared else None

@@ -1,25 +1,26 @@
 """The planner: every valid 4D layout for a model on N GPUs, scored at once, best first.
 
-A layout is valid when tp x cp x pp x dp = N, TP divides the attention heads (and divides or is a
-multiple of the KV heads) and the MLP width, the layers split over pp x v chunks
-(``pipeline.layer_placement``), the sequence splits into 2 x cp chunks (Llama 3 Sec. 3.3.2 load
-balancing) and the global batch into dp x micro-batch. It fits when the first stage's memory
-(``step.evaluate``) is within the GPU's. Layouts are ranked by tokens/s, then by memory headroom.
-The whole space is built and scored with numpy: no Python loop per layout.
+A layout is valid when it keeps the rules of ``trainscale.rules.PLANNED`` (tp x cp x pp x dp = N, TP divides
+the attention heads, the KV heads and the MLP width, the layers split over pp x v chunks, the sequence into
+2 x cp chunks, the global batch into dp x micro-batch, ...; each rule with its sentence there), and
+``RUNNABLE`` too when the search is asked for what this runtime trains (``Problem(runnable=True)``). It fits
+when the first stage's memory (``step.evaluate``) is within the GPU's. Layouts are ranked by tokens/s, then by
+memory headroom. The whole space is built and scored with numpy: no Python loop per layout.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from trainscale import rules
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.comms import Topology
-from trainscale.estimate.pipeline import layer_placement
+from trainscale.estimate.planner.candidates import INTERLEAVED
 from trainscale.estimate.planner.software import PRECISIONS, Software, load_software, with_knobs
 from trainscale.estimate.planner.step import (
     RECOMPUTE,
@@ -90,6 +91,7 @@ class Problem:
     fix: dict[str, Any] = field(default_factory=dict)
     forbid: tuple[str, ...] = ()
     max_v: int | None = None
+    runnable: bool = False  # search only what this runtime trains (rules.RUNNABLE), not all it plans (PLANNED)
     global_seqs: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +107,8 @@ class Problem:
         if self.train_tokens is not None and self.train_tokens <= 0:
             raise TrainscaleError(f"--tokens must be positive, not {self.train_tokens}")
         self.global_seqs = self.global_batch_tokens // self.seq
+        if self.runnable:
+            rules.check_model(self.model)  # a model this runtime cannot build has no runnable layout, said as such
         self.software = load_software(self.software)
         self.fix = parse_fix(self.fix) if isinstance(self.fix, str) else dict(self.fix)
         self.forbid = parse_forbid(self.forbid) if isinstance(self.forbid, str) else tuple(self.forbid)
@@ -112,72 +116,40 @@ class Problem:
         if ep is not None:  # a fixed EP degree the model cannot take is said as such, not as "no layout divides"
             if ep < 1:
                 raise TrainscaleError(f"--fix ep={ep}: the expert-parallel degree must be at least 1")
-            if ep > 1 and not self.model.is_moe:
-                raise TrainscaleError(f"--fix ep={ep}: expert parallelism needs a mixture-of-experts model, and "
-                                      f"{self.model.name} is dense")
-            if self.model.is_moe and self.model.n_experts % ep:
-                raise TrainscaleError(f"--fix ep={ep} must divide the model's {self.model.n_experts} experts")
+            # the experts rules alone, over the whole GPU count (dp is not known yet) for what would divide
+            fixed = rules.Case({"ep": np.array([ep]), "dp": np.array([self.n_gpus]), "hsdp": np.array([1])},
+                               model=self.model)
+            why = rules.first_broken(fixed, ("experts_dense", "experts"))
+            if why:
+                raise TrainscaleError(f"--fix ep={ep}: {why}")
 
     # ------------------------------------------------------------------ validity
 
+    @property
+    def rule_names(self) -> tuple[str, ...]:
+        """The rules a layout of this search keeps (``rules.RUNNABLE`` or ``rules.PLANNED``)."""
+        return rules.RUNNABLE if self.runnable else rules.PLANNED
+
+    def case(self, c: dict[str, np.ndarray]) -> rules.Case:
+        """Layout arrays as the rules read them, for this model, sequence, batch and GPU count."""
+        return rules.Case({k: np.asarray(c[k]) for k in rules.LAYOUT_FIELDS if k in c}, SCHEDULE, self.model,
+                          self.seq, self.global_seqs, self.n_gpus)
+
     def constraints(self, c: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Each divisibility rule as a boolean array (True = satisfied)."""
-        m = self.model
-        tp, cp, pp, dp, mb, v, sched = (np.asarray(c[k]) for k in ("tp", "cp", "pp", "dp", "mb", "v", "schedule"))
-        ep = np.asarray(c["ep"]) if "ep" in c else np.ones_like(tp)
-        ve = np.where(sched == 2, v, 1)
-        # a MoE's layers are unequal (dense leading layers, MoE ones) so no cut balances them exactly: any cut that
-        # leaves every stage a layer is searched, each judged by its slowest and its heaviest stage
-        layers_ok = (pp * ve <= m.n_layers) if m.is_moe else layer_placement(m.n_layers, pp, ve)["valid"]
-        return {
-            "world": tp * cp * pp * dp == self.n_gpus,
-            "heads": m.n_heads % tp == 0,
-            "kv_heads": (m.n_kv_heads % tp == 0) | (tp % m.n_kv_heads == 0),
-            "ffn": m.d_ff % tp == 0,
-            "experts": (ep == 1) | (m.is_moe & (m.n_experts % np.maximum(ep, 1) == 0)),
-            "layers": (pp <= m.n_layers) & layers_ok,
-            "seq": (cp == 1) | (self.seq % (2 * cp) == 0),
-            "batch": self.global_seqs % (dp * mb) == 0,
-            # interleaving only shortens the bubble once every stage has a micro-batch (Narayanan 2021 Sec. 2.2.2)
-            "interleave": (sched != 2) | (self.global_seqs // (dp * mb) >= pp),
-        }
+        """Each rule of this search as a boolean array (True = satisfied)."""
+        return rules.check(self.case(c), self.rule_names)
+
+    def runnable_mask(self, c: dict[str, np.ndarray]) -> np.ndarray:
+        """Which layouts this runtime trains (``rules.RUNNABLE``)."""
+        return rules.holds(self.case(c), rules.RUNNABLE)
 
     def why_invalid(self, lay: Layout) -> str | None:
         """One sentence for the first rule ``lay`` breaks, with what would divide; None when valid."""
-        m, S, G, n = self.model, self.seq, self.global_seqs, self.n_gpus
-        ok = self.constraints(_cfg([lay]))
-        ve = lay.v if lay.schedule == "interleaved" else 1
-        if not ok["world"][0]:
-            mp = lay.tp * lay.cp * lay.pp
-            fix = (f"dp{n // mp} would fill them" if n % mp == 0 else
-                   f"tp x cp x pp = {mp} must divide {n:,}")
-            return f"layout {lay} uses {lay.world_size:,} GPUs (tp x cp x pp x dp), not the {n:,} asked for; {fix}"
-        if not ok["experts"][0]:
-            if not m.is_moe:
-                return (f"ep{lay.ep} asks for expert parallelism, and {m.name} is a dense model with no experts; "
-                        "drop the ep token")
-            good = [int(e) for e in divisors(m.n_experts) if (lay.dp // lay.hsdp) % e == 0][-6:]
-            return (f"ep{lay.ep} does not split {m.name}'s {m.n_experts} experts evenly; use ep in {good}")
-        if not ok["heads"][0] or not ok["kv_heads"][0] or not ok["ffn"][0]:
-            good = [int(t) for t in divisors(n) if self.constraints(_cfg([lay], tp=int(t)))["heads"][0]
-                    and self.constraints(_cfg([lay], tp=int(t)))["kv_heads"][0] and m.d_ff % t == 0][:8]
-            return (f"tp{lay.tp} does not split {m.name}'s {m.n_heads} attention heads, {m.n_kv_heads} KV heads and "
-                    f"{m.d_ff:,}-wide MLP evenly; use tp in {good}")
-        if not ok["layers"][0]:
-            chunks = [int(c) for c in divisors(m.n_layers)] + [int(c) for c in divisors(m.n_layers + 2) if c > 1]
-            return (f"{m.n_layers} layers do not split over pp{lay.pp} x v{ve} = {lay.pp * ve} pipeline chunks "
-                    f"(evenly, or as {m.n_layers + 2} slots with the embedding and head on the end stages); "
-                    f"use pp x v in {sorted(set(chunks))}")
-        if not ok["seq"][0]:
-            return (f"seq {S:,} does not split into 2 x cp{lay.cp} = {2 * lay.cp} chunks; "
-                    f"use a cp that divides {S // 2:,}")
-        if not ok["batch"][0]:
-            return (f"the global batch of {G:,} sequences does not split into dp{lay.dp} x mb{lay.mb}; "
-                    f"use dp x mb dividing {G:,}")
-        if not ok["interleave"][0]:
-            return (f"the interleaved schedule needs at least pp{lay.pp} micro-batches, and dp{lay.dp} x mb{lay.mb} "
-                    f"leaves {G // (lay.dp * lay.mb)}; use 1f1b, a smaller mb or fewer pipeline stages")
-        return None
+        return rules.first_broken(self.case(_cfg([lay])), self.rule_names)
+
+    def why_not_runnable(self, lay: Layout) -> str | None:
+        """The sentence of the first rule of ``rules.RUNNABLE`` ``lay`` breaks: why this runtime would not train it."""
+        return rules.first_broken(self.case(_cfg([lay])), rules.RUNNABLE)
 
     # ------------------------------------------------------------------ the space
 
@@ -185,37 +157,28 @@ class Problem:
         """Every valid layout as arrays, and how many candidates were generated before filtering."""
         m, n = self.model, self.n_gpus
         d = divisors(n)
-        tps = d[(m.n_heads % d == 0) & ((m.n_kv_heads % d == 0) | (d % m.n_kv_heads == 0)) & (m.d_ff % d == 0)]
-        cps = d[(d == 1) | (self.seq % (2 * d) == 0)]
-        pps = d[d <= m.n_layers]
         vs = np.union1d(divisors(m.n_layers), divisors(m.n_layers + 2))
-        tp, cp, pp, v, sched = (a.ravel() for a in np.meshgrid(tps, cps, pps, vs, np.arange(3), indexing="ij"))
-        keep = (n % (tp * cp * pp) == 0)
-        keep &= np.where(pp == 1, (v == 1) & (sched == 1), np.where(v == 1, sched < 2, sched == 2))
-        tp, cp, pp, v, sched = (a[keep] for a in (tp, cp, pp, v, sched))
-        dp = n // (tp * cp * pp)
-        if m.is_moe:
-            keep = (pp * v <= m.n_layers) & (self.global_seqs % dp == 0)
-        else:
-            keep = layer_placement(m.n_layers, pp, v)["valid"] & (self.global_seqs % dp == 0)
-        base = {"tp": tp[keep], "cp": cp[keep], "pp": pp[keep], "dp": dp[keep], "v": v[keep], "schedule": sched[keep]}
-        base["ep"] = np.ones_like(base["tp"])
+        tp, cp, pp, v, sched = (a.ravel() for a in np.meshgrid(d, d, d, vs, np.arange(len(SCHEDULE)), indexing="ij"))
+        base = {"tp": tp, "cp": cp, "pp": pp, "dp": n // (tp * cp * pp), "v": v, "schedule": sched,
+                "hsdp": np.ones_like(tp), "ep": np.ones_like(tp)}
+        # the rules these fields decide now (the rest once every field is known); interleaving with v1 is 1F1B
+        keep = rules.holds(self.case(base), self.rule_names, partial=True) & ((v > 1) | (sched != INTERLEAVED))
+        base = {k: a[keep] for k, a in base.items()}
         if m.is_moe:
             # expert parallelism: every degree that divides the experts and the data-parallel ranks (it adds none)
-            eps = divisors(m.n_experts)
-            i, e = (a.ravel() for a in np.meshgrid(np.arange(base["tp"].size), eps, indexing="ij"))
-            keep = base["dp"][i] % e == 0
-            base = {k: a[i[keep]] for k, a in base.items()}
-            base["ep"] = e[keep]
+            i, e = (a.ravel() for a in np.meshgrid(np.arange(base["tp"].size), divisors(m.n_experts), indexing="ij"))
+            base = {k: a[i] for k, a in base.items()}
+            base["ep"] = e
+            base = {k: a[rules.holds(self.case(base), self.rule_names, partial=True)] for k, a in base.items()}
         # expand: micro-batch x recompute x ZeRO stage
         nb = base["tp"].size
         i, mb, rc, z = (a.ravel() for a in np.meshgrid(np.arange(nb), np.array(MICRO_BATCHES), np.arange(3),
                                                           np.array(ZERO_STAGES), indexing="ij"))
         cfg = {k: a[i] for k, a in base.items()}
-        cfg.update(mb=mb, recompute=rc, zero=z, hsdp=np.ones_like(mb), sp=np.ones(mb.shape, dtype=bool))
+        cfg.update(mb=mb, recompute=rc, zero=z, sp=np.ones(mb.shape, dtype=bool))
         # expert parallelism with zero0 replicates the experts over dp / ep; the EP group is any factor of dp
         generated = cfg["tp"].size
-        ok = np.logical_and.reduce(list(self.constraints(cfg).values()))
+        ok = rules.holds(self.case(cfg), self.rule_names)
         # ZeRO over a single replica is ZeRO 0; keep one of each
         ok &= (cfg["zero"] == 0) | (cfg["cp"] * cfg["dp"] > 1)
         ok &= self.allowed(cfg)
@@ -278,6 +241,7 @@ class Problem:
             "memory_capacity_bytes": float(self.gpu.memory_bytes - self.eff.memory_reserve_bytes),
             "headroom_bytes": float(res["headroom"][i]),
             "fits": bool(res["fits"][i]),
+            "runnable": bool(self.runnable_mask({k: a[i:i + 1] for k, a in cfg.items()})[0]),
             "micro_batches": int(res["micro_batches"][i]),
             "bubble_fraction": float(res["bubble_fraction"][i]),
             "layers_first_stage": int(res["layers_first_stage"][i]),
@@ -318,7 +282,7 @@ class Problem:
                 "peak_flops": self.gpu.peak_bf16_flops, "memory_bytes": self.gpu.memory_bytes,
                 "software": self.software.name if self.software else None,
                 "precision": self.software.precision if self.software else "bf16", "fix": self.fix,
-                "forbid": list(self.forbid), "max_v": self.max_v}
+                "forbid": list(self.forbid), "max_v": self.max_v, "runnable_only": self.runnable}
 
     def suggestions(self, lay: Layout, limit: int = 3) -> list[dict[str, Any]]:
         """Nearby layouts that fit when ``lay`` does not, fastest first: other recompute modes and ZeRO stages,
@@ -333,7 +297,7 @@ class Problem:
             pp = shift.get("pp", lay.pp)
             # the schedule as given, and interleaving with the most virtual stages the layers allow
             sched = [{}]
-            ok_v = vs[(vs > 1) & layer_placement(self.model.n_layers, pp, vs)["valid"]]
+            ok_v = vs[(vs > 1) & rules.balanced_cut(self.model.n_layers, pp, pp * vs)]
             if pp > 1 and ok_v.size:
                 sched.append({"schedule": "interleaved", "v": int(ok_v.max())})
             for sc in sched:
@@ -489,12 +453,19 @@ class SearchResult:
         """One sentence: why nothing fits and what would."""
         p = self.problem
         cap = p.gpu.memory_bytes - p.eff.memory_reserve_bytes
-        head = (f"no layout of {p.model.name} fits {cap / 1e9:,.0f} GB per GPU on {p.n_gpus:,} {p.gpu.name} "
+        what = "that this runtime trains " if p.runnable else ""
+        head = (f"no layout of {p.model.name} {what}fits {cap / 1e9:,.0f} GB per GPU on {p.n_gpus:,} {p.gpu.name} "
                 f"at seq {p.seq:,}")
+        if not self.n_valid and p.runnable:
+            planned, _ = replace(p, runnable=False).enumerate()
+            if planned["tp"].size:
+                return (f"none of the {planned['tp'].size:,} layouts the planner finds for {p.model.name} on "
+                        f"{p.n_gpus:,} GPUs is one this runtime trains, e.g. {layout_at(planned, 0)}: "
+                        f"{p.why_invalid(layout_at(planned, 0))}")
         if not self.n_valid:
-            return (f"no layout of {p.model.name} divides on {p.n_gpus:,} GPUs with a {p.global_seqs:,}-sequence "
-                    f"batch (tp | {p.model.n_heads} heads, pp x v | {p.model.n_layers} layers, dp x mb | batch); "
-                    "try a GPU count and batch with more factors of 2")
+            return (f"no layout of {p.model.name} {what}divides on {p.n_gpus:,} GPUs with a {p.global_seqs:,}-sequence "
+                    f"batch (tp | {p.model.n_heads} heads and {p.model.n_kv_heads} KV heads, pp x v | "
+                    f"{p.model.n_layers} layers, dp x mb | batch); try a GPU count and batch with more factors of 2")
         lean = int(np.argmin(self.res["mem_total"]))
         msg = (f"{head}: the leanest, {layout_at(self.cfg, lean)}, needs "
                f"{self.res['mem_total'][lean] / 1e9:,.1f} GB")
@@ -511,7 +482,7 @@ class SearchResult:
         f = 2
         while f <= max_factor:
             q = Problem(p.model, p.gpu, p.cluster, p.topo, p.eff, p.n_gpus * f, p.seq, p.global_batch_tokens,
-                        software=p.software, forbid=p.forbid, max_v=p.max_v)
+                        software=p.software, forbid=p.forbid, max_v=p.max_v, runnable=p.runnable)
             s = q.search()
             b = s.best()
             if b is not None:
@@ -563,9 +534,9 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
             profile: str | None = None, overrides: dict[str, float] | None = None,
             software: str | Software | None = None, fix: str | dict[str, Any] | None = None,
             forbid: str | tuple[str, ...] | None = None, max_v: int | None = None,
-            precision: str | None = None) -> Problem:
+            precision: str | None = None, runnable: bool = False) -> Problem:
     """Build a planning problem from catalog names (or files), with the catalog's default efficiencies.
-    ``precision`` (bf16 | fp8) replaces the software's."""
+    ``precision`` (bf16 | fp8) replaces the software's; ``runnable`` searches only what this runtime trains."""
     m = load_model(model)
     cl, g = pick_cluster(gpu, gpus, cluster)
     sw = load_software(software)
@@ -580,7 +551,7 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
     if max_v is not None and max_v < 1:
         raise TrainscaleError(f"--max-v must be at least 1, not {max_v}")
     return Problem(m, g, cl, cluster_topology(cl, g, eff), eff, gpus, seq, global_batch_tokens, tokens,
-                   sw, fix or {}, forbid or (), max_v)
+                   sw, fix or {}, forbid or (), max_v, runnable)
 
 
 FLOP_CONVENTION = f"MFU = model FLOPs ({flops.FLOP_CONVENTION}) / peak; HFU adds the recomputed FLOPs"

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from trainscale.errors import TrainscaleError
-from trainscale.runtime.config import TrainConfig, check_layout
+from trainscale.runtime.config import TrainConfig
 from trainscale.specs import Layout
 
 
@@ -93,10 +93,10 @@ def check_endpoint(text: str) -> tuple[str, int]:
 def plan_layout(cfg: TrainConfig) -> tuple[str, str]:
     """-> (layout string, why) for this machine.
 
-    GPUs: the planner (``estimate.planner.plan``) searches every layout for the model on this many GPUs of
-    this kind, and the fastest one that fits and that the runtime supports is taken. CPU: one
-    process, because every process of a CPU job shares the same cores, so splitting the model adds
-    communication without adding compute."""
+    GPUs: the planner (``estimate.planner.plan``) searches the layouts this runtime trains (``rules.RUNNABLE``)
+    for the model on this many GPUs of this kind, and the fastest one that fits is taken. CPU: one process,
+    because every process of a CPU job shares the same cores, so splitting the model adds communication without
+    adding compute."""
     import torch
 
     if not torch.cuda.is_available():
@@ -110,18 +110,14 @@ def plan_layout(cfg: TrainConfig) -> tuple[str, str]:
     if gpu.startswith("unknown"):
         gpu = "h100-sxm"
     t = cfg.train
-    result = problem(model=cfg.model, gpu=gpu, gpus=n, seq=t.seq_len, global_batch_tokens=t.global_batch * t.seq_len
-                     ).search()
-    for i in result.top(200):
-        lay = layout_at(result.cfg, i)
-        try:
-            check_layout(cfg, lay)
-        except TrainscaleError:
-            continue
-        tps = float(result.res["tokens_per_s"][i])
-        return layout_string(lay), f"planner's fastest fitting layout on {n} x {gpu}: {tps:,.0f} tokens/s predicted"
-    raise TrainscaleError(f"the planner found no layout for {cfg.model.name} on {n} x {gpu} that fits and that the "
-                          "runtime supports; " + (result.nothing_fits() if not result.n_fit else "try another batch"))
+    result = problem(model=cfg.model, gpu=gpu, gpus=n, seq=t.seq_len, global_batch_tokens=t.global_batch * t.seq_len,
+                     runnable=True).search()
+    b = result.best()
+    if b is None:
+        raise TrainscaleError(result.nothing_fits())
+    tps = float(result.res["tokens_per_s"][b])
+    return (layout_string(layout_at(result.cfg, b)),
+            f"planner's fastest fitting layout this runtime trains on {n} x {gpu}: {tps:,.0f} tokens/s predicted")
 
 
 def layout_string(lay: Layout) -> str:
