@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from typing import Any
@@ -146,3 +147,21 @@ def input_folder(what: str, holding: str | None = None):
         return value
 
     return check
+
+
+def prepare_job_env(cfg: Any) -> dict[str, str]:
+    """The environment of a job's ranks (train, compare): the corpus tokenised and the CPU peak measured here,
+    once, before the ranks start."""
+    from trainscale.runtime import measure
+    from trainscale.runtime.data.corpus import corpus_for
+
+    with console.status("preparing the corpus and tokenizer (cached after the first run)"):
+        corpus_for(cfg)
+    env = dict(os.environ)
+    import torch
+
+    if not torch.cuda.is_available():
+        with console.status("measuring this CPU's matmul peak (once)"):
+            env["TRAINSCALE_CPU_PEAK"] = repr(measure.cpu_peak_flops(remeasure=True))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env

@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number, parse_layout
+from trainscale.commands._common import console, emit_json, input_file, number, parse_layout, prepare_job_env
 from trainscale.errors import TrainscaleError
 
 
@@ -43,7 +43,6 @@ def compare(
 def compare_layouts(config: Path, layouts: str | None, steps: int | None, profile: Path | None,
                     as_json: bool) -> None:
     """Run each layout under the measuring worker (runtime/probe/compare.py), print predicted vs measured."""
-    from trainscale.commands.train import _prepare
     from trainscale.runtime.config import check_layout, load_config
     from trainscale.runtime.probe.compare import compare as compare_one
     from trainscale.runtime.probe.compare import compare_command
@@ -60,7 +59,7 @@ def compare_layouts(config: Path, layouts: str | None, steps: int | None, profil
     for lay in lays:
         check_layout(cfg, lay)
     prof = _load_profile(cfg, config, profile, max(lay.world_size for lay in lays), quiet=as_json)
-    env = _prepare(cfg)
+    env = prepare_job_env(cfg)
     env["OMP_NUM_THREADS"] = "1"  # one thread per rank, as torchrun gives multi-process jobs and calibrate measures
 
     by_world: dict[int, list[str]] = {}

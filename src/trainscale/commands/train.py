@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number, parse_layout
+from trainscale.commands._common import console, emit_json, input_file, number, parse_layout, prepare_job_env
 from trainscale.errors import TrainscaleError
 from trainscale.safeio import check_output
 
@@ -125,7 +125,7 @@ def train(
         if lock is not None:
             ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
             run_id = runfolder.claim(run_dir, ckpt_root, cfg, resume)
-        env = _prepare(cfg)
+        env = prepare_job_env(cfg)
         if run_id is not None:
             env[runfolder.ENV_RUN_ID] = run_id
             env[runfolder.ENV_ERROR_FILE] = str(err_file)
@@ -212,23 +212,6 @@ def _raise_failure(err_file: Path, log_path: Path, code: int) -> None:
     cause = next((ln.split("failed: ", 1)[1] for ln in reversed(lines)
                   if "trainscale: rank" in ln and "failed: " in ln), None)
     raise JobFailed(f"training failed (exit {code}{'; ' + cause if cause else ''}); the whole log is {log_path}")
-
-
-def _prepare(cfg) -> dict[str, str]:
-    """Tokenise the corpus and measure the CPU peak here, once, before the ranks start."""
-    from trainscale.runtime import measure
-    from trainscale.runtime.data.corpus import corpus_for
-
-    with console.status("preparing the corpus and tokenizer (cached after the first run)"):
-        corpus_for(cfg)
-    env = dict(os.environ)
-    import torch
-
-    if not torch.cuda.is_available():
-        with console.status("measuring this CPU's matmul peak (once)"):
-            env["TRAINSCALE_CPU_PEAK"] = repr(measure.cpu_peak_flops(remeasure=True))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
 
 
 def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, layout: str,
