@@ -1,11 +1,16 @@
 """Reading user files safely: only regular files (a FIFO or a device would block or never end), of a
-bounded size, decoded as text; every failure one sentence (TrainscaleError)."""
+bounded size, decoded as text; every failure one sentence (TrainscaleError). Writing files whole or not at all
+(``atomic_write_*``), the one JSON-object reader (``read_json_object``) and the one TOML writer (``toml_text``)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from trainscale.errors import TrainscaleError
 
@@ -41,6 +46,82 @@ def read_text(path: str | Path, what: str, limit: int = MAX_TEXT_BYTES) -> str:
         raise TrainscaleError(f"{what} {p} is not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise TrainscaleError(f"{what} {p} cannot be read: {e.strerror}") from None
+
+
+MAX_JSON_BYTES = 16 << 20  # run.json, model.json, adapter.json, a plan: kilobytes
+
+
+def read_json_object(path: str | Path, what: str, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
+    """The JSON object in the small regular file ``path``; one sentence naming ``what`` if it is missing, too
+    large, not UTF-8, not JSON or not an object."""
+    text = read_text(path, what, limit)
+    try:
+        got = json.loads(text)
+    except ValueError as e:
+        raise TrainscaleError(f"{what} {path} is not valid JSON ({e})") from None
+    if not isinstance(got, dict):
+        raise TrainscaleError(f"{what} {path} is not a JSON object (it holds a {type(got).__name__})")
+    return got
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Write ``path`` whole or not at all: ``write`` fills a temporary file in the same folder (so the rename
+    never crosses file systems), its bytes are fsynced, then ``os.replace`` puts it in place (atomic on POSIX:
+    rename(2)) and the folder is fsynced so the new name survives a crash. The temporary file is removed if
+    anything fails."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # some file systems cannot fsync a folder; the data itself is safe
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    return path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """``data`` into ``path``, whole or not at all (``atomic_write``)."""
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """``text`` as UTF-8 into ``path``, whole or not at all (``atomic_write``)."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 2) -> Path:
+    """``obj`` as JSON into ``path``, whole or not at all."""
+    return atomic_write_text(path, json.dumps(obj, indent=indent))
+
+
+def toml_text(data: dict[str, Any], header: str = "") -> str:
+    """``data`` as TOML that ``tomllib`` reads back equal: strings escaped per the TOML 1.0 spec (control
+    characters, quotes, backslashes), floats in shortest round-trip form, nan/inf as TOML spells them; written
+    by tomli-w. ``header``: a comment line put first. None values are left out (TOML has no null)."""
+    import tomli_w
+
+    def drop_none(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {str(k): drop_none(v) for k, v in x.items() if v is not None}
+        if isinstance(x, list | tuple):
+            return [drop_none(v) for v in x]
+        return x
+
+    text = tomli_w.dumps(drop_none(data))
+    return (f"# {header}\n" if header else "") + text
 
 
 def _inside(child: Path, parent: Path) -> bool:
