@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_corpus(folder: Path, mb: float) -> tuple[Path, list[str]]:
-    from trainscale.runtime.data.corpus import corpus_text
+    from trainscale.runtime.data.sources import corpus_text
 
     paragraphs = [p for split in ("train", "val") for p in corpus_text(split).split("\n\n") if p.strip()]
     docs, size, i = [], 0, 0
@@ -54,11 +54,11 @@ def make_corpus(folder: Path, mb: float) -> tuple[Path, list[str]]:
 
 def encode_alone(tok_path: Path, docs: list[str], threads: int, repeats: int) -> tuple[float, float, int]:
     """Best time of the tokenizer's batch encode over all documents, in the batches the pipeline uses
-    (runtime/data/shards.py BATCH_CHARS / BATCH_DOCS), in a fresh process with ``threads`` rayon threads (the
+    (runtime/data/tokenizer.py BATCH_CHARS / BATCH_DOCS), in a fresh process with ``threads`` rayon threads (the
     setting is read once per process); the documents are in memory before the clock starts."""
     import subprocess
 
-    from trainscale.runtime.data.shards import BATCH_CHARS, BATCH_DOCS
+    from trainscale.runtime.data.tokenizer import BATCH_CHARS, BATCH_DOCS
 
     code = f"""
 import json, sys, time
@@ -103,14 +103,14 @@ def pipeline(jsonl: Path, tok_path: Path, workers: int, folder: Path) -> tuple[f
     code = f"""
 import json, resource, time
 from pathlib import Path
-from trainscale.runtime.data import shards
+from trainscale.runtime.data import shards, sources
 
 def cpu():
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 req = shards.DataRequest(files=({str(jsonl)!r},), tokenizer={str(tok_path)!r}, folder={str(folder)!r},
-                         workers={workers}, settings=shards.Settings(unit_bytes=4 << 20))
+                         workers={workers}, settings=sources.Settings(unit_bytes=4 << 20))
 t, c = time.perf_counter(), cpu()
 shards.prepare(req, 1 << 16, Path({str(folder.parent)!r}))
 print(json.dumps([time.perf_counter() - t, cpu() - c]))
@@ -125,7 +125,7 @@ def loader_share(prepared: Path, steps: int) -> dict:
     import torch
 
     from trainscale.runtime.config import load_config
-    from trainscale.runtime.data.corpus import TokenLoader
+    from trainscale.runtime.data.loader import TokenLoader
     from trainscale.runtime.train import Trainer
     from trainscale.specs import Layout
 
@@ -156,14 +156,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="training steps timed for the loader's share")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from trainscale.runtime.data import shards
-    from trainscale.runtime.data.corpus import corpus_text
+    from trainscale.runtime.data import tokenizer
+    from trainscale.runtime.data.sources import corpus_text
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-data-"))
     try:
         jsonl, docs = make_corpus(tmp, args.mb)
         tok_path = tmp / "tokenizer.json"
-        shards.train_bpe(iter([corpus_text("train")]), args.vocab).save(str(tok_path))
+        tokenizer.train_bpe(iter([corpus_text("train")]), args.vocab).save(str(tok_path))
         rows = []
         for w in sorted({1, args.workers}):
             # alternately, so that the machine's load hits both alike; the best of each

@@ -64,7 +64,7 @@ def plain_loop(cfg, loader):
 
 def paired_loops(name: str, steps: int):
     """The config ``name``, a Trainer on it and the plain loop on the same data: like with like."""
-    from trainscale.runtime.data.corpus import TokenLoader
+    from trainscale.runtime.data.loader import TokenLoader
 
     cfg = load_config(ROOT / "configs" / f"{name}.toml", {"train": {"steps": steps}})
     # the whole batch in one micro-batch, as the plain loop runs it (a layout without mbN means mb1: gradient

@@ -36,7 +36,7 @@ step "4b. Your own data: a JSONL file (made here), tokenised once into shards, t
 mkdir -p runs/own-data
 .venv/bin/python - <<'PY'
 import json
-from trainscale.runtime.data.corpus import corpus_text
+from trainscale.runtime.data.sources import corpus_text
 with open("runs/own-data/corpus.jsonl", "w") as f:  # a document per paragraph, text in "text"
     for p in corpus_text("train", 400_000).split("\n\n"):
         if p.strip():

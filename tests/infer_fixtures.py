@@ -1,7 +1,7 @@
 """A small trained model folder for the infer/ tests (and benchmarks/bench_quant.py).
 
-Built in-process: runtime.model.build_model, a byte-level BPE from runtime.data.train_tokenizer on
-a slice of the training plays, a short AdamW run on runtime.data.corpus_text, saved with
+Built in-process: runtime.model.build_model, a byte-level BPE from runtime.data.tokenizer.train_bpe on
+a slice of the training plays, a short AdamW run on runtime.data.sources.corpus_text, saved with
 runtime.artifact.save_model_dir. Import the fixture explicitly: ``from infer_fixtures import small_model_dir``.
 """
 
@@ -24,14 +24,15 @@ def train_small_model(out: Path, steps: int = 250, spec_fields: dict | None = No
                       log=None) -> Path:
     """Train a tiny Llama-style model for ``steps`` AdamW steps and save it as a model folder."""
     from trainscale.runtime.artifact import save_model_dir
-    from trainscale.runtime.data.corpus import corpus_text, train_tokenizer
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.data.tokenizer import train_bpe
     from trainscale.runtime.model import build_model, lm_loss
     from trainscale.specs import load_model
 
     torch.manual_seed(seed)
     spec = load_model({**SMALL, **(spec_fields or {})})
     text = corpus_text("train", max_chars=text_chars)
-    tok = train_tokenizer(spec.vocab_size, text)
+    tok = train_bpe([text], spec.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     data = torch.tensor(tok.encode(text).ids)

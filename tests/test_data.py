@@ -14,7 +14,7 @@ import pytest
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.data import shards
-from trainscale.runtime.data.corpus import corpus_text
+from trainscale.runtime.data.sources import corpus_text
 from trainscale.runtime.job.checkpoint import committed_steps, step_dir_name
 from trainscale.runtime.job.launch import torchrun_command
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_loader_state_is_a_global_sequence_position():
-    from trainscale.runtime.data.corpus import TokenLoader
+    from trainscale.runtime.data.loader import TokenLoader
 
     tokens = np.arange(20_000, dtype=np.uint16) % 500
     whole = TokenLoader(tokens, 16, 8, seed=5)

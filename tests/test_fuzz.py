@@ -147,14 +147,15 @@ def model_dir(tmp) -> Path:
     import torch
 
     from trainscale.runtime.artifact import save_model_dir
-    from trainscale.runtime.data.corpus import corpus_text, train_tokenizer
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.data.tokenizer import train_bpe
     from trainscale.runtime.model import build_model
     from trainscale.specs import load_model
 
     spec = load_model({"name": "fuzz", "n_layers": 2, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
                        "vocab_size": 512, "max_seq_len": 64})
     text = corpus_text("train", max_chars=60_000)
-    tok = train_tokenizer(spec.vocab_size, text)
+    tok = train_bpe([text], spec.vocab_size)
     run = tmp / "run"
     (run / "final").mkdir(parents=True)
     tok.save(str(tmp / "tokenizer.json"))

@@ -11,7 +11,8 @@ from infer_fixtures import PROMPT, check_hf_export, check_llama_cpp_f16, gguf_st
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.inference import gguf_name, gguf_tensor_bytes
-from trainscale.infer.export import export_gguf, export_hf, rope_interleaved_to_half
+from trainscale.hf import rope_interleaved_to_half
+from trainscale.infer.export import export_gguf, export_hf
 from trainscale.infer.load import load_for_inference, load_tokenizer_for
 
 needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
@@ -46,7 +47,8 @@ def test_hf_logits_equal_trainscale(small_model_dir, tmp_path):  # noqa: F811
 def test_hf_export_tied_embeddings_and_bias(tmp_path):
     transformers = pytest.importorskip("transformers")
     from trainscale.runtime.artifact import save_model_dir
-    from trainscale.runtime.data.corpus import corpus_text, train_tokenizer
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.data.tokenizer import train_bpe
     from trainscale.runtime.model import build_model
     from trainscale.specs import load_model
 
@@ -57,7 +59,7 @@ def test_hf_export_tied_embeddings_and_bias(tmp_path):
         for n, p in model.named_parameters():
             if n.endswith("bias") or "norm" in n:
                 p.add_(torch.randn(p.shape) * 0.1)  # non-trivial biases and norm gains
-    tok = train_tokenizer(300, corpus_text("train", max_chars=20000))
+    tok = train_bpe([corpus_text("train", max_chars=20000)], 300)
     tok.save(str(tmp_path / "tok.json"))
     save_model_dir(tmp_path / "m", model.state_dict(), spec, tmp_path / "tok.json")
     export_hf(tmp_path / "m", tmp_path / "hf")
@@ -99,7 +101,7 @@ def test_llama_cpp_f16_greedy_equals_trainscale(gguf_files, small_model_dir):  #
     ids = tok.encode(PROMPT).ids
     llm, ours = check_llama_cpp_f16(gguf_files["f16"]["out"], model, ids)
     assert llm.tokenize(PROMPT.encode(), add_bos=False, special=False) == ids  # same tokenizer in the file
-    from trainscale.runtime.data.corpus import corpus_text
+    from trainscale.runtime.data.sources import corpus_text
 
     held = corpus_text("val", max_chars=5000)
     assert llm.tokenize(held.encode(), add_bos=False, special=False) == tok.encode(held).ids
@@ -138,14 +140,15 @@ def test_llama_cpp_reads_f16_fallback_for_rows_that_are_not_whole_blocks(tmp_pat
 
     from trainscale.infer.quantize import model_from_state_dict
     from trainscale.runtime.artifact import save_model_dir
-    from trainscale.runtime.data.corpus import corpus_text, train_tokenizer
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.data.tokenizer import train_bpe
     from trainscale.runtime.model import build_model
     from trainscale.specs import load_model
 
     spec = load_model({"n_layers": 2, "d_model": 64, "n_heads": 2, "n_kv_heads": 1, "d_ff": 80, "vocab_size": 300,
                        "max_seq_len": 64})
     model = build_model(spec, seed=5)
-    tok = train_tokenizer(300, corpus_text("train", max_chars=20000))
+    tok = train_bpe([corpus_text("train", max_chars=20000)], 300)
     tok.save(str(tmp_path / "tok.json"))
     save_model_dir(tmp_path / "m", model.state_dict(), spec, tmp_path / "tok.json")
     rep = export_gguf(tmp_path / "m", tmp_path / "m.gguf", "q4_0")

@@ -35,7 +35,7 @@ def test_hf_mixtral_logits_equal_trainscale(moe_model_dir, tmp_path):  # noqa: F
     transformers = pytest.importorskip("transformers")
     from safetensors import safe_open
 
-    from trainscale.specs import model_from_hf_config
+    from trainscale.specs import load_model
 
     rep = export_hf(moe_model_dir, tmp_path / "hf")
     model, spec, folder = load_for_inference(moe_model_dir)
@@ -47,7 +47,7 @@ def test_hf_mixtral_logits_equal_trainscale(moe_model_dir, tmp_path):  # noqa: F
         names = set(f.keys())
     assert "model.layers.1.block_sparse_moe.gate.weight" in names
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names
-    back = model_from_hf_config(tmp_path / "hf" / "config.json")  # trainscale reads its own export back
+    back = load_model(tmp_path / "hf" / "config.json")  # trainscale reads its own export back
     for k in ("n_experts", "experts_per_token", "expert_width", "router_norm_topk", "first_dense_layers",
               "d_ff_shared", "n_kv_heads", "head_dim"):
         assert getattr(back, k) == getattr(spec, k), k
@@ -132,10 +132,11 @@ def test_cli_refuses_moe_tiny_in_one_line(tmp_path):
     """configs/moe-tiny.toml's model (a gated shared expert, a dense first layer, GELU variant too): exit 2."""
     from trainscale.runtime.artifact import save_model_dir
     from trainscale.runtime.config import load_config
-    from trainscale.runtime.data.corpus import corpus_text, train_tokenizer
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.data.tokenizer import train_bpe
     from trainscale.runtime.model import build_model
 
-    tok = train_tokenizer(512, corpus_text("train", max_chars=20000))
+    tok = train_bpe([corpus_text("train", max_chars=20000)], 512)
     tok.save(str(tmp_path / "tok.json"))
     tiny = load_config(Path(__file__).parent.parent / "configs" / "moe-tiny.toml").model
     gelu = tiny.model_copy(update={"mlp": "gelu", "d_ff_shared": 0, "shared_expert_gate": False,

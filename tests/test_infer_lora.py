@@ -75,7 +75,7 @@ def test_lora_on_the_small_model_learns_and_round_trips(small_model_dir, tmp_pat
     x = torch.tensor([ids[:50]])
     with torch.no_grad():
         adapted = model(x)
-    from trainscale.infer.load import read_spec
+    from trainscale.runtime.artifact import read_spec
 
     assert read_spec(tmp_path / "ad") == spec
     loaded, _, _ = load_for_inference(tmp_path / "ad")  # base + adapters, folded in on load

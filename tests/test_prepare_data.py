@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from trainscale.runtime.config import load_config
-from trainscale.runtime.data import shards
-from trainscale.runtime.data.corpus import corpus_for, corpus_text
+from trainscale.runtime.data import shards, sources, tokenizer
+from trainscale.runtime.data.corpus import corpus_for
+from trainscale.runtime.data.sources import corpus_text
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = """
@@ -71,7 +72,7 @@ def jsonl(tmp_path_factory, docs) -> Path:
 def hf_tokenizer(tmp_path_factory, docs) -> Path:
     """A Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json naming eos_token)."""
     folder = tmp_path_factory.mktemp("hf-tok")
-    tok = shards.train_bpe(iter(docs), 384, eot="</s>")
+    tok = tokenizer.train_bpe(iter(docs), 384, eot="</s>")
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "model_max_length": 64}))
     return folder
@@ -108,7 +109,7 @@ def test_jsonl_corpus_trains_below_the_unigram_baseline(tmp_path, jsonl, docs):
 
     tok = Tokenizer.from_file(str(prepared / "tokenizer.json"))
     first = ids[: int(np.argmax(ids == index["eot_id"]))]
-    first_train = docs[int(np.argmin(shards.Settings().held_mask("0:0", 50)))]  # unit 0 of file 0, from byte 0
+    first_train = docs[int(np.argmin(sources.Settings().held_mask("0:0", 50)))]  # unit 0 of file 0, from byte 0
     assert tok.decode(first.tolist()) == first_train
     assert np.array_equal(corpus.unigram_counts(), np.bincount(ids, minlength=512))
 
@@ -146,7 +147,7 @@ def test_rerun_is_a_noop_interrupted_run_resumes_and_workers_do_not_matter(tmp_p
     mine.write_bytes(jsonl.read_bytes())
 
     def request(folder: Path, workers: int) -> shards.DataRequest:
-        return shards.DataRequest(files=(str(mine),), settings=shards.Settings(text_field="content",
+        return shards.DataRequest(files=(str(mine),), settings=sources.Settings(text_field="content",
                                                                                 unit_bytes=40_000),
                                   folder=str(folder), workers=workers)
 
@@ -201,7 +202,7 @@ def test_plain_text_files_and_globs(tmp_path):
     text = corpus_text("train", 60_000)
     for i in range(5):
         (tmp_path / f"book-{i}.txt").write_text(text[i * 12_000:(i + 1) * 12_000])
-    req = shards.DataRequest(files=(str(tmp_path / "book-*.txt"),), settings=shards.Settings(held_out=0.1),
+    req = shards.DataRequest(files=(str(tmp_path / "book-*.txt"),), settings=sources.Settings(held_out=0.1),
                              tokenizer_vocab=300, folder=str(tmp_path / "p"))
     c = shards.prepare(req, 512, tmp_path)
     paragraphs = sum(len([p for p in (tmp_path / f"book-{i}.txt").read_text().split("\n\n") if p.strip()])
@@ -210,13 +211,13 @@ def test_plain_text_files_and_globs(tmp_path):
     assert idx["splits"]["train"]["documents"] + idx["splits"]["val"]["documents"] == paragraphs
     assert idx["vocab_size"] == 300 and len(idx["sources"]) == 5
     # cut into many small units (at blank lines): the same paragraphs, none split
-    small = shards.DataRequest(**{**req.__dict__, "settings": shards.Settings(held_out=0.1, unit_bytes=2000),
+    small = shards.DataRequest(**{**req.__dict__, "settings": sources.Settings(held_out=0.1, unit_bytes=2000),
                                   "folder": str(tmp_path / "small")})
     small_idx = shards.prepare(small, 512, tmp_path).index
     assert len(small_idx["splits"]["train"]["shards"]) > 25
     assert small_idx["splits"]["train"]["documents"] + small_idx["splits"]["val"]["documents"] == paragraphs
     # a whole file as one document: five documents, one of them (book-1, by its hash) held out
-    req = shards.DataRequest(**{**req.__dict__, "settings": shards.Settings(documents="file", held_out=0.1),
+    req = shards.DataRequest(**{**req.__dict__, "settings": sources.Settings(documents="file", held_out=0.1),
                                 "folder": str(tmp_path / "f")})
     c = shards.prepare(req, 512, tmp_path)
     idx = c.index
@@ -259,7 +260,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, hf_tokenizer,
     (tmp_path / "garbage.parquet").write_bytes(b"PAR1" + b"\x00" * 100)
     assert "is not a Parquet file" in run(f'files = ["{tmp_path / "garbage.parquet"}"]\n', "garbagep")
     big = tmp_path / "big-tokenizer.json"
-    shards.train_bpe(iter([corpus_text("train", 200_000)]), 1024).save(str(big))
+    tokenizer.train_bpe(iter([corpus_text("train", 200_000)]), 1024).save(str(big))
     (tmp_path / "ok.jsonl").write_text("\n".join(good) + "\n")
     err = run(f'files = ["{tmp_path / "ok.jsonl"}"]\ntokenizer = "{big}"\n', "bigtok")
     assert "has 1,024 tokens, more than the model's vocab_size 512" in err

@@ -12,7 +12,7 @@ import torch
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count, tensor_inventory
 from trainscale.runtime.config import check_layout, config_from_dict, load_config, micro_batch
-from trainscale.runtime.data.corpus import TokenLoader, unigram_loss
+from trainscale.runtime.data.loader import TokenLoader, unigram_loss
 from trainscale.runtime.measure import flops_per_token, gpu_catalog_name
 from trainscale.runtime.model import build_model
 from trainscale.runtime.parallel.context import local_positions

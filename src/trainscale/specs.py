@@ -6,7 +6,6 @@ Loaders accept a catalog name, a TOML file, or (for models) a Hugging Face ``con
 
 from __future__ import annotations
 
-import json
 import re
 import tomllib
 from functools import cache
@@ -16,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trainscale import rules
+from trainscale import hf, rules
 from trainscale.errors import TrainscaleError
 
 
@@ -420,161 +419,9 @@ def load_model(ref: str | Path | dict[str, Any]) -> ModelSpec:
     path = Path(ref)
     if _present(path / "config.json"):
         path = path / "config.json"
-    if path.suffix == ".json" and _present(path):
-        _check_hf_config(path)
-        return model_from_hf_config(path)
+    if path.suffix == ".json" and _present(path):  # a Hugging Face config.json, read by hf.py
+        return _build(ModelSpec, hf.spec_fields(hf.read_config(path), path), f"model file {path}")
     return _load("models", ModelSpec, ref, "model")
-
-
-# How each Hugging Face ``model_type`` names the fields a ModelSpec needs (transformers' configuration_*.py).
-_HF_FIELDS: dict[str, dict[str, Any]] = {
-    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {},
-    "deepseek_v2": {}, "deepseek_v3": {},
-    "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
-             "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
-    "gpt_neox": {"norm_eps": "layer_norm_eps", "rope_pct": "rotary_pct"},
-    "opt": {"d_ff": "ffn_dim", "norm_eps": None},
-    "bloom": {"n_layers": "n_layer", "n_heads": "n_head", "norm_eps": "layer_norm_epsilon"},
-    "mpt": {"n_layers": "n_layers", "d_model": "d_model", "n_heads": "n_heads", "max_seq_len": "max_seq_len"},
-}
-_LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
-               "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
-_HF_INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "vocab_size", "max_position_embeddings", "head_dim")
-
-
-def _hf_int(cfg: dict[str, Any], key: str, path: Path, default: Any = None, least: int = 1) -> Any:
-    """``cfg[key]`` as an integer of at least ``least`` (``default`` where absent or null); one sentence
-    naming the file and the key otherwise (a bool, a float, a string, a negative)."""
-    v = cfg.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < least:
-        kind = "a positive" if least == 1 else "a non-negative"
-        raise TrainscaleError(f"model file {path}: {key} must be {kind} integer, not {v!r}")
-    return v
-
-
-def _check_hf_config(path: Path) -> None:
-    """The edge before ``model_from_hf_config``: a regular file (a FIFO would block), UTF-8 JSON, an
-    object whose size fields, where given, are positive integers (a 0 or a string would divide by zero
-    or fail deep inside); one sentence otherwise."""
-    from trainscale.safeio import read_text
-
-    text = read_text(path, "model file")
-    try:
-        cfg = json.loads(text)
-    except ValueError as e:
-        raise TrainscaleError(f"model file {path} cannot be read as JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise TrainscaleError(f"model file {path} is not a JSON object")
-    for key in _HF_INTS:
-        _hf_int(cfg, key, path)
-
-
-def model_from_hf_config(path: Path) -> ModelSpec:
-    """A Hugging Face ``config.json`` read by its ``model_type``: Llama-style (llama, mistral, qwen2, qwen3),
-    mixture-of-experts (mixtral, qwen2_moe, qwen3_moe, deepseek_v2/v3 with their multi-head latent
-    attention), GPT-style (gpt2, gpt_neox, opt, bloom, mpt). An unknown type is refused."""
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise TrainscaleError(f"model file {path} cannot be read as JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise TrainscaleError(f"model file {path} is not a JSON object")
-    mt = cfg.get("model_type")
-    if mt not in _HF_FIELDS:
-        raise TrainscaleError(f"model file {path} has model_type {mt!r}, which trainscale does not read; known: "
-                              f"{', '.join(sorted(_HF_FIELDS))}")
-    llama = mt in _LLAMA_TYPES
-    keys = {**_LLAMA_KEYS, **_HF_FIELDS[mt]}
-    if mt == "mpt":
-        cfg = {**cfg, "d_ff": cfg.get("d_model", 0) * cfg.get("expansion_ratio", 4)}
-        keys["d_ff"] = "d_ff"
-    if mt in ("gpt2", "bloom") and not cfg.get(keys.get("d_ff", "")):
-        keys["d_ff"] = "_d_ff"
-        cfg = {**cfg, "_d_ff": 4 * cfg.get(keys["d_model"], 0)}  # GPT-2 and BLOOM: n_inner = 4 x hidden
-    need = ("n_layers", "d_model", "n_heads", "d_ff")
-    missing = [keys[k] for k in need if keys.get(k) not in cfg]
-    if missing or "vocab_size" not in cfg:
-        raise TrainscaleError(f"model file {path} ({mt}) lacks the fields {', '.join(missing or ['vocab_size'])}")
-    if mt == "gpt_neox" and cfg.get("rotary_pct", 1.0) != 1.0:
-        pass  # partial rotary changes no parameter or GEMM shape
-    act = str(cfg.get("hidden_act") or cfg.get("activation_function") or ("silu" if llama else "gelu"))
-    heads = cfg[keys["n_heads"]]
-    eps_key = keys.get("norm_eps")
-    data = {
-        "name": cfg.get("_name_or_path") or Path(path).parent.name or "hf-model",
-        "source": f"Hugging Face config.json, model_type {mt} ({path})",
-        "n_layers": cfg[keys["n_layers"]],
-        "d_model": cfg[keys["d_model"]],
-        "n_heads": heads,
-        "n_kv_heads": (cfg.get("num_key_value_heads") or heads) if llama else heads,
-        "d_ff": cfg[keys["d_ff"]],
-        "vocab_size": cfg["vocab_size"],
-        "max_seq_len": cfg.get(keys.get("max_seq_len") or "", 2048) or 2048,
-        "mlp": "swiglu" if act in ("silu", "swish") else "gelu",
-        "norm": "rmsnorm" if llama else "layernorm",
-        # GPT-2 and OPT learn absolute positions; NeoX rotates; BLOOM and MPT use ALiBi, which has no
-        # parameters and no GEMM, like RoPE (trainscale's runtime would build RoPE for them)
-        "positions": "learned" if mt in ("gpt2", "opt") else "rope",
-        "rope_theta": cfg.get("rope_theta", 10000.0),
-        "tied_embeddings": bool(cfg.get("tie_word_embeddings", mt in ("gpt2", "bloom", "mpt", "opt"))),
-        "bias": bool(cfg.get("attention_bias", False)) if llama else not cfg.get("no_bias", False),
-        "norm_eps": (cfg.get(eps_key) if eps_key else None) or 1e-5,
-    }
-    if llama and cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // heads:
-        data["head_dim"] = cfg["head_dim"]
-    data.update(_hf_moe_fields(cfg, mt, path))
-    return _build(ModelSpec, data, f"model file {path}")
-
-
-_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
-
-
-def _hf_moe_fields(cfg: dict[str, Any], mt: str, path: Path) -> dict[str, Any]:
-    """The mixture-of-experts and MLA fields of a Hugging Face config (transformers' configuration_mixtral,
-    _qwen2_moe, _qwen3_moe, _deepseek_v3 name them differently); {} for a dense model."""
-    def num(key: str, default: Any = 0) -> Any:
-        return _hf_int(cfg, key, path, default, least=0)
-
-    out: dict[str, Any] = {}
-    if mt == "mixtral" or (mt in ("mistral", "llama") and num("num_local_experts", 1) > 1):
-        out = {"n_experts": num("num_local_experts", 8), "experts_per_token": num("num_experts_per_tok", 2),
-               "d_ff_expert": cfg["intermediate_size"], "router_norm_topk": True}
-    elif mt in ("qwen2_moe", "qwen3_moe"):
-        if num("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
-            raise TrainscaleError(f"model file {path}: dense layers interleaved among MoE layers (decoder_sparse_step "
-                                  "or mlp_only_layers) are not modelled")
-        out = {"n_experts": num("num_experts"), "experts_per_token": num("num_experts_per_tok"),
-               "d_ff_expert": num("moe_intermediate_size"), "router_norm_topk": bool(cfg.get("norm_topk_prob", False))}
-        if mt == "qwen2_moe" and num("shared_expert_intermediate_size"):
-            out.update(d_ff_shared=num("shared_expert_intermediate_size"), shared_expert_gate=True)
-    elif mt in ("deepseek_v2", "deepseek_v3"):
-        if num("moe_layer_freq", 1) != 1:
-            raise TrainscaleError(f"model file {path}: moe_layer_freq other than 1 is not modelled")
-        out = {"n_experts": num("n_routed_experts"), "experts_per_token": num("num_experts_per_tok"),
-               "d_ff_expert": num("moe_intermediate_size"),
-               "d_ff_shared": num("n_shared_experts") * num("moe_intermediate_size"),
-               "first_dense_layers": num("first_k_dense_replace"),
-               "router_norm_topk": bool(cfg.get("norm_topk_prob", mt == "deepseek_v3")),
-               "attention": "mla", "q_lora_rank": num("q_lora_rank"), "kv_lora_rank": num("kv_lora_rank"),
-               "qk_rope_head_dim": num("qk_rope_head_dim"), "v_head_dim": num("v_head_dim"),
-               "head_dim": num("qk_nope_head_dim") or None}
-    else:
-        return out
-    if not out["n_experts"]:  # no routed experts: a dense model (MLA, if any, stays)
-        moe = ("n_experts", "experts_per_token", "d_ff_expert", "d_ff_shared", "shared_expert_gate",
-               "first_dense_layers", "router_norm_topk")
-        return {k: v for k, v in out.items() if k not in moe}
-    if mt != "mixtral" and not out["d_ff_expert"]:
-        raise TrainscaleError(f"model file {path}: moe_intermediate_size (each expert's FFN width) must be a "
-                              "positive integer for a mixture of experts")
-    coef = cfg.get("router_aux_loss_coef", cfg.get("aux_loss_alpha", 0.01))
-    if coef is not None and (isinstance(coef, bool) or not isinstance(coef, int | float)):
-        raise TrainscaleError(f"model file {path}: the router's auxiliary loss weight must be a number, not {coef!r}")
-    out["aux_loss_coef"] = float(coef or 0.0)
-    return out
 
 
 def load_gpu(ref: str | Path) -> GPUSpec:

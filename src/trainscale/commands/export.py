@@ -27,12 +27,12 @@ def export(
     """Export to Hugging Face (config.json, model.safetensors, tokenizer files) or to GGUF for llama.cpp.
     A mixture of experts exports if it is Mixtral-shaped (every layer MoE, no shared expert, top-k renormalised)."""
     from trainscale.commands._infer import check_table, kv_table, print_tables
-    from trainscale.infer.load import find_folder, read_spec
+    from trainscale.runtime.artifact import find_model_folder, read_spec
 
     to = to.lower()
     if to not in ("hf", "gguf"):
         raise TrainscaleError(f"--to must be hf or gguf, not {to!r}")
-    src = find_folder(checkpoint)
+    src = find_model_folder(checkpoint)
     check_output(out, "the output", folder=to == "hf", inputs=(src, checkpoint))
     spec = read_spec(src)
     if to == "hf":

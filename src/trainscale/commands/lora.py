@@ -39,8 +39,9 @@ def lora(
     from trainscale.estimate.lora import lora_optimizer_bytes, lora_targets, lora_trainable_params
     from trainscale.estimate.params import param_count
     from trainscale.infer.evaluate import perplexity
-    from trainscale.infer.load import find_folder, load_for_inference, load_tokenizer_for
+    from trainscale.infer.load import load_for_inference, load_tokenizer_for
     from trainscale.infer.lora import apply_lora, merge_lora, read_data, save_adapter_folder, train_lora
+    from trainscale.runtime.artifact import find_model_folder
 
     for name, v in (("--rank", rank), ("--steps", steps), ("--batch", batch), ("--seq-len", seq_len)):
         if v <= 0:
@@ -49,7 +50,7 @@ def lora(
         raise TrainscaleError(f"--lr must be positive, not {lr}")
     alpha = 2.0 * rank if alpha is None else alpha
     model, spec, src = load_for_inference(checkpoint)
-    base = find_folder(src)  # where the adapters go is checked before any training
+    base = find_model_folder(src)  # where the adapters go is checked before any training
     out = out or base.resolve().with_name(f"{base.resolve().name}-lora-r{rank}")
     if out.resolve() == base.resolve():
         raise TrainscaleError(f"the adapter folder cannot be the base folder {base}; pick another --out")
@@ -77,7 +78,7 @@ def lora(
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     pred_params = lora_trainable_params(spec, rank, names)
     pred_opt = lora_optimizer_bytes(spec, rank, names)
-    folder = find_folder(src)
+    folder = find_model_folder(src)
     cfg = {"rank": rank, "alpha": alpha, "targets": list(names), "steps": steps, "lr": lr, "data": data,
            "losses": res["losses"]}
     save_adapter_folder(out, model, spec, folder, cfg)

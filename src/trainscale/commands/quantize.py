@@ -41,7 +41,7 @@ def quantize(
     from trainscale.estimate.inference import quantized_model_bytes
     from trainscale.infer.evaluate import eval_ids, perplexity
     from trainscale.infer.generate import Sampling, generate_ids
-    from trainscale.infer.load import find_folder, load_for_inference, load_tokenizer_for
+    from trainscale.infer.load import load_for_inference, load_tokenizer_for
     from trainscale.infer.quantize import (
         QuantConfig,
         model_from_state_dict,
@@ -49,13 +49,14 @@ def quantize(
         save_quantized,
         weight_error,
     )
+    from trainscale.runtime.artifact import find_model_folder
 
     cfg = QuantConfig(fmt, group_size, asymmetric).check()
     if fmt == "bf16":
         raise TrainscaleError("--format must be int8 or int4")
     if eval_tokens < 0:
         raise TrainscaleError(f"--eval-tokens must be >= 0, not {eval_tokens}")
-    src = find_folder(checkpoint)
+    src = find_model_folder(checkpoint)
     out = out or src.resolve().with_name(f"{src.resolve().name}-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
     check_output(out, "--out", folder=True, inputs=(src, checkpoint))
     t0 = time.perf_counter()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from trainscale.errors import TrainscaleError
-from trainscale.runtime.data.corpus import corpus_text
+from trainscale.runtime.data.sources import corpus_text
 
 
 def eval_ids(tokenizer, text: str | None = None, max_tokens: int = 32768) -> list[int]:

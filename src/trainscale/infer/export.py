@@ -1,10 +1,9 @@
 """Export a trainscale model to a Hugging Face Llama folder and to a llama.cpp GGUF file.
 
-RoPE layouts. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head, as Meta's original
-Llama code does; llama.cpp's "llama" architecture (rope type NORM) rotates the same pairs, so GGUF
-gets wq / wk unchanged. Hugging Face's LlamaForCausalLM rotates (x[i], x[i + d/2]) (rotate_half),
-so the HF export permutes each head's rows of wq / wk (and their biases): new row i <- old row 2i,
-new row d/2 + i <- old row 2i + 1, the permutation of transformers' convert_llama_weights_to_hf.py.
+RoPE layouts. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head; llama.cpp's "llama"
+architecture (rope type NORM) rotates the same pairs, so GGUF gets wq / wk unchanged. Hugging Face's Llama
+family rotates halves, so the HF export permutes each head's rows of wq / wk (and their biases): names, row
+orders and config.json come from ``trainscale.hf``, the one bridge (runtime/hf_init.py reads through it too).
 Tests check both by logits / greedy continuations, not by reasoning.
 
 Mixture of experts. A MoE in Mixtral's shape (every layer MoE, SwiGLU experts, no shared expert,
@@ -30,7 +29,6 @@ blocks are made by ``gguf.quants`` (a numpy port of ggml's reference quantizers)
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +36,17 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from trainscale import hf
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.inference import gguf_name, gguf_tensor_types
 from trainscale.infer.load import load_for_inference, load_tokenizer_for
 from trainscale.infer.quantize import safetensors_layout
+from trainscale.safeio import atomic_write, atomic_write_bytes, atomic_write_json, read_json_object
 from trainscale.specs import ModelSpec
 
 GGUF_TYPES = ("f16", "q8_0", "q4_0")
 HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_TOKENIZER_BYTES = 256 << 20  # Llama 3's tokenizer.json is 9 MB, Gemma's 34 MB
 
 
 def check_llama(spec: ModelSpec, target: str, allow_bias: bool = False) -> None:
@@ -81,72 +82,22 @@ def check_mixtral(spec: ModelSpec, target: str) -> None:
                               f"weights renormalised); this one has {', '.join(bad)}")
 
 
-def rope_interleaved_to_half(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """Rows of a Q or K projection (or bias), per head: pairs (2i, 2i+1) -> (i, i + d/2)."""
-    rest = w.shape[1:]
-    return w.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(n_heads * head_dim, *rest)
-
-
-def rope_half_to_interleaved(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """The inverse of ``rope_interleaved_to_half`` (Hugging Face rows -> trainscale rows), per head."""
-    rest = w.shape[1:]
-    return w.reshape(n_heads, 2, head_dim // 2, *rest).transpose(1, 2).reshape(n_heads * head_dim, *rest)
-
-
-def rope_permuted_heads(name: str, spec: ModelSpec) -> int | None:
-    """How many heads' rows a trainscale tensor's HF form permutes (Q: n_heads, K: n_kv_heads), or None."""
-    if ".attention.wq." in name:
-        return spec.n_heads
-    if ".attention.wk." in name:
-        return spec.n_kv_heads
-    return None
-
-
 # ------------------------------------------------------------------------------------ Hugging Face
-
-_HF_LAYER = {
-    "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj", "moe.router.weight": "block_sparse_moe.gate.weight",
-}
-
-
-def hf_name(name: str) -> str:
-    """trainscale tensor name -> Hugging Face LlamaForCausalLM name (the one mapping; runtime/hf_init.py
-    reads HF folders through it too)."""
-    fixed = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
-    if name in fixed:
-        return fixed[name]
-    _, i, rest = name.split(".", 2)
-    if rest in _HF_LAYER:
-        return f"model.layers.{i}.{_HF_LAYER[rest]}"
-    stem, leaf = rest.rsplit(".", 1)
-    return f"model.layers.{i}.{_HF_LAYER[stem]}.{leaf}"
-
-
-def hf_expert_names(name: str, n_experts: int) -> list[str] | None:
-    """A stacked expert tensor ``layers.{i}.moe.experts.{w}`` -> its per-expert Mixtral names, else None."""
-    parts = name.split(".")
-    if len(parts) != 5 or parts[2:4] != ["moe", "experts"] or parts[4] not in ("w1", "w3", "w2"):
-        return None  # Mixtral names its experts' gate, up, down w1, w3, w2, as trainscale does
-    return [f"model.layers.{parts[1]}.block_sparse_moe.experts.{e}.{parts[4]}.weight"
-            for e in range(n_experts)]
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    out = {}
+    """Our state dict under the ``hf.export_family`` names: experts one matrix each, Q / K rows rotate-half."""
+    family, out = hf.export_family(spec), {}
     for name, t in sd.items():
         t = t.detach().float()
-        experts = hf_expert_names(name, spec.n_experts)
+        experts = hf.expert_names(name, spec.n_experts, family)
         if experts is not None:  # [E, rows, cols] -> E matrices
             out.update({n: t[e].to(dtype).contiguous() for e, n in enumerate(experts)})
             continue
-        heads = rope_permuted_heads(name, spec)
+        heads = hf.rope_permuted_heads(name, spec)
         if heads is not None:
-            t = rope_interleaved_to_half(t, heads, spec.head_dim)
-        out[hf_name(name)] = t.to(dtype).contiguous()
+            t = hf.rope_interleaved_to_half(t, heads, spec.head_dim)
+        out[hf.hf_name(name, family)] = t.to(dtype).contiguous()
     return out
 
 
@@ -154,49 +105,6 @@ def special_token_ids(tokenizer) -> dict[str, Any]:
     """bos / eos: the tokenizer's <|endoftext|> (GPT-2's one special token), when it has one."""
     tid = tokenizer.token_to_id("<|endoftext|>")
     return {"token": "<|endoftext|>" if tid is not None else None, "id": tid}
-
-
-def hf_config(spec: ModelSpec, dtype: str, special: dict[str, Any]) -> dict[str, Any]:
-    moe = {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "intermediate_size": spec.expert_width,
-        "num_local_experts": spec.n_experts,
-        "num_experts_per_tok": spec.experts_per_token,
-        "router_aux_loss_coef": spec.aux_loss_coef,
-        "output_router_logits": False,
-        "router_jitter_noise": 0.0,
-        "sliding_window": None,
-    } if spec.is_moe else {}
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": spec.d_model,
-        "intermediate_size": spec.d_ff,
-        "num_hidden_layers": spec.n_layers,
-        "num_attention_heads": spec.n_heads,
-        "num_key_value_heads": spec.n_kv_heads,
-        "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab_size,
-        "max_position_embeddings": spec.max_seq_len,
-        "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "hidden_act": "silu",
-        "tie_word_embeddings": spec.tied_embeddings,
-        "attention_bias": spec.bias,
-        "mlp_bias": spec.bias,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "bos_token_id": special["id"],
-        "eos_token_id": special["id"],
-        "torch_dtype": dtype,
-        "dtype": dtype,
-        "use_cache": True,
-    }
-    if moe:  # Mixtral has no bias settings: check_llama refused biases
-        cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}
-    return {**cfg, **moe}
 
 
 def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32") -> dict[str, Any]:
@@ -213,16 +121,17 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32") ->
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sd = hf_state_dict(model.state_dict(), spec, HF_DTYPES[dtype])
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt", "producer": "trainscale"})
-    (out / "config.json").write_text(json.dumps(hf_config(spec, dtype, special), indent=2))
+    atomic_write(out / "model.safetensors",
+                 lambda tmp: save_file(sd, str(tmp), metadata={"format": "pt", "producer": "trainscale"}))
+    atomic_write_json(out / "config.json", hf.hf_config(spec, dtype, special["id"]))
     gen = {"bos_token_id": special["id"], "eos_token_id": special["id"], "do_sample": True, "temperature": 0.8}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    (out / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    atomic_write_json(out / "generation_config.json", gen)
+    atomic_write_bytes(out / "tokenizer.json", (src / "tokenizer.json").read_bytes())
     st = {k: special["token"] for k in ("bos_token", "eos_token", "unk_token")} if special["token"] else {}
-    (out / "special_tokens_map.json").write_text(json.dumps(st, indent=2))
+    atomic_write_json(out / "special_tokens_map.json", st)
     tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.max_seq_len,
             "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False, **st}
-    (out / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
+    atomic_write_json(out / "tokenizer_config.json", tcfg)
     return {"out": str(out), "source": str(src), "dtype": dtype, "tensors": len(sd),
             **safetensors_layout(out / "model.safetensors")}
 
@@ -232,11 +141,10 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32") ->
 
 def tokenizer_vocab(tokenizer_json: Path) -> dict[str, Any]:
     """Tokens by id, token types (control for added special tokens) and merges as "a b" strings."""
-    try:
-        data = json.loads(tokenizer_json.read_text())
-        model = data["model"]
-    except (OSError, json.JSONDecodeError, KeyError) as e:
-        raise TrainscaleError(f"{tokenizer_json} is not a tokenizers file: {e}") from None
+    data = read_json_object(tokenizer_json, "tokenizer file", limit=MAX_TOKENIZER_BYTES)
+    model = data.get("model")
+    if not isinstance(model, dict):
+        raise TrainscaleError(f"{tokenizer_json} is not a tokenizers file (no model object)")
     if model.get("type") != "BPE":
         raise TrainscaleError(f"GGUF export needs a byte-level BPE tokenizer, not {model.get('type')}")
     vocab: dict[str, int] = dict(model["vocab"])

@@ -15,32 +15,10 @@ from safetensors.torch import load_file
 from trainscale.errors import TrainscaleError
 from trainscale.infer.lora import fold_adapter, read_adapter_config
 from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, read_quant_config
-from trainscale.runtime.artifact import load_model_dir
-from trainscale.runtime.data.corpus import load_tokenizer
+from trainscale.runtime.artifact import find_model_folder, load_model_dir, read_spec
+from trainscale.runtime.data.tokenizer import load_tokenizer
 from trainscale.runtime.model import build_model
-from trainscale.safeio import check_folder_files, read_json_object
-from trainscale.specs import ModelSpec, load_model
-
-
-def find_folder(path: str | Path) -> Path:
-    p = Path(path)
-    try:
-        present = p.exists()
-    except (OSError, ValueError):
-        present = False
-    if not present:
-        raise TrainscaleError(f"checkpoint {str(path)[:200]} does not exist")
-    if (p / "final" / "model.json").exists():
-        p = p / "final"
-    if not p.is_dir() or not (p / "model.json").exists():
-        raise TrainscaleError(f"{path} is not a trainscale model folder (needs model.json with model.safetensors, "
-                              "quantized.safetensors or adapter.json; or a run folder with final/)")
-    check_folder_files(p)
-    return p
-
-
-def read_spec(folder: Path) -> ModelSpec:
-    return load_model(read_json_object(folder / "model.json", "model description"))
+from trainscale.specs import ModelSpec
 
 
 def folder_kind(folder: Path) -> str:
@@ -55,7 +33,7 @@ def folder_kind(folder: Path) -> str:
 
 def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
     """-> (Transformer in eval mode, ModelSpec, folder) for any folder kind infer/ writes."""
-    folder = find_folder(path)
+    folder = find_model_folder(path)
     spec = read_spec(folder)
     kind = folder_kind(folder)
     if kind == "model":

@@ -24,7 +24,7 @@ from torch import nn
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.lora import lora_targets
-from trainscale.runtime.data.corpus import corpus_text
+from trainscale.runtime.data.sources import corpus_text
 from trainscale.runtime.model import lm_loss
 from trainscale.safeio import read_json_object, read_text
 

@@ -5,7 +5,9 @@
   tokenizer.json      the Hugging Face tokenizers file the run trained
 
 ``trainscale train`` writes it at the end of a run as RUN_DIR/final; infer/ (generate, quantize,
-lora, export) reads it. A run directory is accepted wherever a model folder is (its final/ is used).
+lora, export) reads it, as well as the folders infer/ writes beside it (quantized.safetensors or adapter.json
+instead of model.safetensors). A run directory is accepted wherever a model folder is (its final/ is used):
+``find_model_folder`` is the one place that says so.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 
 from trainscale.errors import TrainscaleError
-from trainscale.safeio import atomic_write, atomic_write_bytes, atomic_write_json, read_json_object
+from trainscale.safeio import atomic_write, atomic_write_bytes, atomic_write_json, check_folder_files, read_json_object
 from trainscale.specs import ModelSpec, load_model
 
 
@@ -34,17 +36,29 @@ def save_model_dir(out: str | Path, state_dict: dict[str, torch.Tensor], spec: M
     return out
 
 
-def resolve_model_dir(path: str | Path) -> Path:
+def find_model_folder(path: str | Path) -> Path:
+    """The model folder ``path`` names: itself, or a run folder's final/; it must hold model.json (beside
+    model.safetensors, quantized.safetensors or adapter.json: infer/load.py tells them apart), and every
+    model-folder file present must be a regular file."""
     p = Path(path)
+    try:
+        present = p.exists()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        present = False
+    if not present:
+        raise TrainscaleError(f"checkpoint {str(path)[:200]} does not exist")
     if (p / "final" / "model.json").exists():
         p = p / "final"
-    if not (p / "model.json").exists() or not (p / "model.safetensors").exists():
-        raise TrainscaleError(f"{path} is not a trainscale model folder (needs model.json and model.safetensors, "
-                              "or a run folder with final/)")
-    from trainscale.safeio import check_folder_files
-
+    if not p.is_dir() or not (p / "model.json").exists():
+        raise TrainscaleError(f"{path} is not a trainscale model folder (needs model.json with model.safetensors, "
+                              "quantized.safetensors or adapter.json; or a run folder with final/)")
     check_folder_files(p)
     return p
+
+
+def read_spec(folder: Path) -> ModelSpec:
+    """The ModelSpec of a model folder's model.json."""
+    return load_model(read_json_object(folder / "model.json", "model description"))
 
 
 def load_model_dir(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -54,8 +68,11 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: torch.dtype = t
 
     from trainscale.runtime.model import build_model
 
-    p = resolve_model_dir(path)
-    spec = load_model(read_json_object(p / "model.json", "model description"))
+    p = find_model_folder(path)
+    if not (p / "model.safetensors").exists():
+        raise TrainscaleError(f"{path} has no model.safetensors (a quantized or adapter folder loads through "
+                              "infer/load.py)")
+    spec = read_spec(p)
     model = build_model(spec, "meta")
     try:
         sd = load_file(str(p / "model.safetensors"))

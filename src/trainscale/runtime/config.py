@@ -77,12 +77,11 @@ class DataSection(_Section):
         tokenizer (the plays with a loaded tokenizer are prepared like a user's files, a play a document)."""
         if not self.files and self.tokenizer is None:
             return None
-        from trainscale.runtime.data.shards import DataRequest, Settings
+        from trainscale.runtime.data.shards import DataRequest
+        from trainscale.runtime.data.sources import Settings, corpus_files
 
         files, documents = self.files, self.documents
         if not files:
-            from trainscale.runtime.data.corpus import corpus_files
-
             files, documents = tuple(str(f) for f in corpus_files()), "file"
         return DataRequest(files=files, format=self.format, tokenizer=self.tokenizer,
                            tokenizer_vocab=self.tokenizer_vocab, eot=self.eot, max_chars=self.max_chars,

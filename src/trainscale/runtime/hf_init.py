@@ -1,33 +1,35 @@
 """Start training from a Hugging Face Llama folder: ``[model] init = "PATH"``.
 
-The folder holds ``config.json`` (the model: ``specs.model_from_hf_config``) and the weights, one
+The folder holds ``config.json`` (the model: ``hf.spec_fields``) and the weights, one
 ``model.safetensors`` or several shards named by ``model.safetensors.index.json``. The model is built
 on the meta device, parallelized (TP, FSDP, pipeline stages...), given empty local shards, and each
 rank then fills exactly the slice of each tensor it owns with ``safe_open(...).get_slice`` (a read of
 those bytes from the file, no full tensor): a DTensor's local shard is the box
 ``compute_local_shape_and_global_offset`` names, a pipeline stage reads only its own layers.
 
-Names go through ``infer.export.hf_name``, the one trainscale <-> HF mapping (the exporter uses it the
-other way). Hugging Face rotates (x[i], x[i + d/2]) where trainscale rotates (x[2i], x[2i+1]), so Q and K
-rows are permuted head by head (``infer.export.rope_half_to_interleaved``); a shard that starts or ends
-inside a head reads the whole heads around it (at most two heads more) and keeps its rows.
+Names and row orders go through ``trainscale.hf``, the one trainscale <-> Hugging Face mapping (the
+exporter uses it the other way): the folder's ``model_type`` picks the family's tensor names
+(``hf.FAMILIES``), and Q and K rows, in Hugging Face's rotate-half order, are permuted head by head
+(``hf.rope_half_to_interleaved``); a shard that starts or ends inside a head reads the whole heads around it
+(at most two heads more) and keeps its rows.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainscale import hf
 from trainscale.errors import TrainscaleError
-from trainscale.specs import ModelSpec, model_from_hf_config
+from trainscale.runtime.model import build_model
+from trainscale.safeio import read_json_object
+from trainscale.specs import ModelSpec, load_model
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-LLAMA_TYPES = ("llama",)
 
 
 def hf_folder(path: str | Path) -> Path:
@@ -43,37 +45,11 @@ def hf_folder(path: str | Path) -> Path:
 
 
 def hf_folder_spec(path: str | Path) -> ModelSpec:
-    """The ModelSpec of a Hugging Face Llama folder; anything trainscale's model would compute differently
-    is refused in one sentence."""
-    folder = hf_folder(path)
-    from trainscale.safeio import read_text
-
-    try:  # a regular file only (a FIFO would block), as specs reads every config.json
-        cfg = json.loads(read_text(folder / "config.json", "model file"))
-    except json.JSONDecodeError as e:
-        raise TrainscaleError(f"{folder / 'config.json'} cannot be read as JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise TrainscaleError(f"{folder / 'config.json'} is not a model configuration (a JSON object)")
-    kind = cfg.get("model_type")
-    if kind not in LLAMA_TYPES:
-        raise TrainscaleError(f"[model] init {path} holds a {kind!r} model; only Llama-family folders "
-                              f"(model_type {', '.join(LLAMA_TYPES)}) can be loaded")
-    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Llama's SwiGLU (silu)")
-    rope = cfg.get("rope_scaling") or {}
-    params = cfg.get("rope_parameters") or {}
-    kind_rope = rope.get("rope_type", rope.get("type")) or params.get("rope_type", "default")
-    if kind_rope != "default":
-        raise TrainscaleError(f"[model] init {path} uses RoPE scaling {kind_rope!r}, which trainscale's RoPE "
-                              "does not implement")
-    if bool(cfg.get("mlp_bias", cfg.get("attention_bias", False))) != bool(cfg.get("attention_bias", False)):
-        raise TrainscaleError(f"[model] init {path} has biases in attention or the MLP but not both; trainscale's "
-                              "bias setting covers both")
-    spec = model_from_hf_config(folder / "config.json")
-    theta = cfg.get("rope_theta", params.get("rope_theta"))
-    if theta is not None and float(theta) != spec.rope_theta:  # newer configs keep it under rope_parameters
-        spec = spec.model_copy(update={"rope_theta": float(theta)})
-    return spec
+    """The ModelSpec of a Hugging Face folder the runtime loads; anything trainscale's model would compute
+    differently is refused in one sentence (``hf.check_loadable``)."""
+    config = hf_folder(path) / "config.json"
+    hf.check_loadable(hf.read_config(config), path)
+    return load_model(config)
 
 
 class HFWeights:
@@ -83,14 +59,8 @@ class HFWeights:
         from safetensors import safe_open
 
         self.folder = hf_folder(path)
-        if (self.folder / INDEX).exists():
-            try:
-                index = json.loads((self.folder / INDEX).read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-                raise TrainscaleError(f"{self.folder / INDEX} is not a safetensors index: {e}") from None
-            self.file_of = {str(k): str(v) for k, v in index.items()}
-        else:
-            self.file_of = {}
+        self.family = hf.check_loadable(hf.read_config(self.folder / "config.json"), path)
+        self.file_of = _weight_map(self.folder / INDEX) if (self.folder / INDEX).exists() else {}
         self._open = safe_open
         self._files: dict[str, object] = {}
         if not self.file_of:  # one file: its header names the tensors
@@ -120,18 +90,23 @@ class HFWeights:
         return t
 
 
-def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor trainscale's model of ``spec`` takes from the folder."""
-    from trainscale.infer.export import hf_name
-    from trainscale.runtime.model import build_model
+def _weight_map(index: Path) -> dict[str, str]:
+    """A sharded folder's index: tensor name -> the file holding it."""
+    got = read_json_object(index, "safetensors index").get("weight_map")
+    if not isinstance(got, dict):
+        raise TrainscaleError(f"{index} is not a safetensors index (no weight_map object)")
+    return {str(k): str(v) for k, v in got.items()}
 
-    return {hf_name(n): tuple(p.shape) for n, p in build_model(spec, "meta").named_parameters()}
+
+def expected_tensors(spec: ModelSpec, family: hf.Family) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor trainscale's model of ``spec`` takes from a ``family`` folder."""
+    return {hf.hf_name(n, family): tuple(p.shape) for n, p in build_model(spec, "meta").named_parameters()}
 
 
 def check_hf_weights(path: str | Path, spec: ModelSpec) -> None:
     """Every tensor the model needs is in the folder with its shape (headers only: no weights are read)."""
     w = HFWeights(path)
-    for name, shape in expected_tensors(spec).items():
+    for name, shape in expected_tensors(spec, w.family).items():
         got = w.shape(name)
         if got != shape:
             raise TrainscaleError(f"[model] init {path}: {name} has shape {list(got)}, but the model needs "
@@ -150,8 +125,6 @@ def _local_box(p: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[in
 
 def load_into(module: nn.Module, weights: HFWeights, spec: ModelSpec) -> None:
     """Fill every parameter of ``module`` (a model, a pipeline stage; plain or sharded) with its slice."""
-    from trainscale.infer.export import hf_name, rope_half_to_interleaved, rope_permuted_heads
-
     hd = spec.head_dim
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -159,14 +132,14 @@ def load_into(module: nn.Module, weights: HFWeights, spec: ModelSpec) -> None:
             if 0 in shape:
                 continue  # an FSDP rank past the end of an unevenly sharded tensor holds nothing of it
             box = [slice(o, o + n) for o, n in zip(offset, shape, strict=True)]
-            heads = rope_permuted_heads(name, spec)
+            heads, hf_name = hf.rope_permuted_heads(name, spec), hf.hf_name(name, weights.family)
             if heads is None:
-                t = weights.read(hf_name(name), tuple(box))
+                t = weights.read(hf_name, tuple(box))
             else:  # read whole heads, permute them, keep this rank's rows
                 lo, hi = box[0].start, box[0].stop
                 h0, h1 = lo // hd, -(-hi // hd)
-                t = weights.read(hf_name(name), (slice(h0 * hd, h1 * hd), *box[1:]))
-                t = rope_half_to_interleaved(t, h1 - h0, hd)[lo - h0 * hd:hi - h0 * hd]
+                t = weights.read(hf_name, (slice(h0 * hd, h1 * hd), *box[1:]))
+                t = hf.rope_half_to_interleaved(t, h1 - h0, hd)[lo - h0 * hd:hi - h0 * hd]
             local.copy_(t.to(local.dtype))
 
 

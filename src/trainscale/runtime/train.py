@@ -41,7 +41,8 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count
 from trainscale.runtime import measure
 from trainscale.runtime.config import TrainConfig, check_layout, load_config, micro_batch
-from trainscale.runtime.data.corpus import TokenLoader, corpus_for, eval_windows, unigram_loss
+from trainscale.runtime.data.corpus import corpus_for
+from trainscale.runtime.data.loader import TokenLoader, eval_windows, unigram_loss
 from trainscale.runtime.job import faults, runfolder
 from trainscale.runtime.job.checkpoint import CheckpointManager, step_dir_name
 from trainscale.runtime.job.faults import Fault, requeue_count, restart_count

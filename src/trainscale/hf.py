@@ -1,0 +1,354 @@
+"""The one Hugging Face bridge: a folder's ``config.json`` <-> the fields of a ModelSpec, and the names and
+row orders of the tensors between trainscale's model and Hugging Face checkpoints.
+
+Readers: ``specs.load_model`` (a config.json for the planner; every ``model_type`` in ``CONFIG_KEYS``),
+``runtime/hf_init.py`` (a folder's weights into the model, slice by slice; the families with ``loads``),
+``infer/export.py`` (our model written as a Hugging Face folder; the family ``export_family`` names).
+
+This module sits beside ``specs.py`` and below it (specs reads config.json through it), so it imports neither
+specs nor torch: it returns field dicts, takes a ModelSpec as anything with its attributes (``ModelShape``),
+and permutes rows of a torch tensor or a numpy array alike. A new family is data: one ``CONFIG_KEYS`` entry
+for its config.json, one ``FAMILIES`` entry for its tensor names.
+
+RoPE. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head, as Meta's original Llama code does;
+Hugging Face's Llama-family models rotate (x[i], x[i + d/2]) (``rotate_half`` in transformers'
+modeling_llama.py), so the HF form of each head's Q and K rows (and biases) is permuted: new row i <- old row
+2i, new row d/2 + i <- old row 2i + 1, the permutation of transformers' convert_llama_weights_to_hf.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainscale.errors import TrainscaleError
+
+# ------------------------------------------------------------------------------------ config.json -> fields
+
+# How each ``model_type`` names the fields a ModelSpec needs (transformers' configuration_*.py); {}: Llama's
+# names (``_LLAMA_KEYS``).
+CONFIG_KEYS: dict[str, dict[str, Any]] = {
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {},
+    "deepseek_v2": {}, "deepseek_v3": {},
+    "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
+             "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
+    "gpt_neox": {"norm_eps": "layer_norm_eps", "rope_pct": "rotary_pct"},
+    "opt": {"d_ff": "ffn_dim", "norm_eps": None},
+    "bloom": {"n_layers": "n_layer", "n_heads": "n_head", "norm_eps": "layer_norm_epsilon"},
+    "mpt": {"n_layers": "n_layers", "d_model": "d_model", "n_heads": "n_heads", "max_seq_len": "max_seq_len"},
+}
+_LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
+               "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+_INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+         "vocab_size", "max_position_embeddings", "head_dim")
+MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kilobytes
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """A config.json, checked at the edge: a regular file (a FIFO would block), UTF-8 JSON, an object whose size
+    fields, where given, are positive integers (a 0 or a string would divide by zero or fail deep inside)."""
+    from trainscale.safeio import read_json_object
+
+    cfg = read_json_object(path, "model file", limit=MAX_CONFIG_BYTES)
+    for key in _INTS:
+        config_int(cfg, key, path)
+    return cfg
+
+
+def config_int(cfg: dict[str, Any], key: str, path: str | Path, default: Any = None, least: int = 1) -> Any:
+    """``cfg[key]`` as an integer of at least ``least`` (``default`` where absent or null); one sentence
+    naming the file and the key otherwise (a bool, a float, a string, a negative)."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        kind = "a positive" if least == 1 else "a non-negative"
+        raise TrainscaleError(f"model file {path}: {key} must be {kind} integer, not {v!r}")
+    return v
+
+
+def _sub(cfg: dict[str, Any], key: str) -> dict[str, Any]:
+    """A nested object of the config (rope_scaling, rope_parameters), {} when absent or not an object."""
+    v = cfg.get(key)
+    return v if isinstance(v, dict) else {}
+
+
+def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The ModelSpec fields of a config.json read by its ``model_type``: Llama-style (llama, mistral, qwen2,
+    qwen3), mixture-of-experts (mixtral, qwen2_moe, qwen3_moe, deepseek_v2/v3 with their multi-head latent
+    attention), GPT-style (gpt2, gpt_neox, opt, bloom, mpt). An unknown type is refused."""
+    mt = cfg.get("model_type")
+    if mt not in CONFIG_KEYS:
+        raise TrainscaleError(f"model file {path} has model_type {mt!r}, which trainscale does not read; known: "
+                              f"{', '.join(sorted(CONFIG_KEYS))}")
+    llama = mt in _LLAMA_TYPES
+    keys = {**_LLAMA_KEYS, **CONFIG_KEYS[mt]}
+    if mt == "mpt":
+        cfg = {**cfg, "d_ff": cfg.get("d_model", 0) * cfg.get("expansion_ratio", 4)}
+        keys["d_ff"] = "d_ff"
+    if mt in ("gpt2", "bloom") and not cfg.get(keys.get("d_ff", "")):
+        keys["d_ff"] = "_d_ff"
+        cfg = {**cfg, "_d_ff": 4 * cfg.get(keys["d_model"], 0)}  # GPT-2 and BLOOM: n_inner = 4 x hidden
+    missing = [keys[k] for k in ("n_layers", "d_model", "n_heads", "d_ff") if keys.get(k) not in cfg]
+    if missing or "vocab_size" not in cfg:
+        raise TrainscaleError(f"model file {path} ({mt}) lacks the fields {', '.join(missing or ['vocab_size'])}")
+    act = str(cfg.get("hidden_act") or cfg.get("activation_function") or ("silu" if llama else "gelu"))
+    heads = cfg[keys["n_heads"]]
+    eps_key = keys.get("norm_eps")
+    data = {
+        "name": cfg.get("_name_or_path") or Path(path).parent.name or "hf-model",
+        "source": f"Hugging Face config.json, model_type {mt} ({path})",
+        "n_layers": cfg[keys["n_layers"]],
+        "d_model": cfg[keys["d_model"]],
+        "n_heads": heads,
+        "n_kv_heads": (cfg.get("num_key_value_heads") or heads) if llama else heads,
+        "d_ff": cfg[keys["d_ff"]],
+        "vocab_size": cfg["vocab_size"],
+        "max_seq_len": cfg.get(keys.get("max_seq_len") or "", 2048) or 2048,
+        "mlp": "swiglu" if act in ("silu", "swish") else "gelu",
+        "norm": "rmsnorm" if llama else "layernorm",
+        # GPT-2 and OPT learn absolute positions; NeoX rotates (partial rotary changes no parameter or GEMM
+        # shape); BLOOM and MPT use ALiBi, which has no parameters and no GEMM, like RoPE (trainscale's
+        # runtime would build RoPE for them)
+        "positions": "learned" if mt in ("gpt2", "opt") else "rope",
+        # newer configs (transformers 5) keep the base under rope_parameters
+        "rope_theta": cfg.get("rope_theta", _sub(cfg, "rope_parameters").get("rope_theta", 10000.0)),
+        "tied_embeddings": bool(cfg.get("tie_word_embeddings", mt in ("gpt2", "bloom", "mpt", "opt"))),
+        "bias": bool(cfg.get("attention_bias", False)) if llama else not cfg.get("no_bias", False),
+        "norm_eps": (cfg.get(eps_key) if eps_key else None) or 1e-5,
+    }
+    if llama and cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // heads:
+        data["head_dim"] = cfg["head_dim"]
+    data.update(moe_fields(cfg, mt, path))
+    return data
+
+
+def moe_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, Any]:
+    """The mixture-of-experts and MLA fields of a config (transformers' configuration_mixtral, _qwen2_moe,
+    _qwen3_moe, _deepseek_v3 name them differently); {} for a dense model."""
+    def num(key: str, default: Any = 0) -> Any:
+        return config_int(cfg, key, path, default, least=0)
+
+    out: dict[str, Any] = {}
+    if mt == "mixtral" or (mt in ("mistral", "llama") and num("num_local_experts", 1) > 1):
+        out = {"n_experts": num("num_local_experts", 8), "experts_per_token": num("num_experts_per_tok", 2),
+               "d_ff_expert": cfg["intermediate_size"], "router_norm_topk": True}
+    elif mt in ("qwen2_moe", "qwen3_moe"):
+        if num("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+            raise TrainscaleError(f"model file {path}: dense layers interleaved among MoE layers (decoder_sparse_step "
+                                  "or mlp_only_layers) are not modelled")
+        out = {"n_experts": num("num_experts"), "experts_per_token": num("num_experts_per_tok"),
+               "d_ff_expert": num("moe_intermediate_size"), "router_norm_topk": bool(cfg.get("norm_topk_prob", False))}
+        if mt == "qwen2_moe" and num("shared_expert_intermediate_size"):
+            out.update(d_ff_shared=num("shared_expert_intermediate_size"), shared_expert_gate=True)
+    elif mt in ("deepseek_v2", "deepseek_v3"):
+        if num("moe_layer_freq", 1) != 1:
+            raise TrainscaleError(f"model file {path}: moe_layer_freq other than 1 is not modelled")
+        out = {"n_experts": num("n_routed_experts"), "experts_per_token": num("num_experts_per_tok"),
+               "d_ff_expert": num("moe_intermediate_size"),
+               "d_ff_shared": num("n_shared_experts") * num("moe_intermediate_size"),
+               "first_dense_layers": num("first_k_dense_replace"),
+               "router_norm_topk": bool(cfg.get("norm_topk_prob", mt == "deepseek_v3")),
+               "attention": "mla", "q_lora_rank": num("q_lora_rank"), "kv_lora_rank": num("kv_lora_rank"),
+               "qk_rope_head_dim": num("qk_rope_head_dim"), "v_head_dim": num("v_head_dim"),
+               "head_dim": num("qk_nope_head_dim") or None}
+    else:
+        return out
+    if not out["n_experts"]:  # no routed experts: a dense model (MLA, if any, stays)
+        moe = ("n_experts", "experts_per_token", "d_ff_expert", "d_ff_shared", "shared_expert_gate",
+               "first_dense_layers", "router_norm_topk")
+        return {k: v for k, v in out.items() if k not in moe}
+    if mt != "mixtral" and not out["d_ff_expert"]:
+        raise TrainscaleError(f"model file {path}: moe_intermediate_size (each expert's FFN width) must be a "
+                              "positive integer for a mixture of experts")
+    coef = cfg.get("router_aux_loss_coef", cfg.get("aux_loss_alpha", 0.01))
+    if coef is not None and (isinstance(coef, bool) or not isinstance(coef, int | float)):
+        raise TrainscaleError(f"model file {path}: the router's auxiliary loss weight must be a number, not {coef!r}")
+    out["aux_loss_coef"] = float(coef or 0.0)
+    return out
+
+
+# ------------------------------------------------------------------------------------ tensor names
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one Hugging Face architecture stores our model. ``names``: trainscale parameter name (``{i}``: the
+    layer) -> HF tensor name; ``experts``: the leaf of a stacked expert tensor ``layers.{i}.moe.experts.{w}``
+    ([E, rows, cols]) -> the HF name of expert ``{e}``'s matrix; ``loads``: runtime/hf_init.py reads folders of
+    this family (each tensor one name there). Q and K rows are in rotate-half order in every family here."""
+
+    model_type: str
+    architecture: str
+    names: dict[str, str]
+    experts: dict[str, str] = field(default_factory=dict)
+    loads: bool = False
+
+
+_LINEARS = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+            "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+            "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj"}
+_LLAMA_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "layers.{i}.attention_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    **{f"layers.{{i}}.{ours}.{leaf}": f"model.layers.{{i}}.{theirs}.{leaf}"
+       for ours, theirs in _LINEARS.items() for leaf in ("weight", "bias")},
+}
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "LlamaForCausalLM", _LLAMA_NAMES, loads=True),
+    # the published Mixtral checkpoints' layout; Mixtral names its experts' gate, up, down w1, w3, w2, as we do
+    "mixtral": Family("mixtral", "MixtralForCausalLM",
+                      {**_LLAMA_NAMES, "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"},
+                      {w: f"model.layers.{{i}}.block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")}),
+}
+LOADED_TYPES = tuple(t for t, f in FAMILIES.items() if f.loads)
+
+
+class ModelShape(Protocol):
+    """The ModelSpec attributes this module reads (specs.ModelSpec has them all)."""
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    vocab_size: int
+    max_seq_len: int
+    rope_theta: float
+    tied_embeddings: bool
+    bias: bool
+    norm_eps: float
+    n_experts: int
+    experts_per_token: int
+    aux_loss_coef: float
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def is_moe(self) -> bool: ...
+
+    @property
+    def expert_width(self) -> int: ...
+
+
+def export_family(spec: ModelShape) -> Family:
+    """The family our model is written as: Llama, or Mixtral for a mixture of experts."""
+    return FAMILIES["mixtral" if spec.is_moe else "llama"]
+
+
+def _pattern(name: str) -> tuple[str, str]:
+    """``layers.7.attention.wq.weight`` -> (``layers.{i}.attention.wq.weight``, "7")."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "layers" and parts[1].isdigit():
+        return ".".join(["layers", "{i}", *parts[2:]]), parts[1]
+    return name, ""
+
+
+def hf_name(name: str, family: Family) -> str:
+    """trainscale parameter name -> the family's Hugging Face tensor name."""
+    pattern, i = _pattern(name)
+    if pattern not in family.names:
+        raise TrainscaleError(f"the tensor {name} has no name in a Hugging Face {family.architecture} folder")
+    return family.names[pattern].format(i=i)
+
+
+def expert_names(name: str, n_experts: int, family: Family) -> list[str] | None:
+    """A stacked expert tensor ``layers.{i}.moe.experts.{w}`` -> its per-expert HF names, else None."""
+    pattern, i = _pattern(name)
+    stem, _, leaf = pattern.rpartition(".")
+    if stem != "layers.{i}.moe.experts" or leaf not in family.experts:
+        return None
+    return [family.experts[leaf].format(i=i, e=e) for e in range(n_experts)]
+
+
+def rope_permuted_heads(name: str, spec: ModelShape) -> int | None:
+    """How many heads' rows a trainscale tensor's HF form permutes (Q: n_heads, K: n_kv_heads), or None."""
+    if ".attention.wq." in name:
+        return spec.n_heads
+    if ".attention.wk." in name:
+        return spec.n_kv_heads
+    return None
+
+
+def rope_interleaved_to_half(w: Any, n_heads: int, head_dim: int) -> Any:
+    """Rows of a Q or K projection (or bias), per head: pairs (2i, 2i+1) -> (i, i + d/2). A torch tensor or
+    a numpy array."""
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(n_heads * head_dim, *rest)
+
+
+def rope_half_to_interleaved(w: Any, n_heads: int, head_dim: int) -> Any:
+    """The inverse of ``rope_interleaved_to_half`` (Hugging Face rows -> trainscale rows), per head."""
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_heads, 2, head_dim // 2, *rest).swapaxes(1, 2).reshape(n_heads * head_dim, *rest)
+
+
+# ------------------------------------------------------------------------------------ loading a folder
+
+
+def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
+    """The family of a config.json whose model trainscale's runtime computes exactly as transformers does (a
+    family with ``loads``, SwiGLU, unscaled RoPE, biases everywhere or nowhere); one sentence otherwise."""
+    kind = cfg.get("model_type")
+    if kind not in LOADED_TYPES:
+        raise TrainscaleError(f"[model] init {path} holds a {kind!r} model; only Llama-family folders "
+                              f"(model_type {', '.join(LOADED_TYPES)}) can be loaded")
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Llama's SwiGLU (silu)")
+    scaling, params = _sub(cfg, "rope_scaling"), _sub(cfg, "rope_parameters")
+    kind_rope = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", "default")
+    if kind_rope != "default":
+        raise TrainscaleError(f"[model] init {path} uses RoPE scaling {kind_rope!r}, which trainscale's RoPE "
+                              "does not implement")
+    if bool(cfg.get("mlp_bias", cfg.get("attention_bias", False))) != bool(cfg.get("attention_bias", False)):
+        raise TrainscaleError(f"[model] init {path} has biases in attention or the MLP but not both; trainscale's "
+                              "bias setting covers both")
+    return FAMILIES[kind]
+
+
+# ------------------------------------------------------------------------------------ fields -> config.json
+
+
+def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]:
+    """The config.json of our model written as its ``export_family`` (transformers' LlamaConfig /
+    MixtralConfig keys); ``token``: the bos / eos id."""
+    family = export_family(spec)
+    cfg = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "hidden_size": spec.d_model,
+        "intermediate_size": spec.expert_width if spec.is_moe else spec.d_ff,
+        "num_hidden_layers": spec.n_layers,
+        "num_attention_heads": spec.n_heads,
+        "num_key_value_heads": spec.n_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_seq_len,
+        "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "hidden_act": "silu",
+        "tie_word_embeddings": spec.tied_embeddings,
+        "attention_bias": spec.bias,
+        "mlp_bias": spec.bias,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "bos_token_id": token,
+        "eos_token_id": token,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "use_cache": True,
+    }
+    if not spec.is_moe:
+        return cfg
+    cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}  # Mixtral has no biases
+    return {**cfg, "num_local_experts": spec.n_experts, "num_experts_per_tok": spec.experts_per_token,
+            "router_aux_loss_coef": spec.aux_loss_coef, "output_router_logits": False, "router_jitter_noise": 0.0,
+            "sliding_window": None}

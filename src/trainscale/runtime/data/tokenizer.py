@@ -1,0 +1,117 @@
+"""Tokenizers: a Hugging Face ``tokenizers`` file or folder loaded, or a byte-level BPE trained here (Radford et
+al. 2019, the GPT-2 scheme); the end-of-text token that closes each document; documents encoded in batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainscale.errors import TrainscaleError
+from trainscale.safeio import read_json_object
+
+EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+BATCH_CHARS, BATCH_DOCS = 1 << 20, 4096  # documents go to the tokenizer's batch encode in batches this big
+
+
+def load_tokenizer(path: str | Path):
+    """A ``tokenizer.json`` file, or a Hugging Face tokenizer folder (tokenizer.json, or a byte-level BPE's
+    vocab.json + merges.txt)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise TrainscaleError(f"tokenizer {p} does not exist")
+    try:
+        if p.is_dir():
+            if (p / "tokenizer.json").is_file():
+                return Tokenizer.from_file(str(p / "tokenizer.json"))
+            if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
+                tok = Tokenizer(models.BPE.from_file(str(p / "vocab.json"), str(p / "merges.txt")))
+                tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+                tok.decoder = decoders.ByteLevel()
+                return tok
+            raise TrainscaleError(f"tokenizer folder {p} has neither tokenizer.json nor vocab.json + merges.txt")
+        return Tokenizer.from_file(str(p))
+    except TrainscaleError:
+        raise
+    except Exception as e:  # tokenizers raises its own Exception type
+        raise TrainscaleError(f"tokenizer {p} cannot be read ({str(e).splitlines()[0]})") from None
+
+
+def eot_of(tok, path: str | None, eot: str | None) -> str:
+    """The end-of-text token: the one named, else the folder's eos_token, else a usual name."""
+    if eot is not None:
+        if tok.token_to_id(eot) is None:
+            raise TrainscaleError(f"the end-of-text token {eot!r} is not in the tokenizer's vocabulary")
+        return eot
+    names: list[str] = []
+    if path is not None and Path(path).is_dir():
+        for meta in ("tokenizer_config.json", "special_tokens_map.json"):
+            f = Path(path) / meta
+            if f.is_file():
+                try:
+                    val = read_json_object(f, "tokenizer settings").get("eos_token")
+                except TrainscaleError:  # unreadable settings: fall back to the usual names
+                    val = None
+                if isinstance(val, dict):
+                    val = val.get("content")
+                if isinstance(val, str):
+                    names.append(val)
+    for name in (*names, *EOT_CANDIDATES):
+        if tok.token_to_id(name) is not None:
+            return name
+    raise TrainscaleError(f"tokenizer {path} has no end-of-text token that trainscale knows; name one with "
+                          "[data] eot = \"...\"")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, eot: str = "<|endoftext|>"):
+    """Byte-level BPE (Radford et al. 2019, GPT-2 scheme) trained on ``texts``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eot],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+_TOKENIZER: tuple[str, Any] | None = None  # (path, Tokenizer): loaded once per worker process
+
+
+def cached_tokenizer(path: str):
+    """``load_tokenizer(path)``, loaded once per process (a prepare-data worker tokenises many units)."""
+    global _TOKENIZER
+    if _TOKENIZER is None or _TOKENIZER[0] != path:
+        _TOKENIZER = (path, load_tokenizer(path))
+    return _TOKENIZER[1]
+
+
+def encode(tok, texts: list[str], ends: list[bool], eot: int, dtype) -> np.ndarray:
+    """Token ids of ``texts``, each followed by ``eot`` where its document ends, as one array."""
+    from itertools import chain
+
+    encs = tok.encode_batch_fast(texts, add_special_tokens=False) if hasattr(tok, "encode_batch_fast") \
+        else tok.encode_batch(texts, add_special_tokens=False)
+    ids = [e.ids for e in encs]
+    for i, end in zip(ids, ends, strict=True):
+        if end:
+            i.append(eot)
+    n = sum(map(len, ids))
+    return np.fromiter(chain.from_iterable(ids), dtype=dtype, count=n)
+
+
+def batches(texts: list[str]) -> Iterator[tuple[int, int]]:
+    """[a, b) ranges of ``texts`` of about BATCH_CHARS characters or BATCH_DOCS documents."""
+    a, size = 0, 0
+    for i, t in enumerate(texts):
+        size += len(t)
+        if size >= BATCH_CHARS or i + 1 - a >= BATCH_DOCS:
+            yield a, i + 1
+            a, size = i + 1, 0
+    if a < len(texts):
+        yield a, len(texts)
