@@ -125,3 +125,13 @@ def test_no_import_points_up():
 
 def test_every_module_is_placed_in_a_layer():
     assert [m for m in modules() if m != "trainscale" and layer(m, LAYERS) is None] == []
+
+
+def test_no_function_in_estimate_over_80_lines():
+    """The planner and the rank model stay readable: each function one screen (issue 19: ``evaluate`` was 405)."""
+    long = []
+    for p in (SRC / "trainscale" / "estimate").rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80:
+                long.append(f"{p.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert long == []

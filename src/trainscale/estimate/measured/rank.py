@@ -392,6 +392,33 @@ def layer_step_time(m: ModelSpec, layout: Layout, micro_batch: int, seq: int, ma
             "total": mm + attn + elem + comm + fixed}
 
 
+def _dp_time(m: ModelSpec, lo: Layout, rank: int, n_micro: int, mach: Any, layers: list[int]) -> tuple[float, int]:
+    """(seconds of the data-parallel collectives of one step on ``rank``, the weights its AdamW updates): zero0 one
+    all-reduce, zero1 a reduce-scatter and an all-gather, FSDP unit by unit; ``layers`` are the rank's layers."""
+    e = FP32
+    local = sum(prod(s) for _, s in rank_tensors(m, lo, rank))  # the weights this rank holds
+    shard = sum(prod(s) for _, s in rank_tensors(m, lo, rank, optimizer=True))  # the weights its AdamW updates
+    n_shard = lo.dp_shard * lo.ep * lo.cp  # the dense FSDP group (a MoE's experts shard over dp_shard x cp)
+    full = local * (n_shard if lo.zero >= 2 else 1)  # this rank's share before FSDP's cut
+    if lo.zero == 0:
+        t_dp = mach.collective_time("all_reduce", full * e, lo.dp * lo.cp)
+    elif lo.zero == 1:
+        # runtime/parallel/zero1.py: one flat reduce-scatter of the gradients and one all-gather of the updated
+        # weights over the shard group, the shards' all-reduce over HSDP's replicas
+        t_dp = (mach.collective_time("reduce_scatter", full * e, n_shard)
+                + mach.collective_time("all_gather", full * e, n_shard)
+                + mach.collective_time("all_reduce", shard * e, lo.dp_replicate))
+    else:
+        # FSDP2 gathers unit by unit (runtime/parallelize.apply_fsdp: each block, a MoE block's experts, and
+        # the rest of the stage): each unit's collective pays its own latency
+        units = len(layers) + 1 + sum(map(m.is_moe_layer, layers))
+        gathers = (2 if lo.zero == 3 else 1) * n_micro
+        t_dp = (gathers * units * mach.collective_time("all_gather", full * e / units, n_shard)
+                + units * mach.collective_time("reduce_scatter", full * e / units, n_shard)
+                + mach.collective_time("all_reduce", local * e, lo.dp_replicate))
+    return t_dp, shard
+
+
 def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_batch: int, mach: Any,
                    micro_batch: int) -> dict[str, float]:
     """Seconds of one training step on ``rank`` of this runtime on a measured machine (estimate/measured/machine.py).
@@ -445,28 +472,7 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
     # the pipeline runs at its slowest stage (Narayanan et al. 2021 Eq. 1); the ranks meet at the step's end
     t_compute = float(pipeline_time(max(micro_time(r) for r in range(lo.pp)), n_micro, lo.pp, lo.v))
 
-    # data parallel and the optimizer, on this rank's shards
-    local = sum(prod(s) for _, s in rank_tensors(m, lo, rank))  # the weights this rank holds
-    shard = sum(prod(s) for _, s in rank_tensors(m, lo, rank, optimizer=True))  # the weights its AdamW updates
-    n_shard = lo.dp_shard * lo.ep * lo.cp  # the dense FSDP group (a MoE's experts shard over dp_shard x cp)
-    full = local * (n_shard if lo.zero >= 2 else 1)  # this rank's share before FSDP's cut
-    if lo.zero == 0:
-        t_dp = mach.collective_time("all_reduce", full * e, lo.dp * lo.cp)
-    elif lo.zero == 1:
-        # runtime/parallel/zero1.py: one flat reduce-scatter of the gradients and one all-gather of the updated
-        # weights over the shard group, the shards' all-reduce over HSDP's replicas
-        t_dp = (mach.collective_time("reduce_scatter", full * e, n_shard)
-                + mach.collective_time("all_gather", full * e, n_shard)
-                + mach.collective_time("all_reduce", shard * e, lo.dp_replicate))
-    else:
-        # FSDP2 gathers unit by unit (runtime/parallelize.apply_fsdp: each block, a MoE block's experts, and
-        # the rest of the stage): each unit's collective pays its own latency
-        layers = layers_on(c["pp"])
-        units = len(layers) + 1 + sum(map(m.is_moe_layer, layers))
-        gathers = (2 if lo.zero == 3 else 1) * n_micro
-        t_dp = (gathers * units * mach.collective_time("all_gather", full * e / units, n_shard)
-                + units * mach.collective_time("reduce_scatter", full * e / units, n_shard)
-                + mach.collective_time("all_reduce", local * e, lo.dp_replicate))
+    t_dp, shard = _dp_time(m, lo, rank, n_micro, mach, layers_on(c["pp"]))
     t_norm = mach.collective_time("all_reduce", 8, lo.world_size)
     t_opt = shard * mach.optimizer_seconds_per_param
     total = t_compute + t_dp + t_norm + t_opt
