@@ -1,4 +1,4 @@
-"""Train from a Hugging Face folder under several layouts in one torchrun job (tests/test_hf_init.py).
+"""Train from a Hugging Face folder under several layouts in one torchrun job (tests/test_runtime_hf_init.py).
 
 For each layout rank 0 writes: the step-0 weights' largest difference from the folder's (gathered from
 the shards each rank read), the elements every rank read from the files and the parameter elements it

@@ -1,4 +1,4 @@
-"""Train one config under several (precision, layout) pairs in one torchrun job (tests/test_precision.py).
+"""Train one config under several (precision, layout) pairs in one torchrun job (tests/test_runtime_precision.py).
 
 An item is ``PRECISION:LAYOUT`` (e.g. ``bf16:fsdp2``). Rank 0 writes, per item, the losses, the dtype of
 the logits the forward pass produces, and for FSDP layouts the bytes every all-gather and reduce-scatter of

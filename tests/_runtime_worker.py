@@ -1,12 +1,13 @@
 """Run several layouts one after another in one torchrun job (one process start for many runs);
 rank 0 writes {item: {losses, local_params, seconds}} as JSON. An item is a layout, or a layout with a prefix:
 
-- ``gpt:LAYOUT`` runs the GPT-style variant of the config's model (test_runtime_parity.py);
+- ``gpt:LAYOUT`` runs the GPT-style variant of the config's model (test_runtime_parallel_parity.py);
 - ``state:LAYOUT`` also records every rank's bytes of parameters, gradients and optimizer state, read from the
   tensors after the first optimizer step (runtime/probe/compare.state_bytes), as ``state`` [rank 0, 1, ...];
 - ``save:LAYOUT`` trains the first ``--save-at`` steps (of a ``--steps`` schedule) and checkpoints there, into
   CKPT/LAYOUT (CKPT: ``ckpt`` beside the result file); ``resume:SRC>LAYOUT`` resumes a copy of CKPT/SRC under
-  LAYOUT and trains to ``--steps``: its losses are those of the steps after the checkpoint (test_zero1.py)."""
+  LAYOUT and trains to ``--steps``: its losses are those of the steps after the checkpoint
+  (test_runtime_parallel_zero1.py)."""
 
 from __future__ import annotations
 

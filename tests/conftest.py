@@ -15,34 +15,38 @@ from pathlib import Path
 import pytest
 
 WHOLE_FILE = {
-    "test_runtime_parity.py": "dist",
-    "test_elastic.py": "dist",
-    "test_resilience.py": "dist",
-    "test_chaos.py": "dist",
-    "test_multinode.py": "dist",
-    "test_precision.py": "dist",
-    "test_tensorboard.py": "dist",
-    "test_goodput.py": "dist",
-    "test_zero1.py": "dist",
-    "test_slurm.py": "service",
+    "test_runtime_parallel_parity.py": "dist",
+    "test_runtime_job_elastic.py": "dist",
+    "test_runtime_job_faults.py": "dist",
+    "test_runtime_job_chaos.py": "dist",
+    "test_runtime_job_multinode.py": "dist",
+    "test_runtime_precision.py": "dist",
+    "test_runtime_job_tblog.py": "dist",
+    "test_runtime_job_goodput.py": "dist",
+    "test_runtime_parallel_zero1.py": "dist",
+    "test_runtime_job_slurm.py": "service",
 }
 OPTIONAL_FILES: set[str] = set()  # files marked before they exist (none now)
 BY_TEST = {
     "dist": {
-        "test_moe_runtime.py": ["test_moe_loss_matches_single_process", "test_moe_learns_and_experts_split",
-                                "test_ep_checkpoint_resumes_at_another_ep_size_and_metrics_count_experts",
-                                "test_compare_plan_moe_state_flops_and_all_to_all"],
-        "test_compare.py": ["test_model_state_bytes_exact", "test_activations_and_flops",
-                            "test_sharding_shrinks_what_it_should", "test_tensor_parallel_flops_convention",
-                            "test_compare_plan_cli"],
-        "test_calibrate.py": ["test_profile_has_every_figure", "test_bus_bandwidth_from_raw_times",
-                              "test_profile_round_trip", "test_cli_writes_a_profile"],
-        "test_hf_init.py": ["test_layouts_read_their_shards_train_and_round_trip"],
-        "test_prepare_data.py": ["test_jsonl_corpus_trains_below_the_unigram_baseline",
-                                 "test_parquet_folder_with_a_loaded_tokenizer_trains_below_the_unigram_baseline"],
-        "test_data.py": ["test_resume_under_another_dp_and_pp_continues_on_the_same_sequences"],
-        "test_runtime_cli.py": ["test_train_writes_the_run_folder_and_a_loadable_model"],
+        "test_runtime_moe.py": [
+            "test_moe_loss_matches_single_process", "test_moe_learns_and_experts_split",
+            "test_ep_checkpoint_resumes_at_another_ep_size_and_metrics_count_experts",
+            "test_compare_plan_moe_state_flops_and_all_to_all"],
+        "test_runtime_probe_compare.py": [
+            "test_model_state_bytes_exact", "test_activations_and_flops", "test_sharding_shrinks_what_it_should",
+            "test_tensor_parallel_flops_convention", "test_compare_plan_cli"],
+        "test_runtime_probe_calibrate.py": [
+            "test_profile_has_every_figure", "test_bus_bandwidth_from_raw_times", "test_profile_round_trip",
+            "test_cli_writes_a_profile"],
+        "test_runtime_hf_init.py": ["test_layouts_read_their_shards_train_and_round_trip"],
+        "test_runtime_data_shards.py": [
+            "test_jsonl_corpus_trains_below_the_unigram_baseline",
+            "test_parquet_folder_with_a_loaded_tokenizer_trains_below_the_unigram_baseline"],
+        "test_runtime_data_loader.py": ["test_resume_under_another_dp_and_pp_continues_on_the_same_sequences"],
+        "test_commands_train.py": ["test_train_writes_the_run_folder_and_a_loadable_model"],
         "test_infer_export_moe.py": ["test_cli_refuses_moe_tiny_in_one_line"],
+        "test_estimate_flops.py": ["test_a_real_run_logs_the_planners_mfu"],
     },
     "service": {
         "test_report.py": ["test_seed_report_in_chromium", "test_report_of_a_real_tiny_run_in_chromium"],

@@ -116,7 +116,8 @@ def test_bad_layouts_are_one_sentence(text, match):
 
 
 def test_runtime_runs_every_zero_stage():
-    """zero1 (whole gradients, sharded optimizer state) runs as runtime/parallel/zero1.py (tests/test_zero1.py)."""
+    """zero1 (whole gradients, sharded optimizer state) runs as runtime/parallel/zero1.py
+    (tests/test_runtime_parallel_zero1.py)."""
     cfg = config_from_dict({"model": {**TINY, "n_layers": 4}, "train": {"seq_len": 32, "global_batch": 8}})
     for ok in ("dp2,zero0", "dp2,zero1", "dp2,zero2", "dp2,zero3"):
         check_layout(cfg, Layout.parse(ok))

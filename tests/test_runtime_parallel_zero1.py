@@ -27,7 +27,7 @@ from trainscale.specs import Layout
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"
 STEPS, SAVE_AT = 8, 4
-TOL = 1e-4  # tests/test_runtime_parity.py's
+TOL = 1e-4  # tests/test_runtime_parallel_parity.py's
 
 # world size -> items of tests/_runtime_worker.py. Without mb a dp rank accumulates gradients over its 4 sequences
 # one at a time (mb1); "state:" also reads every rank's state bytes; "save:"/"resume:" checkpoint at step 4.

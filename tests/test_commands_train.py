@@ -1,5 +1,5 @@
 """Issue 4, the command line: `trainscale train` (torchrun underneath, run folder, consolidated model)
-(`launch --slurm` is tests/test_slurm.py); bad input is one line and exit code 2."""
+(`launch --slurm` is tests/test_runtime_job_slurm.py); bad input is one line and exit code 2."""
 
 from __future__ import annotations
 

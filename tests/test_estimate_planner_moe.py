@@ -14,7 +14,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from tests.test_moe_spec import DEEPSEEK_V3, MIXTRAL
+from tests.test_specs_moe import DEEPSEEK_V3, MIXTRAL
 from trainscale.cli import app
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
