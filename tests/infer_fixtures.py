@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 SMALL = {"name": "infer-small", "n_layers": 4, "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "d_ff": 352,
          "vocab_size": 512, "max_seq_len": 256}
@@ -122,6 +123,49 @@ def gguf_state_dict(path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     by = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     return {k: torch.from_numpy(np.array(gguf.quants.dequantize(by[gguf_name(k)].data, by[gguf_name(k)].tensor_type),
                                          dtype=np.float32).reshape(v.shape)) for k, v in model.state_dict().items()}
+
+
+def ggml_q8_0_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` quantized to ggml's Q8_0 along its last dim and back: per block of 32 values d = max|x| / 127, stored
+    fp16, q = round(x * 127 / max|x|) (ggml-quants.c quantize_row_q8_0_ref; the x86 kernel quantize_row_q8_0
+    rounds half to even, as torch.round does)."""
+    b = x.reshape(*x.shape[:-1], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    q = torch.round(b * torch.where(amax > 0, 127 / amax, 0))
+    return (q * (amax / 127).half().float()).reshape(x.shape)
+
+
+class GgmlQ8Activations(TorchFunctionMode):
+    """Inside it, every matmul (``F.linear``, ``@``) whose weight operand is a view of one of ``weights`` first
+    rounds its activations through Q8_0. That is llama.cpp's CPU arithmetic for Q8_0 and Q4_0 weights: ggml-cpu.c's
+    type_traits_cpu gives both vec_dot_type GGML_TYPE_Q8_0, so ggml_compute_forward_mul_mat (dense layers) and
+    ggml_compute_forward_mul_mat_id (the experts) quantize src1 with quantize_row_q8_0 before the dot products."""
+
+    def __init__(self, weights) -> None:
+        super().__init__()
+        self.storages = {w.untyped_storage().data_ptr() for w in weights}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if getattr(func, "__name__", "") in ("linear", "matmul", "__matmul__") and isinstance(args[1], torch.Tensor) \
+                and args[1].untyped_storage().data_ptr() in self.storages:
+            args = (ggml_q8_0_round_trip(args[0]), *args[1:])
+        return func(*args, **(kwargs or {}))
+
+
+def llama_cpp_reference_logits(path, model: torch.nn.Module, ids: list[int]):
+    """trainscale's logits on ``ids`` with the weights a GGUF file holds, computed as llama.cpp's CPU backend
+    computes them: activations rounded through Q8_0 before each matmul with a Q8_0/Q4_0 weight (GgmlQ8Activations).
+    F16 and F32 tensors (norms, the MoE router) multiply plain fp32 activations. -> numpy [len(ids), vocab]."""
+    import gguf
+
+    from trainscale.estimate.inference import gguf_name
+    from trainscale.infer.quantize import model_from_state_dict
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    ref = model_from_state_dict(model.spec, gguf_state_dict(path, model))
+    quantized = [w for k, w in ref.state_dict().items() if types[gguf_name(k)] in ("Q8_0", "Q4_0")]
+    with torch.no_grad(), GgmlQ8Activations(quantized):
+        return ref(torch.tensor([ids]))[0].numpy()
 
 
 def check_llama_cpp_f16(path, model: torch.nn.Module, ids: list[int], n: int = 32):
