@@ -55,7 +55,7 @@ $TS generate runs/demo-int4 --prompt "ROMEO:" --max-new-tokens 40 --seed 1
 
 step "6. Calibrate this machine, then check the plan against the runtime, rank by rank"
 $TS calibrate --config configs/small.toml --processes 1,2
-$TS compare --config configs/small.toml --layouts "dp2,zero3,mb8;tp2,mb16;pp2,mb4"
+$TS compare --config configs/small.toml --layouts "dp2,zero1,mb8;dp2,zero3,mb8;tp2,mb16;pp2,mb4"
 
 step "7. The report of the plan, the reliability model and this run"
 $TS report --out runs/demo-report --plan runs/plan-405b.json --run runs/demo
