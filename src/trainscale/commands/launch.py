@@ -33,13 +33,17 @@ def launch(
     time_limit: str = typer.Option("24:00:00", "--time", help="Slurm time limit"),
     signal_before: int = typer.Option(120, callback=number(ge=0, le=86400),
                                        help="seconds before the time limit to write a checkpoint (0: off)"),
-    setup: str = typer.Option(None, help="a shell line run first on the node, e.g. 'source ~/venv/bin/activate'"),
-    python: str = typer.Option(None, help="the Python on the cluster that has trainscale (default: this one)"),
+    setup: str = typer.Option(None, help="a shell line run first on the node, e.g. 'source ~/venv/bin/activate'; "
+                                         "the one value run as shell, on purpose: it is written as you give it "
+                                         "(through eval), so give only a line you would type there yourself"),
+    python: str = typer.Option(None, help="the Python on the cluster that has trainscale (default: this one); "
+                                          "passed as is, like every value but --setup: no $VARIABLE expansion"),
     max_restarts: int = typer.Option(3, callback=number(ge=0, le=100),
                                       help="torchrun restarts after a failure inside one allocation"),
     steps: int = typer.Option(None, callback=number(gt=0, le=1e9), help="optimizer steps (default: the config's)"),
     inject: str = typer.Option(None, help="faults to inject, as for `trainscale train --inject`"),
-    out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out)"),
+    out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out); passed as is, "
+                                        "no $VARIABLE expansion"),
     script: Path = typer.Option(None, help="where to write the script (default: stdout); the Slurm log goes beside "
                                            "it"),
     as_json: bool = typer.Option(False, "--json", help="print the script and its settings as JSON"),
@@ -47,7 +51,7 @@ def launch(
     """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous); it is
     requeueable (always --resume) and checkpoints before the time limit."""
     from trainscale.runtime.config import check_layout, load_config
-    from trainscale.runtime.job.slurm import SlurmJob, sbatch_script
+    from trainscale.runtime.job.slurm import SlurmJob, check_script, sbatch_script
     from trainscale.specs import Layout
 
     if not slurm:
@@ -74,6 +78,7 @@ def launch(
             script.chmod(0o755)
         except OSError as e:
             raise TrainscaleError(f"cannot write the script {script}: {e.strerror or e}") from None
+        check_script(script)  # bash -n on the file as written: a failure is a bug (exit 1)
     if as_json:
         emit_json({"script": text, "path": str(script) if script else None, "layout": str(lay),
                    "processes": lay.world_size, "nodes": nodes, "procs_per_node": gpus_per_node, "gpus": not cpu,

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainscale.errors import TrainscaleError
+from trainscale.errors import JobFailed, TrainscaleError
 from trainscale.specs import Layout
 
 SAVE_REQUEST = ".save-request"  # the file the batch shell touches on the early signal (runtime/train.py reads it)
@@ -35,6 +37,9 @@ SAVE_REQUEST_ENV = "TRAINSCALE_SAVE_REQUEST"  # where the trainer looks for it; 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _TIME = re.compile(r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2}|UNLIMITED|INFINITE)$")
 _MEM = re.compile(r"^\d+[KMGT]?$")
+# what sbatch reads on a #SBATCH line up to the first blank or '#' (it is a bash comment, so quoting it would not help)
+_DIRECTIVE = re.compile(r"^[^\s\"'#\\]+$")
+_LINE_BREAKS = "\n\r\0"
 
 
 @dataclass(frozen=True)
@@ -93,67 +98,147 @@ class SlurmJob:
             raise TrainscaleError("--steps must be a positive number below 1e9")
         for what, val in (("config path", self.config), ("--out", self.out), ("log folder", self.log_dir),
                           ("python", self.python), ("--setup", self.setup), ("--inject", self.inject)):
-            if val is not None and any(c in str(val) for c in "\n\r\0"):
+            if val is not None and any(c in str(val) for c in _LINE_BREAKS):
                 raise TrainscaleError(f"{what} contains a line break; it would add lines to the batch script")
         if any(c in str(self.log_dir) for c in "%"):
             raise TrainscaleError("the log folder may not contain '%' (Slurm expands it in --output)")
+        if not _DIRECTIVE.match(str(self.log_dir)):
+            raise TrainscaleError(f"the script's folder {self.log_dir!r} holds a space, quote, '#' or backslash, "
+                                  "which sbatch misreads in its #SBATCH --output line; write the script elsewhere")
+        if not self.python or self.python.startswith("-"):
+            raise TrainscaleError(f"--python {self.python!r} must be a path or a command name (srun would read a "
+                                  "leading '-' as its own option)")
+        if not str(self.out):
+            raise TrainscaleError("--out is empty; give the run folder on the cluster")
+        if self.setup is not None:
+            check_setup(self.setup)
+
+
+
+
+@dataclass(frozen=True)
+class Var:
+    """A variable that the script or Slurm sets (never a user's value): written ``"$NAME"``, then ``suffix`` quoted."""
+
+    name: str
+    suffix: str = ""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.name):
+            raise ValueError(f"not a shell variable name: {self.name!r}")
+
+
+def sh(value: object) -> str:
+    """The one way a value enters a shell line of the script: one word, exactly ``value`` once bash has read it
+    (``shlex.quote``), or a :class:`Var` expanded in double quotes. A line break cannot be quoted into one line."""
+    if isinstance(value, Var):
+        return f'"${value.name}"' + (sh(value.suffix) if value.suffix else "")
+    text = str(value)
+    if any(c in text for c in _LINE_BREAKS):
+        raise TrainscaleError(f"{text[:40]!r}... contains a line break; it would add lines to the batch script")
+    return shlex.quote(text)
+
+
+def shell_line(*words: object) -> str:
+    """A command line of the script: each word through :func:`sh`."""
+    return " ".join(sh(w) for w in words)
+
+
+def _directive(option: str, value: object) -> str:
+    """A ``#SBATCH --option=value`` line; ``check()`` has matched the value to Slurm's syntax already."""
+    text = str(value)
+    if not _DIRECTIVE.match(text):
+        raise TrainscaleError(f"#SBATCH --{option} {text!r} holds a blank, quote, '#' or backslash")
+    return f"#SBATCH --{option}={text}"
+
+
+def bash_syntax_error(text: str) -> str | None:
+    """What ``bash -n`` says about ``text`` (None: it parses; also None where this machine has no bash)."""
+    bash = shutil.which("bash")
+    if bash is None:
+        return None
+    try:
+        p = subprocess.run([bash, "-n"], input=text, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "bash -n did not finish in 30 s"
+    if p.returncode == 0:
+        return None
+    return " ".join(p.stderr.split())[:300] or f"bash -n exited with {p.returncode}"
+
+
+def check_setup(setup: str) -> None:
+    """``--setup`` is shell by design (the user's own line, run with ``eval``); it must at least parse."""
+    why = bash_syntax_error(setup)
+    if why:
+        raise TrainscaleError(f"--setup {setup[:60]!r} is not a shell line bash can parse: {why}")
+
+
+def check_script(script: str | Path) -> None:
+    """``bash -n`` on the written script. Every value was quoted by :func:`sh`, so a failure is trainscale's bug."""
+    text = Path(script).read_text() if isinstance(script, Path) else script
+    why = bash_syntax_error(text)
+    if why:
+        raise JobFailed(f"bug in trainscale: the batch script it wrote does not parse ({why}); please report it")
+
+
+def _train_command(job: SlurmJob) -> list[object]:
+    """torchrun on this node, then the trainer; string values as ``--opt=value`` so none can pass for an option."""
+    cmd: list[object] = [
+        job.python, "-m", "torch.distributed.run",
+        "--nnodes", Var("SLURM_NNODES"), "--nproc-per-node", job.procs_per_node,
+        "--rdzv-id", Var("SLURM_JOB_ID"), "--rdzv-backend", "c10d", "--rdzv-endpoint", Var("head", f":{job.port}"),
+        "--max-restarts", job.max_restarts,
+        "-m", "trainscale.runtime.train", f"--config={job.config}", f"--layout={job.layout}", f"--out={job.out}",
+        "--resume"]
+    if job.steps is not None:
+        cmd += ["--steps", job.steps]
+    if job.inject:
+        cmd.append(f"--inject={job.inject}")
+    return cmd
+
+
+def _directives(job: SlurmJob, cpus: int) -> list[str]:
+    log = f"{job.log_dir.rstrip('/') or '/'}/{job.job_name}-%j.out"
+    lines = ["#!/bin/bash", _directive("job-name", job.job_name), _directive("nodes", job.nodes),
+             "#SBATCH --ntasks-per-node=1", _directive("cpus-per-task", cpus)]
+    if job.gpus:
+        lines.append(_directive("gpus-per-node", job.procs_per_node))
+    if job.mem:
+        lines.append(_directive("mem", job.mem))
+    lines += [_directive("time", job.time_limit), _directive("output", log), "#SBATCH --open-mode=append",
+              "#SBATCH --requeue"]
+    if job.signal_before_s:
+        lines.append(_directive("signal", f"B:USR1@{job.signal_before_s}"))
+    if job.partition:
+        lines.append(_directive("partition", job.partition))
+    if job.account:
+        lines.append(_directive("account", job.account))
+    return lines
 
 
 def sbatch_script(job: SlurmJob) -> str:
-    """The batch script as text (bash). Values are shell-quoted; ``job.check()`` has refused line breaks."""
+    """The batch script as text (bash). Every value goes through :func:`sh` (or :func:`_directive` for the
+    ``#SBATCH`` lines, which bash reads as comments); ``--setup`` is the one shell line, run by ``eval``."""
     job.check()
-    q = shlex.quote
-    out = str(job.out)
-    train = [job.python, "-m", "torch.distributed.run",
-             "--nnodes", "$SLURM_NNODES", "--nproc-per-node", str(job.procs_per_node),
-             "--rdzv-id", "$SLURM_JOB_ID", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"$head:{job.port}",
-             "--max-restarts", str(job.max_restarts),
-             "-m", "trainscale.runtime.train", "--config", str(job.config), "--layout", job.layout, "--out", out,
-             "--resume"]
-    if job.steps is not None:
-        train += ["--steps", str(job.steps)]
-    if job.inject:
-        train += ["--inject", job.inject]
-    # $-variables stay unquoted-expandable inside double quotes; everything else is single-quoted
-    cmd = " ".join(f'"{a}"' if a.startswith("$") else q(a) for a in train)
     cpus = job.cpus_per_proc * job.procs_per_node
-    log = f"{job.log_dir.rstrip('/') or '/'}/{job.job_name}-%j.out"
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={job.job_name}",
-        f"#SBATCH --nodes={job.nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --cpus-per-task={cpus}",
-    ]
-    if job.gpus:
-        lines.append(f"#SBATCH --gpus-per-node={job.procs_per_node}")
-    if job.mem:
-        lines.append(f"#SBATCH --mem={job.mem}")
-    lines += [f"#SBATCH --time={job.time_limit}", f"#SBATCH --output={log}", "#SBATCH --open-mode=append",
-              "#SBATCH --requeue"]
-    if job.signal_before_s:
-        lines.append(f"#SBATCH --signal=B:USR1@{job.signal_before_s}")
-    if job.partition:
-        lines.append(f"#SBATCH --partition={job.partition}")
-    if job.account:
-        lines.append(f"#SBATCH --account={job.account}")
-    lines += [
+    lines = _directives(job, cpus) + [
         "",
         "# written by `trainscale launch --slurm`; safe to requeue (scontrol requeue): it always resumes",
         "set -uo pipefail",
     ]
     if job.setup:
-        lines.append(job.setup)
+        # the user's own shell line (--setup), run in this shell; eval keeps it from joining the lines below
+        lines.append(shell_line("eval", job.setup))
     lines += [
-        f"mkdir -p {q(out)}",
-        f"export {SAVE_REQUEST_ENV}={q(str(Path(out) / SAVE_REQUEST))}",
-        f"export OMP_NUM_THREADS={job.cpus_per_proc}",
+        shell_line("mkdir", "-p", "--", job.out),
+        "export " + sh(f"{SAVE_REQUEST_ENV}={Path(job.out) / SAVE_REQUEST}"),
+        "export " + sh(f"OMP_NUM_THREADS={job.cpus_per_proc}"),
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         'echo "[slurm] job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, restart ${SLURM_RESTART_COUNT:-0}"',
         # the early signal reaches this shell only; the trainer polls the request file at each step
-        f'trap \'echo "[slurm] time limit near: asking for a checkpoint"; touch "${SAVE_REQUEST_ENV}"\' USR1',
-        f"srun --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=1 \\",
-        f"  {cmd} &",
+        "trap " + sh(f'echo "[slurm] time limit near: asking for a checkpoint"; touch "${SAVE_REQUEST_ENV}"') + " USR1",
+        shell_line("srun", "--ntasks-per-node=1", f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1") + " \\",
+        "  " + shell_line(*_train_command(job)) + " &",
         "pid=$!",
         "# a trapped signal interrupts `wait`: wait again until srun itself has ended",
         'while true; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done',
@@ -161,4 +246,6 @@ def sbatch_script(job: SlurmJob) -> str:
         'exit "$rc"',
         "",
     ]
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    check_script(text)
+    return text
