@@ -11,7 +11,10 @@ What the script guarantees (each point is a failure seen under a real Slurm 22.0
 - ``srun`` gets ``--cpus-per-task`` itself (Slurm >= 22.05 no longer passes sbatch's value to steps);
 - ``--signal=B:USR1@N``: N seconds before the time limit the batch shell asks the trainer (through a
   request file in the run folder) to write a checkpoint at the next step;
-- every value that reaches the script is checked: no newline or shell metacharacter can add a line.
+- every value that reaches a shell line goes through one helper, :func:`sh` (``shlex.quote``), and reaches
+  srun byte-for-byte as one argument, unexpanded; ``--setup`` is the one shell line by design, run by ``eval``
+  so it cannot join the lines after it; the ``#SBATCH`` values match Slurm's syntaxes; the whole script is
+  checked with ``bash -n`` (a failure is trainscale's bug: one sentence, exit 1).
 
 Imports no torch: ``trainscale launch --slurm`` stays fast.
 """
@@ -135,7 +138,7 @@ def sh(value: object) -> str:
         return f'"${value.name}"' + (sh(value.suffix) if value.suffix else "")
     text = str(value)
     if any(c in text for c in _LINE_BREAKS):
-        raise TrainscaleError(f"{text[:40]!r}... contains a line break; it would add lines to the batch script")
+        raise TrainscaleError(f"{text[:40]!r} contains a line break; it would add lines to the batch script")
     return shlex.quote(text)
 
 
