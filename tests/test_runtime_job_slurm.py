@@ -18,6 +18,7 @@ from slurm_cluster import SlurmCluster, slurm_missing
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 STEPS = 24
+NASTY_RUN = "run $(touch MARK); `touch MARK` 'q\" && touch MARK"
 
 
 def ts(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -66,9 +67,10 @@ def _log(script: Path, job: int) -> str:
 
 @pytest.fixture(scope="module")
 def uninterrupted(slurm, tmp_path_factory):
-    """One job run to the end: the reference for the others."""
+    """One job run to the end: the reference for the others. Its run folder's name is shell text (issue 23):
+    the real Slurm's batch shell must pass it on unexpanded."""
     tmp = tmp_path_factory.mktemp("plain")
-    run, script = _script(tmp, "run")
+    run, script = _script(tmp, NASTY_RUN)
     job = slurm.sbatch(script, cwd=tmp)
     state = slurm.wait(job, timeout=300)
     return run, script, job, state
@@ -82,6 +84,7 @@ def test_the_generated_script_runs_under_slurm(slurm, uninterrupted):
     assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:USR1@120" in text and "--resume" in text
     assert "srun --ntasks-per-node=1 --cpus-per-task=2" in text and "gpus-per-node" not in text
     assert state == "COMPLETED", _log(script, job) + slurm.logs()
+    assert run.name == NASTY_RUN and not list(script.parent.rglob("MARK")) and not (ROOT / "MARK").exists()
     log = _log(script, job)
     assert f"[slurm] job {job}" in log and "no complete checkpoint to resume from: starting at step 0" in log
     assert "[slurm] training ended with exit code 0" in log
