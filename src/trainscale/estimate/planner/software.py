@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.memory import ActivationCaching
@@ -89,6 +89,15 @@ _ActBytes = Annotated[float, Field(ge=0.5, le=4)]
 _SMs = Annotated[int, Field(ge=0, le=4096)]
 
 
+def _two_or_four(n: int) -> int:
+    if n not in (2, 4):
+        raise ValueError("2 or 4")
+    return n
+
+
+_GradBytes = Annotated[int, AfterValidator(_two_or_four)]  # an int (strict: not 2.0, not true), 2 or 4
+
+
 class SoftwareKnobs(BaseModel):
     """The knobs of one software preset (catalog/software.toml's header says what each means), strictly typed:
     TOML's own types, finite numbers, each in the range its meaning allows (KNOB_ALLOWED says it in words)."""
@@ -96,15 +105,15 @@ class SoftwareKnobs(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", frozen=True)
 
     attention: Literal["flash", "unfused"]
-    grad_bytes: Literal[2, 4]
-    grad_reduce_bytes: Literal[2, 4]
+    grad_bytes: _GradBytes
+    grad_reduce_bytes: _GradBytes
     dp_overlap: _Fraction
     tp_overlap: _Fraction
     selective_gemms: list[Literal[GEMM_NAMES]]  # type: ignore[valid-type]
     elementwise_passes: _Passes
     mlp_act_passes: Annotated[float, Field(ge=0, le=100)]
     microbatch_overhead_s: Annotated[float, Field(gt=0, le=1)]
-    zero: Annotated[list[Literal[0, 1, 2, 3]], Field(min_length=1)]
+    zero: Annotated[list[Annotated[int, Field(ge=0, le=3)]], Field(min_length=1)]
     schedules: Annotated[list[Schedule], Field(min_length=1)]
     cp: bool
     max_v: Annotated[int, Field(ge=1, le=1024)]
