@@ -205,7 +205,8 @@ class Facility(_Spec):
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Recompute = Literal["none", "selective", "full"]
 
-_NUM_TOKEN = re.compile(r"^([a-z]+)(\d+)$")
+_NUM_TOKEN = re.compile(r"^([a-z]+)([0-9]+)$")  # ASCII digits only: int() would also read other scripts' digits
+MAX_DIGITS = 6  # no layout degree exceeds 10^6 (commands/_common.MAX_PROCESSES); longer numbers are refused unread
 # number tokens -> the Layout field they set (a later parallel dimension, e.g. ``ep``, is one more entry)
 _NUM_FIELDS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "mb": "mb", "v": "v", "zero": "zero", "hsdp": "hsdp",
                "ep": "ep"}
@@ -305,6 +306,10 @@ class Layout(_Spec):
                 continue
             m = _NUM_TOKEN.match(raw)
             if m and (m.group(1) in _NUM_FIELDS or m.group(1) == "fsdp"):
+                if len(m.group(2)) > MAX_DIGITS:
+                    shown = raw if len(raw) <= 20 else raw[:20] + "..."
+                    raise TrainscaleError(f"layout token '{shown}' has a number of more than {MAX_DIGITS} "
+                                          "digits; no layout degree exceeds 10^6")
                 key, val = m.group(1), int(m.group(2))
                 if key == "fsdp":  # fsdpN = dpN,zero3
                     put("dp", val, raw)

@@ -10,7 +10,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import comms
@@ -48,9 +50,93 @@ class Efficiencies:
 _EFF_KEYS = tuple(f.name for f in fields(Efficiencies) if f.name != "sources")
 
 
+class Range(NamedTuple):
+    """A knob's allowed values, from what it means: lo < x (or lo <= x when ``lo_in``) and x <= hi."""
+
+    lo: float
+    lo_in: bool
+    hi: float
+    what: str
+
+    def text(self) -> str:
+        return f"{self.what}: a finite number in {'[' if self.lo_in else '('}{self.lo:.12g}, {self.hi:.12g}]"
+
+
+_RATE = Range(0, False, 1, "a fraction of a datasheet rate (0 would make the step take forever)")
+_HIDDEN = Range(0, True, 1, "the fraction of the traffic hidden under compute")
+_LATENCY = Range(0, False, 1, "a latency in seconds")
+# One range per knob of catalog/planner.toml [defaults], read from the knob's comment and its use in the step model.
+KNOB_RANGES: dict[str, Range] = {
+    "matmul_efficiency": _RATE, "attention_efficiency": _RATE, "hbm_efficiency": _RATE,
+    "sustained_clock_fraction": _RATE, "scale_up_bus_efficiency": _RATE, "network_bus_efficiency": _RATE,
+    "fp8_matmul_efficiency": _RATE,
+    # layer.py: rate x s / (s + half); a sequence length in tokens, at most --seq's bound of 2^24
+    "attention_seq_half": Range(0, False, 1 << 24, "the sequence length in tokens at which attention runs at half "
+                                "its plateau"),
+    "launch_gap_s": _LATENCY, "scale_up_latency_s": _LATENCY,
+    # derived 28 (Adam, bf16 grads); a measured figure (calibrate: seconds x bandwidth) may be a few times that
+    "optimizer_bytes_per_param": Range(0, False, 1000, "the bytes the optimizer step reads and writes per parameter"),
+    "cp_overlap": _HIDDEN, "p2p_overlap": _HIDDEN,
+    # moe.py: the busiest expert-parallel rank's tokens over the mean, at least 1 by definition
+    "moe_imbalance": Range(1, True, 1000, "the busiest expert rank's tokens over the mean"),
+    # step.py: bytes kept back from each GPU's memory; no GPU in catalog/gpus.toml has 1 TB
+    "memory_reserve_bytes": Range(0, True, 1e12, "bytes kept back per GPU"),
+}
+assert set(KNOB_RANGES) == set(_EFF_KEYS)
+
+
+def _knob_field(r: Range) -> Any:
+    return Field(gt=None if r.lo_in else r.lo, ge=r.lo if r.lo_in else None, le=r.hi)
+
+
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", frozen=True)
+# the settings the step model runs at: every knob, a finite number in its range
+PlannerSettings: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    "PlannerSettings", __config__=_STRICT, **{k: (float, _knob_field(r)) for k, r in KNOB_RANGES.items()})
+# one table of catalog/planner.toml ([defaults], [generation.X], [gpu.X]): some knobs, each with its source
+PlannerSection: type[BaseModel] = create_model(  # type: ignore[call-overload]
+    "PlannerSection", __config__=_STRICT,
+    **{k: (Annotated[float, _knob_field(r)] | None, None) for k, r in KNOB_RANGES.items()},
+    **{f"{k}_source": (str | None, None) for k in KNOB_RANGES})
+
+
+def _knob_error(e: ValidationError, values: dict[str, Any], where: Any) -> TrainscaleError:
+    """One sentence: the first bad knob, where it came from, its allowed range and the value given."""
+    err = e.errors()[0]
+    k = str(err["loc"][0]) if err.get("loc") else "?"
+    origin = where(k) if callable(where) else where
+    if k not in KNOB_RANGES:
+        what = "must be a string" if k.endswith("_source") else f"is unknown; known: {', '.join(_EFF_KEYS)}"
+        return TrainscaleError(f"planner setting {k} ({origin}) {what}")
+    return TrainscaleError(f"planner setting {k} ({origin}) is {KNOB_RANGES[k].text()}, not {values.get(k)!r}")
+
+
+def check_settings(values: dict[str, Any], where: Any = "given") -> None:
+    """Every knob present and in range (PlannerSettings); ``where`` names the origin (or maps a knob to it)."""
+    try:
+        PlannerSettings(**values)
+    except ValidationError as e:
+        raise _knob_error(e, values, where) from None
+
+
+def check_section(values: dict[str, Any], where: str) -> None:
+    """One catalog/planner.toml table: only known knobs (and their ``_source`` strings), each in range."""
+    try:
+        PlannerSection(**values)
+    except ValidationError as e:
+        raise _knob_error(e, values, where) from None
+
+
 @cache
 def planner_catalog() -> dict[str, Any]:
-    return tomllib.loads(resources.files("trainscale.catalog").joinpath("planner.toml").read_text())
+    """catalog/planner.toml, each table of knobs checked against its schema (PlannerSettings, PlannerSection)."""
+    cat = tomllib.loads(resources.files("trainscale.catalog").joinpath("planner.toml").read_text())
+    check_settings({k: cat["defaults"].get(k) for k in _EFF_KEYS}, "catalog/planner.toml [defaults]")
+    for kind in ("defaults", "generation", "gpu"):
+        tables = {"": cat[kind]} if kind == "defaults" else cat.get(kind, {})
+        for name, table in tables.items():
+            check_section(table, f"catalog/planner.toml [{kind}{'.' + name if name else ''}]")
+    return cat
 
 
 def profile_efficiencies(prof: dict[str, Any], path: Path, peak_flops: float | None, hbm_bandwidth: float | None,
@@ -136,19 +222,11 @@ def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
     for k, x in {**extra, **(overrides or {})}.items():
         if k not in vals:
             raise TrainscaleError(f"unknown planner setting '{k}'; known: {', '.join(_EFF_KEYS)}")
-        try:
-            vals[k] = float(x)
-        except (TypeError, ValueError):
-            raise TrainscaleError(f"planner setting {k} must be a number, not {x!r}") from None
+        vals[k] = x
         if overrides and k in overrides:
             sources[k] = "set on the command line"
-    for k in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency", "scale_up_bus_efficiency",
-              "network_bus_efficiency", "sustained_clock_fraction", "fp8_matmul_efficiency"):
-        if not 0 < vals[k] <= 1:
-            raise TrainscaleError(f"planner setting {k} must be in (0, 1], not {vals[k]}")
-    if not 1 <= vals["moe_imbalance"] <= 1e3:
-        raise TrainscaleError(f"planner setting moe_imbalance must be at least 1 (the busiest rank over the mean), "
-                              f"not {vals['moe_imbalance']}")
+    check_settings(vals, lambda k: sources.get(k) or "catalog/planner.toml")
+    vals.update({k: float(vals[k]) for k in {**extra, **(overrides or {})}})
     return Efficiencies(**vals, sources=sources)
 
 

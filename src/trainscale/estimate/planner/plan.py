@@ -10,6 +10,7 @@ memory headroom. The whole space is built and scored with numpy: no Python loop 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -32,6 +33,7 @@ from trainscale.estimate.planner.step import (
     planner_catalog,
 )
 from trainscale.specs import (
+    MAX_DIGITS,
     ClusterSpec,
     GPUSpec,
     Layout,
@@ -568,24 +570,36 @@ FORBID: dict[str, tuple[str, int | None]] = {
 
 
 def parse_fix(text: str) -> dict[str, int]:
-    """``tp=8,pp=16,schedule=interleaved`` -> {"tp": 8, "pp": 16, "schedule": 2}."""
+    """``tp=8,pp=16,schedule=interleaved`` -> {"tp": 8, "pp": 16, "schedule": 2}; numbers of at most
+    ``specs.MAX_DIGITS`` ASCII digits (no degree exceeds 10^6), read only after that check; each key once."""
     out: dict[str, int] = {}
     for raw in text.replace(" ", "").lower().split(","):
         if not raw:
             continue
         key, sep, val = raw.partition("=")
         if not sep or key not in FIXABLE:
-            raise TrainscaleError(f"--fix takes key=value with key in {', '.join(FIXABLE)}, not '{raw}'")
+            raise TrainscaleError(f"--fix takes key=value with key in {', '.join(FIXABLE)}, not '{_clip(raw)}'")
+        name = "recompute" if key == "rc" else key
+        if name in out:
+            raise TrainscaleError(f"--fix sets {name} twice (again by '{_clip(raw)}'); give each key once")
+        if FIXABLE[key] is int and not re.fullmatch(rf"[0-9]{{1,{MAX_DIGITS}}}", val):
+            raise TrainscaleError(f"--fix {key} needs a whole number of at most {MAX_DIGITS} digits, not "
+                                  f"'{_clip(val)}'")
         try:
-            out["recompute" if key == "rc" else key] = int(FIXABLE[key](val))
+            out[name] = int(FIXABLE[key](val))
         except ValueError:
-            raise TrainscaleError(f"--fix {key}={val} is not a valid value") from None
+            raise TrainscaleError(f"--fix {key}={_clip(val)} is not a valid value") from None
     return out
+
+
+def _clip(text: str, n: int = 40) -> str:
+    """A user's token as an error message quotes it: at most n characters."""
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def parse_forbid(text: str) -> tuple[str, ...]:
     toks = tuple(t for t in text.replace(" ", "").lower().split(",") if t)
     bad = [t for t in toks if t not in FORBID]
     if bad:
-        raise TrainscaleError(f"--forbid does not know {', '.join(bad)}; use {', '.join(FORBID)}")
+        raise TrainscaleError(f"--forbid does not know {_clip(', '.join(bad))}; use {', '.join(FORBID)}")
     return toks

@@ -13,10 +13,13 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.memory import ActivationCaching
+from trainscale.specs import Schedule
 
 GEMM_NAMES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")  # runtime/model.py's Linear names (params.py)
 DEFAULT = "trainscale"  # the runtime this project ships; launch.py plans for it
@@ -80,6 +83,91 @@ _OPTIONAL = {"attention_speed": 1.0, "precision": "bf16", "moe_node_limit": 0, "
 PRECISIONS = ("bf16", "fp8")
 
 
+_Fraction = Annotated[float, Field(ge=0, le=1)]
+_Passes = Annotated[float, Field(ge=0, le=1000)]
+_ActBytes = Annotated[float, Field(ge=0.5, le=4)]
+_SMs = Annotated[int, Field(ge=0, le=4096)]
+
+
+def _two_or_four(n: int) -> int:
+    if n not in (2, 4):
+        raise ValueError("2 or 4")
+    return n
+
+
+_GradBytes = Annotated[int, AfterValidator(_two_or_four)]  # an int (strict: not 2.0, not true), 2 or 4
+
+
+class SoftwareKnobs(BaseModel):
+    """The knobs of one software preset (catalog/software.toml's header says what each means), strictly typed:
+    TOML's own types, finite numbers, each in the range its meaning allows (KNOB_ALLOWED says it in words)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", frozen=True)
+
+    attention: Literal["flash", "unfused"]
+    grad_bytes: _GradBytes
+    grad_reduce_bytes: _GradBytes
+    dp_overlap: _Fraction
+    tp_overlap: _Fraction
+    selective_gemms: list[Literal[GEMM_NAMES]]  # type: ignore[valid-type]
+    elementwise_passes: _Passes
+    mlp_act_passes: Annotated[float, Field(ge=0, le=100)]
+    microbatch_overhead_s: Annotated[float, Field(gt=0, le=1)]
+    zero: Annotated[list[Annotated[int, Field(ge=0, le=3)]], Field(min_length=1)]
+    schedules: Annotated[list[Schedule], Field(min_length=1)]
+    cp: bool
+    max_v: Annotated[int, Field(ge=1, le=1024)]
+    attention_speed: Annotated[float, Field(gt=0, le=4)]
+    precision: Literal["bf16", "fp8"]
+    moe_node_limit: _SMs
+    a2a_overlap: _Fraction
+    pipeline: Literal["standard", "dualpipe"]
+    comm_sms: _SMs
+    linear_act_bytes: _ActBytes
+    attn_out_act_bytes: _ActBytes
+    swiglu_in_act_bytes: _ActBytes
+    recompute_norms: bool
+    recompute_mla_up: bool
+    recompute_swiglu_output: bool
+    moe_weighted_combine: bool
+
+
+_FRACTION = "a fraction, a finite number in [0, 1]"
+_BYTES = "bytes per cached element, a finite number in [0.5, 4] (FP8 with scales to fp32)"
+_BOOL = "true or false"
+KNOB_ALLOWED: dict[str, str] = {
+    "attention": "flash or unfused", "grad_bytes": "2 or 4", "grad_reduce_bytes": "2 or 4",
+    "dp_overlap": _FRACTION, "tp_overlap": _FRACTION, "a2a_overlap": _FRACTION,
+    "selective_gemms": f"a list of GEMM names among {', '.join(GEMM_NAMES)}",
+    "elementwise_passes": "HBM passes per token per layer, a finite number in [0, 1000]",
+    "mlp_act_passes": "HBM passes over the d_ff activation, a finite number in [0, 100]",
+    "microbatch_overhead_s": "a latency in seconds, a finite number in (0, 1]",
+    "zero": "a non-empty list of ZeRO stages among 0, 1, 2, 3",
+    "schedules": f"a non-empty list of schedules among {', '.join(get_args(Schedule))}",
+    "cp": _BOOL, "max_v": "a whole number of virtual stages from 1 to 1024",
+    "attention_speed": "the kernel's rate over FlashAttention-2's, a finite number in (0, 4]",
+    "precision": f"one of {', '.join(PRECISIONS)}", "pipeline": "standard or dualpipe",
+    "moe_node_limit": "a whole number of nodes from 0 (no limit) to 4096",
+    "comm_sms": "a whole number of SMs from 0 to 4096",
+    "linear_act_bytes": _BYTES, "attn_out_act_bytes": _BYTES, "swiglu_in_act_bytes": _BYTES,
+    "recompute_norms": _BOOL, "recompute_mla_up": _BOOL, "recompute_swiglu_output": _BOOL,
+    "moe_weighted_combine": _BOOL,
+}
+
+
+def check_knobs(vals: dict[str, Any], where: str) -> None:
+    """All of a preset's knobs against SoftwareKnobs; the first bad one in one sentence with what it allows."""
+    try:
+        SoftwareKnobs(**vals)
+    except ValidationError as e:
+        loc = e.errors()[0].get("loc") or ("?",)
+        k = str(loc[0])
+        shown = repr(vals.get(k))
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise TrainscaleError(f"software {where}: {k} must be {KNOB_ALLOWED.get(k, 'a known knob')}, "
+                              f"not {shown}") from None
+
+
 @cache
 def _catalog() -> dict[str, dict[str, Any]]:
     return tomllib.loads(resources.files("trainscale.catalog").joinpath("software.toml").read_text())
@@ -98,36 +186,11 @@ def _build(name: str, data: dict[str, Any], where: str) -> Software:
     if unknown:
         raise TrainscaleError(f"software {where} has unknown knobs {', '.join(unknown)}; known: {', '.join(_KNOBS)}")
     vals: dict[str, Any] = {k: data[k] for k in _KNOBS}
+    check_knobs(vals, where)
     for k in ("selective_gemms", "zero", "schedules"):
         vals[k] = tuple(vals[k])
-    if vals["attention"] not in ("flash", "unfused"):
-        raise TrainscaleError(f"software {where}: attention must be flash or unfused, not {vals['attention']!r}")
-    if vals["grad_bytes"] not in (2, 4) or vals["grad_reduce_bytes"] not in (2, 4):
-        raise TrainscaleError(f"software {where}: grad_bytes and grad_reduce_bytes must be 2 or 4")
-    bad = [g for g in vals["selective_gemms"] if g not in GEMM_NAMES]
-    if bad:
-        raise TrainscaleError(f"software {where}: selective_gemms {bad} are not among {', '.join(GEMM_NAMES)}")
-    for k in ("dp_overlap", "tp_overlap"):
-        if not 0 <= float(vals[k]) <= 1:
-            raise TrainscaleError(f"software {where}: {k} must be in [0, 1]")
-    if not 0 < float(vals["attention_speed"]) <= 4:
-        raise TrainscaleError(f"software {where}: attention_speed must be in (0, 4]")
-    if vals["precision"] not in PRECISIONS:
-        raise TrainscaleError(f"software {where}: precision must be bf16 or fp8, not {vals['precision']!r}")
-    if vals["pipeline"] not in ("standard", "dualpipe"):
-        raise TrainscaleError(f"software {where}: pipeline must be standard or dualpipe, not {vals['pipeline']!r}")
-    if not 0 <= float(vals["a2a_overlap"]) <= 1:
-        raise TrainscaleError(f"software {where}: a2a_overlap must be in [0, 1]")
-    for k in ("moe_node_limit", "comm_sms"):
-        if isinstance(vals[k], bool) or not isinstance(vals[k], int) or not 0 <= vals[k] <= 4096:
-            raise TrainscaleError(f"software {where}: {k} must be a whole number from 0 to 4096")
     for k in ("linear_act_bytes", "attn_out_act_bytes", "swiglu_in_act_bytes"):
-        if isinstance(vals[k], bool) or not isinstance(vals[k], int | float) or not 0.5 <= vals[k] <= 4:
-            raise TrainscaleError(f"software {where}: {k} must be a number of bytes from 0.5 to 4")
         vals[k] = float(vals[k])
-    for k in ("recompute_norms", "recompute_mla_up", "recompute_swiglu_output", "moe_weighted_combine"):
-        if not isinstance(vals[k], bool):
-            raise TrainscaleError(f"software {where}: {k} must be true or false")
     sources = {k: str(data.get(f"{k}_source", "")) for k in _KNOBS}
     return Software(name=name, source=str(data.get("source", "")), sources=sources, **vals)
 
