@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import sys
 import tomllib
 from importlib import resources
@@ -267,3 +268,17 @@ def test_fix_good_values() -> None:
                                                                       "recompute": 2}
     res = planned("plan", "--model", "llama3.1-8b", "--gpus", "8", "--fix", "tp=8")
     assert res["layout"].startswith("tp8,")
+
+
+@pytest.mark.parametrize("args", [
+    ["plan", "--model", "llama3.1-8b", "--gpus", "8", "--software", "{fifo}"],
+    ["plan", "--model", "llama3.1-8b", "--gpus", "8", "--profile", "{fifo}"],
+    ["validate", "--runs", "{fifo}"],
+])
+def test_a_fifo_given_as_a_planner_file_is_refused_not_read(tmp_path: Path, args: list[str]) -> None:
+    """Issue 23: a FIFO given as --software / --profile / --runs hung (an open() that waits for a writer); the safe
+    opener refuses anything but a regular file before opening it."""
+    fifo = tmp_path / "knobs.toml"
+    os.mkfifo(fifo)
+    msg = refused(*[a.format(fifo=fifo) for a in args])
+    assert "not a regular file" in msg

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import comms
 from trainscale.estimate.profile import check_profile, is_hardware_profile
+from trainscale.safeio import read_text
 from trainscale.specs import ClusterSpec, GPUSpec, load_gpu
 
 
@@ -206,9 +207,9 @@ def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
     if profile is not None:
         path = Path(profile)
         try:
-            text = path.read_text()
+            text = read_text(path, "profile")
             extra = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-        except (OSError, ValueError) as e:
+        except ValueError as e:
             raise TrainscaleError(f"profile {path} cannot be read: {e}") from None
         if is_hardware_profile(extra):  # a `trainscale calibrate` hardware profile
             extra = profile_efficiencies(check_profile(extra, path), path, peak_flops, hbm_bandwidth,

@@ -21,6 +21,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.params import embedding_params, param_count
 from trainscale.estimate.planner import plan
+from trainscale.safeio import read_text
 from trainscale.specs import Layout, ModelSpec
 
 FIGURES = {
@@ -105,10 +106,10 @@ class Run:
 def load_runs(path: str | Path | None = None) -> list[Run]:
     """The published runs: catalog/runs.toml, or a TOML file of [[run]] tables with the same keys."""
     try:
-        text = Path(path).read_text() if path else \
+        text = read_text(path, "runs file") if path else \
             resources.files("trainscale.catalog").joinpath("runs.toml").read_text()
         data = tomllib.loads(text)
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except tomllib.TOMLDecodeError as e:
         raise TrainscaleError(f"runs file {path} cannot be read: {e}") from None
     runs = []
     for i, r in enumerate(data.get("run", [])):
