@@ -152,7 +152,8 @@ def test_sigkill_rounds_then_resume_equal_an_uninterrupted_run(baseline, tmp_pat
             err = (out.parent / f"chaos-round{i}.err").read_text()
             assert code == 1 and "training failed" in one_line(err), err[-3000:]
         steps = committed_steps(ckpt)
-        assert steps and all(verify(ckpt / f"step-{s:08d}") is None for s in steps)
+        assert steps and all(verify(ckpt / f"step-{s:08d}") is None for s in steps), \
+            {s: verify(ckpt / f"step-{s:08d}") for s in steps}
         report.append(f"{target}{' mid-save' if caught else ''} after step {len(loss_rows(out))}: "
                       f"newest committed step {steps[-1]}")
     print("\n".join(report))

@@ -66,3 +66,29 @@ def test_kill_before_commit_leaves_previous_checkpoint(tmp_path):
     assert not list(tmp_path.glob(".tmp-*"))
     sd = _state(0.0).state_dict()
     assert mgr2.load({"model": sd})[0] == 1
+
+
+def test_a_removal_cut_short_never_leaves_a_damaged_committed_checkpoint(tmp_path, monkeypatch):
+    """Retention deletes old checkpoints: a kill in the middle of that deletion must leave the checkpoint whole or
+    gone, never a committed folder with files missing (found by the chaos test: step-1 with no __0_0.distcp)."""
+    import shutil
+    from types import SimpleNamespace
+
+    import trainscale.runtime.job.checkpoint as ckpt
+
+    mgr = CheckpointManager(tmp_path, keep=2)
+    for step in (1, 2):
+        mgr.save(step, {"model": _state(float(step)).state_dict()}, {"step": step})
+
+    def killed_midway(path, ignore_errors=False):  # deletes one file, then the process "dies"
+        next(p for p in sorted(path.iterdir()) if p.is_file()).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt, "shutil", SimpleNamespace(rmtree=killed_midway, disk_usage=shutil.disk_usage))
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(3, {"model": _state(3.0).state_dict()}, {"step": 3})
+    monkeypatch.setattr(ckpt, "shutil", shutil)
+    assert committed_steps(tmp_path) == [2, 3]
+    assert all(verify(tmp_path / f"step-{s:08d}") is None for s in (2, 3))
+    CheckpointManager(tmp_path, keep=2)  # the next start removes what the kill left
+    assert not list(tmp_path.glob(".trash-*"))

@@ -313,6 +313,17 @@ def verify(folder: Path, full: bool = True, run_id: str | None = None) -> str | 
     return None
 
 
+def _discard(folder: Path) -> None:
+    """Remove a committed checkpoint so that a kill at any moment leaves it whole or gone: first renamed out of
+    the ``step-*`` names (atomic), then deleted; a ``.trash-*`` a kill left behind is deleted at the next start."""
+    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
+    try:
+        os.rename(folder, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def committed_steps(root: Path) -> list[int]:
     out = []
     for p in root.glob("step-*"):
@@ -370,7 +381,8 @@ class CheckpointManager:
         if _rank() == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                for stale in self.root.glob(".tmp-step-*"):  # a save that a crash interrupted
+                # a save that a crash interrupted, or a removal it cut short
+                for stale in [*self.root.glob(".tmp-step-*"), *self.root.glob(".trash-*")]:
                     shutil.rmtree(stale, ignore_errors=True)
             except OSError as e:
                 error = f"checkpoint folder {self.root} cannot be written: {_fail_sentence(e)}"
@@ -470,14 +482,14 @@ class CheckpointManager:
             os.fsync(f.fileno())
         final = self.root / step_dir_name(step)
         if final.exists():  # re-saving a step after a restart: the new one replaces it
-            shutil.rmtree(final)
+            _discard(final)
         os.rename(tmp, final)  # atomic on POSIX: the checkpoint appears whole or not at all
         self._retain()
 
     def _retain(self) -> None:
         steps = committed_steps(self.root)
         for old in steps[: max(0, len(steps) - self.keep)]:
-            shutil.rmtree(self.root / step_dir_name(old), ignore_errors=True)
+            _discard(self.root / step_dir_name(old))
 
     # ------------------------------------------------------------------ load
 
