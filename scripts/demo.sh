@@ -10,7 +10,7 @@ step "1. Why training takes a data center (the seed's running example, recompute
 $TS explain
 
 step "1b. A mixture of experts: DeepSeek-V3's 671B parameters, 37B of them active per token"
-$TS explain --model deepseek-v3 --tokens 14.8e12 --gpu h800 --gpus 2048
+$TS explain --model deepseek-v3 --tokens 14.8e12 --seq 4096 --gpu h800 --gpus 2048  # pre-trained at 4K (arXiv 2412.19437 Sec. 4.2)
 
 mkdir -p runs
 step "2. Plan: the best 4D layout for Llama 3.1 405B on 16,384 H100s (seq 8192, 16M-token batches)"
