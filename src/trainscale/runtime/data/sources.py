@@ -14,11 +14,13 @@ is text the model never saw (``corpus_text``).
 
 from __future__ import annotations
 
-import glob as globmod
+import fnmatch
 import hashlib
 import json
 import os
 import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from trainscale.errors import TrainscaleError
+from trainscale.safeio import check_regular
 
 TEXT_SUFFIXES = {".txt", ".text", ".md"}
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
@@ -84,27 +87,134 @@ def _format_of(path: Path, fmt: str) -> str:
     return "text"
 
 
+MAX_GLOB_ENTRIES = 1_000_000  # files and folders one pattern or folder may visit: far beyond any corpus's file count
+MAX_GLOB_SECONDS = 60.0  # and the time it may take (a network file system, or a pattern that walks a whole disk)
+
+
+@dataclass
+class _Budget:
+    """What one ``[data] files`` entry may still visit: a count of entries and a deadline."""
+
+    entry: str
+    limit: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        self.entries, self.deadline = self.limit, time.monotonic() + self.seconds
+
+    def spend(self) -> None:
+        self.entries -= 1
+        if self.entries < 0:
+            raise TrainscaleError(f"data file pattern '{self.entry}' visits more than {self.limit:,} files and "
+                                  "folders; name a narrower folder or pattern")
+        if time.monotonic() > self.deadline:
+            raise TrainscaleError(f"data file pattern '{self.entry}' took more than {self.seconds:g} s to "
+                                  "expand; name a narrower folder or pattern")
+
+
+def _is_root(path: Path) -> bool:
+    """``/`` (or a drive's root), or a path that resolves to it."""
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError):
+        resolved = path
+    return resolved == Path(resolved.anchor) or path == Path(path.anchor)
+
+
+def _scan(folder: Path, budget: _Budget) -> list[os.DirEntry]:
+    try:
+        with os.scandir(folder) as it:
+            out = []
+            for e in it:
+                budget.spend()
+                out.append(e)
+            return out
+    except OSError:  # unreadable folders are skipped, as glob skips them
+        return []
+
+
+def _is_dir(e: os.DirEntry) -> bool:
+    try:
+        return e.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def _match(name: str, segment: str) -> bool:
+    """fnmatch as glob applies it: a name starting with '.' matches only a segment starting with '.'."""
+    return fnmatch.fnmatchcase(name, segment) and (not name.startswith(".") or segment.startswith("."))
+
+
+def _walk(folder: Path, segments: list[str], budget: _Budget) -> Iterator[Path]:
+    """The paths under ``folder`` matching ``segments`` (glob's rules, ``**`` any depth without following links to
+    folders, so a link loop is not walked), visiting each entry once against ``budget``."""
+    if not segments:
+        yield folder
+        return
+    seg, rest = segments[0], segments[1:]
+    if seg == "**":
+        yield from _walk(folder, rest, budget)
+        for e in _scan(folder, budget):
+            if e.name.startswith("."):
+                continue
+            if _is_dir(e):
+                yield from _walk(Path(e.path), segments, budget)
+            elif not rest:
+                yield Path(e.path)
+        return
+    if not any(c in seg for c in "*?["):
+        nxt = folder / seg
+        if os.path.lexists(nxt):
+            budget.spend()
+            yield from _walk(nxt, rest, budget)
+        return
+    for e in _scan(folder, budget):
+        if _match(e.name, seg) and (not rest or os.path.isdir(e.path)):
+            yield from _walk(Path(e.path), rest, budget)
+
+
+def expand_pattern(entry: str, max_entries: int = MAX_GLOB_ENTRIES, seconds: float = MAX_GLOB_SECONDS) -> list[Path]:
+    """The regular files a glob pattern matches, sorted; ``**`` under a filesystem root is refused, and the walk
+    visits at most ``max_entries`` entries in ``seconds`` (each refusal one sentence naming the pattern)."""
+    parts = Path(os.path.expanduser(entry)).parts
+    first = next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))
+    prefix = Path(*parts[:first]) if first else Path(".")
+    segments = list(parts[first:])
+    if "**" in segments and _is_root(prefix if prefix.is_absolute() else prefix.absolute()):
+        raise TrainscaleError(f"data file pattern '{entry}' searches a whole file system ('**' under {prefix}); "
+                              "start it at the folder that holds the corpus")
+    budget = _Budget(entry, max_entries, seconds)
+    return sorted({p for p in _walk(prefix, segments, budget) if p.is_file()})
+
+
+def _folder_files(path: Path, fmt: str) -> list[Path]:
+    """The corpus files in a folder and its subfolders (hidden ones left out), within the glob budget."""
+    if _is_root(path):
+        raise TrainscaleError(f"data folder {path} is a whole file system; name the folder that holds the corpus")
+    known = TEXT_SUFFIXES | JSONL_SUFFIXES | PARQUET_SUFFIXES
+    budget = _Budget(str(path), MAX_GLOB_ENTRIES, MAX_GLOB_SECONDS)
+    return sorted(p for p in _walk(path, ["**", "*"], budget) if p.is_file()
+                  and (fmt != "auto" or p.suffix.lower() in known))
+
+
 def resolve_sources(files: tuple[str, ...], fmt: str = "auto") -> list[Source]:
     """Paths, globs and folders -> the input files, sorted within each entry, first mention kept."""
     found: list[Path] = []
     for entry in files:
         if any(c in entry for c in "*?["):
-            hits = sorted(Path(p) for p in globmod.glob(os.path.expanduser(entry), recursive=True))
-            hits = [p for p in hits if p.is_file()]
+            hits = expand_pattern(entry)
             if not hits:
                 raise TrainscaleError(f"data file pattern '{entry}' matches no files")
             found += hits
             continue
         path = Path(entry).expanduser()
         if path.is_dir():
-            known = TEXT_SUFFIXES | JSONL_SUFFIXES | PARQUET_SUFFIXES
-            hits = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
-                          and (fmt != "auto" or p.suffix.lower() in known))
+            hits = _folder_files(path, fmt)
             if not hits:
                 raise TrainscaleError(f"data folder {path} has no .txt, .jsonl or .parquet files")
             found += hits
-        elif path.is_file():
-            found.append(path)
+        elif os.path.lexists(path):
+            found.append(check_regular(path, "data file"))
         else:
             raise TrainscaleError(f"data file {path} does not exist")
     seen: set[Path] = set()
@@ -117,6 +227,7 @@ def resolve_sources(files: tuple[str, ...], fmt: str = "auto") -> list[Source]:
         st = rp.stat()
         out.append(Source(str(rp), _format_of(rp, fmt), st.st_size, st.st_mtime_ns))
     return out
+
 
 def file_sha256(path: str) -> str:
     """The SHA-256 of a file's bytes, read in 4 MiB pieces."""
