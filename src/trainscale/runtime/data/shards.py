@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -152,6 +153,51 @@ class ShardCorpus:
 # --------------------------------------------------------------------------- prepare
 
 
+# What prepare-data writes, by name: a finished folder (index.json, tokenizer.json, unigram.npy, the shards and
+# the unit markers) and, while at work, its temporary files, job list and worker logs.
+OUTPUT_FILES = re.compile(r"index\.json|tokenizer\.json|unigram\.npy|(train|val)-\d{5,}\.npy|unit-\d{5,}\.json")
+WORK_FILES = re.compile(OUTPUT_FILES.pattern + r"|jobs\.json|worker-\d+\.log|\..+\.tmp\d+")
+MAX_FOLDER_ENTRIES = 1_000_000  # a prepared folder holds three files per unit of shard_mb input megabytes
+
+
+def _only_ours(folder: Path, names: re.Pattern[str]) -> bool:
+    """Whether ``folder`` holds only regular files named as prepare-data names its files (no link, no subfolder)."""
+    return _foreign(folder, names) is None
+
+
+def _foreign(folder: Path, names: re.Pattern[str]) -> str | None:
+    """The first entry of ``folder`` that prepare-data did not write, or None."""
+    try:
+        with os.scandir(folder) as it:
+            for n, e in enumerate(it):
+                if n >= MAX_FOLDER_ENTRIES or not names.fullmatch(e.name) or not e.is_file(follow_symlinks=False):
+                    return e.name
+    except OSError as e:
+        return f"(unreadable: {e.strerror})"
+    return None
+
+
+def _check_folder(folder: Path) -> dict[str, Any] | None:
+    """The output folder must be new, empty, or a prepare-data folder holding only what prepare-data writes
+    (a folder of the user's own files is never written into nor replaced): -> its index, if any."""
+    if not os.path.lexists(folder):
+        return None
+    if folder.is_symlink() or not folder.is_dir():
+        raise TrainscaleError(f"data.prepared {folder} exists and is not a folder; name a new or empty folder")
+    stranger = _foreign(folder, OUTPUT_FILES)
+    if stranger is not None:
+        raise TrainscaleError(f"data.prepared folder {folder} holds {stranger}, which prepare-data did not write; "
+                              "name a new or empty folder")
+    if not any(folder.iterdir()):
+        return None
+    index = read_json_object(folder / "index.json", "prepared corpus index", limit=MAX_INDEX_BYTES)
+    if type(index.get("version")) is not int or not isinstance(index.get("hash"), str) \
+            or not isinstance(index.get("splits"), dict):
+        raise TrainscaleError(f"data.prepared folder {folder} has an index.json that prepare-data did not write "
+                              "(no version, hash and splits); name a new or empty folder")
+    return index
+
+
 def _settings_key(s: Settings, tokenizer_key: str) -> str:
     return json.dumps({"version": FORMAT_VERSION, "documents": s.documents, "text_field": s.text_field,
                        "held_out": s.held_out, "unit_bytes": s.unit_bytes, "tokenizer": tokenizer_key},
@@ -207,11 +253,7 @@ def prepare(req: DataRequest, model_vocab: int, cache: Path, progress: Progress 
     sources = resolve_sources(req.files, req.format)
     if not sources or all(s.size == 0 for s in sources):
         raise TrainscaleError(f"the corpus is empty: {', '.join(req.files)} hold no text")
-    old = None
-    if folder.exists():
-        if not (folder / "index.json").is_file():
-            raise TrainscaleError(f"data.prepared folder {folder} exists and is not a prepare-data folder")
-        old = read_json_object(folder / "index.json", "prepared corpus index", limit=MAX_INDEX_BYTES)
+    old = _check_folder(folder)
 
     if req.tokenizer is not None:
         tok = load_tokenizer(req.tokenizer)
@@ -236,7 +278,7 @@ def prepare(req: DataRequest, model_vocab: int, cache: Path, progress: Progress 
 
     work = folder.with_name(f".{folder.name}.partial-{digest[:16]}")
     for stale in folder.parent.glob(f".{folder.name}.partial-*") if folder.parent.exists() else ():
-        if stale != work:  # an interrupted run on inputs that have changed since: of no use now
+        if stale != work and _only_ours(stale, WORK_FILES):  # an interrupted run on inputs changed since: of no use
             shutil.rmtree(stale, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     try:
