@@ -17,7 +17,7 @@ import torch
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.model import KVCache, Transformer
 
-__all__ = ["Generation", "KVCache", "Sampling", "forward_cached", "generate_ids", "sample_next"]
+__all__ = ["Generation", "KVCache", "Sampling", "check_token_ids", "forward_cached", "generate_ids", "sample_next"]
 
 
 def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -64,6 +64,15 @@ def sample_next(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torc
     return torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1)
 
 
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """Every token id a valid row of the embedding: a tokenizer larger than model.json's vocabulary would
+    otherwise index past it."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise TrainscaleError(f"token id {bad} is outside the model's vocabulary of {vocab_size} (its tokenizer.json "
+                              "holds more tokens than model.json's vocab_size)")
+
+
 @dataclass
 class Generation:
     prompt_ids: list[int]
@@ -85,6 +94,7 @@ def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, sampling: Sa
     if max_new_tokens < 0:
         raise TrainscaleError(f"max new tokens must be >= 0, not {max_new_tokens}")
     spec = model.spec
+    check_token_ids(prompt_ids, spec.vocab_size)
     capacity = len(prompt_ids) + max_new_tokens
     if capacity > spec.max_seq_len:
         raise TrainscaleError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens exceeds the "
@@ -98,6 +108,9 @@ def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, sampling: Sa
     for _ in range(max_new_tokens):
         if keep_logits:
             kept.append(logits[0].float().cpu())
+        if not bool(torch.isfinite(logits).all()):
+            raise TrainscaleError(f"the model's logits at new token {len(out) + 1} are NaN or infinite: its weights "
+                                  "are finite but overflow in the forward pass")
         nxt = sample_next(logits.cpu(), sampling, gen)
         out.append(int(nxt[0]))
         if stop_id is not None and out[-1] == stop_id:

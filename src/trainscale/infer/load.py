@@ -13,9 +13,18 @@ import torch
 from safetensors.torch import load_file
 
 from trainscale.errors import TrainscaleError
-from trainscale.infer.lora import fold_adapter, read_adapter_config
-from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, read_quant_config
-from trainscale.runtime.artifact import find_model_folder, load_model_dir, read_spec
+from trainscale.estimate.lora import lora_targets
+from trainscale.infer.lora import ADAPTER_FILE, adapter_state_dict, apply_lora, fold_adapter, read_adapter_config
+from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, quantize_state_dict, read_quant_config
+from trainscale.runtime.artifact import (
+    check_finite,
+    check_header,
+    check_layer_count,
+    find_model_folder,
+    load_model_dir,
+    read_header,
+    read_spec,
+)
 from trainscale.runtime.data.tokenizer import load_tokenizer
 from trainscale.runtime.model import build_model
 from trainscale.specs import ModelSpec
@@ -31,8 +40,18 @@ def folder_kind(folder: Path) -> str:
     raise TrainscaleError(f"{folder} has model.json but no model.safetensors, quantized.safetensors or adapter.json")
 
 
+# An adapter's base may itself be an adapter folder; a chain this deep is refused rather than followed
+# (a cycle, a -> b -> a, would otherwise recurse until Python's stack runs out).
+MAX_ADAPTER_DEPTH = 4
+
+
 def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
-    """-> (Transformer in eval mode, ModelSpec, folder) for any folder kind infer/ writes."""
+    """-> (Transformer in eval mode, ModelSpec, folder) for any folder kind infer/ writes. Every weights file is
+    checked against model.json from its header before a tensor is read, and its weights checked finite."""
+    return _load(path, dtype, ())
+
+
+def _load(path: str | Path, dtype: torch.dtype, chain: tuple[Path, ...]):
     folder = find_model_folder(path)
     spec = read_spec(folder)
     kind = folder_kind(folder)
@@ -41,29 +60,59 @@ def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
         return model, spec, folder
     if kind == "quantized":
         return _load_quantized(folder, spec, dtype), spec, folder
-    return _load_adapter(folder, dtype), spec, folder
+    return _load_adapter(folder, spec, dtype, chain), spec, folder
 
 
-def _load_adapter(folder: Path, dtype: torch.dtype):
-    """The base model adapter.json names (any folder kind but this one), with the adapters folded in."""
+def _check_chain(folder: Path, chain: tuple[Path, ...]) -> tuple[Path, ...]:
+    here = folder.resolve()
+    if here in chain:
+        raise TrainscaleError(f"{chain[0]}'s chain of adapter bases loops back to {folder}")
+    if len(chain) >= MAX_ADAPTER_DEPTH:
+        raise TrainscaleError(f"{chain[0]} is an adapter on an adapter more than {MAX_ADAPTER_DEPTH} levels deep; "
+                              "merge the chain first (trainscale lora --merge)")
+    return (*chain, here)
+
+
+def _load_adapter(folder: Path, spec: ModelSpec, dtype: torch.dtype, chain: tuple[Path, ...]):
+    """The base model adapter.json names (any folder kind but this one), with the adapters folded in; the
+    adapter file checked against the base's projections (header, then finiteness) before it is read."""
+    chain = _check_chain(folder, chain)
     cfg = read_adapter_config(folder)
-    base, base_spec, _ = load_for_inference(cfg.base, torch.float32)
+    base, base_spec, _ = _load(cfg.base, torch.float32, chain)
+    if base_spec != spec:
+        raise TrainscaleError(f"{folder / 'model.json'} does not describe the model its base {cfg.base} holds")
+    _check_adapter_file(folder, base_spec, cfg)
     return fold_adapter(base, base_spec, folder, cfg).to(dtype).eval()
 
 
+def _check_adapter_file(folder: Path, spec: ModelSpec, cfg) -> None:
+    path = folder / ADAPTER_FILE
+    meta = build_model(spec, "meta")
+    try:
+        apply_lora(meta, cfg.rank, cfg.alpha, lora_targets(spec, cfg.targets))
+    except ValueError as e:
+        raise TrainscaleError(f"{folder / 'adapter.json'}: {e}") from None
+    check_header(path, read_header(path), adapter_state_dict(meta))
+    check_finite(path, load_file(str(path)))
+
+
 def _load_quantized(folder: Path, spec: ModelSpec, dtype: torch.dtype):
+    """quantized.safetensors' header against what quantizing this model.json's model gives (names, shapes,
+    dtypes: quantize_state_dict on meta tensors), then its scales checked finite, then dequantized."""
     path = folder / QUANT_FILE
     cfg = read_quant_config(path)
+    header = read_header(path)
+    check_layer_count(path, header, spec)
+    model = build_model(spec, "meta")
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    check_header(path, header, quantize_state_dict(model.state_dict(), cfg))
     try:
         qsd = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types
-        raise TrainscaleError(f"{path} is corrupt or unreadable: {e}") from None
-    model = build_model(spec, "meta")
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    try:
-        sd = dequantize_state_dict(qsd, cfg, shapes)
-    except (KeyError, RuntimeError) as e:
-        raise TrainscaleError(f"{path} does not match model.json: {e}") from None
+        raise TrainscaleError(f"{path} is corrupt or unreadable: {str(e)[:200]}") from None
+    check_finite(path, qsd)
+    sd = dequantize_state_dict(qsd, cfg, shapes)
+    check_finite(path, sd)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True)
     return model.eval()
 
