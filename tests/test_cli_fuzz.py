@@ -588,6 +588,81 @@ def test_prepare_data_configs(tmp):
     case()
 
 
+def test_catalog_shaped_files(tmp):
+    """`plan --model/--gpu/--cluster FILE.toml` and `explain --model/--gpu`: a catalog entry written to a file,
+    damaged field by field (the specs' pydantic models: strict, finite, in range)."""
+    import tomllib
+
+    cats = {kind: tomllib.loads((ROOT / "src" / "trainscale" / "catalog" / f"{kind}.toml").read_text())
+            for kind in ("models", "gpus", "clusters")}
+    bases = {"model": cats["models"]["llama3.1-8b"], "gpu": cats["gpus"]["h100-sxm"],
+             "cluster": cats["clusters"]["dgx-h100"]}
+
+    @FUZZ
+    @given(kind=st.sampled_from(sorted(bases)), data=st.data(), value=SCALARS, mode=FILE_MODES,
+           garbage=st.binary(max_size=32), depth=st.sampled_from([3, 50, 5000]))
+    def case(kind, data, value, mode, garbage, depth):
+        table = bases[kind]
+        key = data.draw(st.sampled_from(sorted(table)))
+        path = tmp / f"fuzz-{kind}.toml"
+        path.write_bytes(_toml_doc(table, key, value, mode, garbage, depth))
+        fixed = {"model": ["--gpu", "h100-sxm"], "gpu": ["--model", "llama3.1-8b"],
+                 "cluster": ["--model", "llama3.1-8b"]}[kind]
+        code, _, _ = cli("plan", f"--{kind}", str(path), *fixed, "--gpus", "16", "--top", "1", "--json")
+        if mode == "value" and isinstance(table[key], (int, float)) and not isinstance(table[key], bool) \
+                and _is_bad_number(value):
+            assert code == 2, f"{kind} file with {key} = {value!r} accepted"
+        if kind != "cluster":
+            cli("explain", f"--{kind}", str(path), "--json")
+
+    case()
+
+
+def test_tokenizer_files(tmp, model_dir):
+    """A tokenizer.json given as `[data] tokenizer`, damaged: JSON garbage, deep nesting, a missing model, an
+    enormous token, wrong types; prepare-data refuses in one sentence or prepares."""
+    good = json.loads((model_dir / "final" / "tokenizer.json").read_text())
+    (tmp / "tok-corpus.txt").write_text("to be or not to be, that is the question " * 40)
+
+    @FUZZ
+    @given(key=st.sampled_from(sorted(good)), value=SCALARS, depth=st.sampled_from([50, 5000]),
+           damage=st.sampled_from(["value", "drop", "garbage", "nested", "huge-token", "vocab-type", "empty"]))
+    def case(key, value, depth, damage):
+        import tomli_w
+
+        tok = tmp / "fuzz-tokenizer.json"
+        if damage == "value":
+            tok.write_text(json.dumps({**good, key: value}, allow_nan=True))
+        elif damage == "drop":
+            tok.write_text(json.dumps({k: v for k, v in good.items() if k != key}))
+        elif damage == "garbage":
+            tok.write_bytes(json.dumps(good).encode()[:100] + bytes(range(128, 256)))
+        elif damage == "nested":
+            tok.write_text('{"x": ' + "[" * depth + "]" * depth + "}")
+        elif damage == "huge-token":
+            model = dict(good["model"])
+            model["vocab"] = {**model["vocab"], "z" * 100_000: len(model["vocab"])}
+            tok.write_text(json.dumps({**good, "model": model}))
+        elif damage == "vocab-type":
+            tok.write_text(json.dumps({**good, "model": {**good["model"], "vocab": [1, 2, 3]}}))
+        else:
+            tok.write_text("")
+        cfg = {"name": "tok", "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64, "vocab_size": 512,
+                                        "max_seq_len": 32},
+               "train": {"steps": 1, "seq_len": 16, "global_batch": 2},
+               "data": {"files": [str(tmp / "tok-corpus.txt")], "tokenizer": str(tok),
+                        "prepared": str(tmp / "tok-prepared")},
+               "run": {"out": str(tmp / "tok-run")}}
+        path = tmp / "fuzz-tok.toml"
+        path.write_text(tomli_w.dumps(cfg))
+        import shutil
+
+        shutil.rmtree(tmp / "tok-prepared", ignore_errors=True)
+        cli("prepare-data", "--config", str(path), "--workers", "0", "--json")
+
+    case()
+
+
 @pytest.fixture(scope="module")
 def hf_folder(tmp) -> Path:
     """A transformers-built random Llama folder, as people download them."""

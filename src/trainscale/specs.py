@@ -386,12 +386,9 @@ def _build(cls: type[BaseModel], data: dict[str, Any], what: str) -> Any:
 
 
 def _read_toml(path: Path, what: str) -> dict[str, Any]:
-    from trainscale.safeio import read_text
+    from trainscale.safeio import parse_toml, read_text
 
-    try:
-        return tomllib.loads(read_text(path, f"{what} file"))
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise TrainscaleError(f"{what} file {path} cannot be read: {e}") from None
+    return parse_toml(read_text(path, f"{what} file"), f"{what} file {path}")
 
 
 def _present(path: Path) -> bool:
