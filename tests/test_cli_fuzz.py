@@ -553,7 +553,8 @@ def test_runs_files(tmp):
 def test_prepare_data_configs(tmp):
     """`prepare-data`: [data] files globs, tokenizer paths and output folders an adversarial user gives."""
     (tmp / "corpus").mkdir(exist_ok=True)
-    (tmp / "corpus" / "a.txt").write_text("to be or not to be " * 50)
+    for i in range(20):  # enough documents for a held-out split
+        (tmp / "corpus" / f"a{i}.txt").write_text(f"to be or not to be, said number {i}. " * 30)
     (tmp / "corpus" / "b.jsonl").write_text('{"text": "hello world"}\n{"text": 5}\n{"nope": 1}\n')
     (tmp / "victim").mkdir(exist_ok=True)
     (tmp / "victim" / "keep.txt").write_text("precious")
@@ -575,8 +576,8 @@ def test_prepare_data_configs(tmp):
             data["tokenizer"] = tokenizer
         if prepared is not None:
             data["prepared"] = prepared if prepared.startswith("/") else str(tmp / prepared)
-        cfg = {"name": "fuzz", "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64, "vocab_size": 300,
-                                         "max_seq_len": 32},
+        cfg = {"name": "fuzz", "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
+                                         "vocab_size": 300, "max_seq_len": 32},
                "train": {"steps": 1, "seq_len": 16, "global_batch": 2}, "data": data,
                "run": {"out": str(tmp / "prep-run")}}
         path = tmp / "fuzz-prep.toml"
@@ -586,6 +587,10 @@ def test_prepare_data_configs(tmp):
         assert sorted(p.name for p in (tmp / "victim").iterdir()) == ["keep.txt"]
 
     case()
+    # the same config with sane values prepares (the cases above reach prepare-data's own checks)
+    good = _tiny_cfg(tmp, "prep-good", {"files": [str(tmp / "corpus" / "*.txt")], "prepared": str(tmp / "prep-ok")})
+    code, _, err = cli("prepare-data", "--config", good, "--workers", "0", "--json")
+    assert code == 0, err
 
 
 def test_catalog_shaped_files(tmp):
@@ -647,8 +652,8 @@ def test_tokenizer_files(tmp, model_dir):
             tok.write_text(json.dumps({**good, "model": {**good["model"], "vocab": [1, 2, 3]}}))
         else:
             tok.write_text("")
-        cfg = {"name": "tok", "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "d_ff": 64, "vocab_size": 512,
-                                        "max_seq_len": 32},
+        cfg = {"name": "tok", "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
+                                        "vocab_size": 512, "max_seq_len": 32},
                "train": {"steps": 1, "seq_len": 16, "global_batch": 2},
                "data": {"files": [str(tmp / "tok-corpus.txt")], "tokenizer": str(tok),
                         "prepared": str(tmp / "tok-prepared")},
@@ -746,6 +751,89 @@ def test_train_and_compare_options(tmp):
         cli("compare", "--config", str(TINY), "--layout", "dp1", "--steps", steps, "--profile", str(tmp / "fifo.toml"))
 
     case()
+
+
+def _fifo(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    os.mkfifo(path)
+    return str(path)
+
+
+def _tiny_cfg(tmp: Path, name: str, data: dict | None = None, model: dict | None = None) -> str:
+    import tomli_w
+
+    cfg = {"name": name, "model": model or {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
+                                            "vocab_size": 512, "max_seq_len": 32},
+           "train": {"steps": 1, "seq_len": 16, "global_batch": 2}, "run": {"out": str(tmp / f"{name}-run")}}
+    if data:
+        cfg["data"] = data
+    path = tmp / f"{name}.toml"
+    path.write_text(tomli_w.dumps(cfg))
+    return str(path)
+
+
+FIFO_KINDS = ["config", "software", "planner-profile", "hardware-profile", "runs", "model-toml", "gpu-toml",
+              "cluster-toml", "hf-config", "hf-index", "tokenizer", "data-file", "model-json", "model-weights",
+              "model-tokenizer", "metrics", "plan-json"]
+
+
+@pytest.mark.parametrize("kind", FIFO_KINDS)
+def test_fifo_inputs(kind, tmp, model_dir, hf_folder):
+    """Every kind of file the tool reads, given as a FIFO (it would block a plain open() for ever): one sentence,
+    exit 2, well inside LIMIT_S."""
+    import shutil
+
+    d = tmp / f"fifo-{kind}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir()
+    layout = ["--layout", "tp8,pp16,dp128", "--json"]
+    if kind == "config":
+        args = ["train", "--config", _fifo(d / "c.toml"), "--dry-run"]
+    elif kind == "software":
+        args = ["plan", "--software", _fifo(d / "s.toml"), *layout]
+    elif kind == "planner-profile":
+        args = ["plan", "--profile", _fifo(d / "p.toml"), *layout]
+    elif kind == "hardware-profile":
+        args = ["compare", "--config", str(TINY), "--layout", "dp1", "--profile", _fifo(d / "h.toml")]
+    elif kind == "runs":
+        args = ["validate", "--runs", _fifo(d / "r.toml")]
+    elif kind in ("model-toml", "gpu-toml", "cluster-toml"):
+        args = ["plan", f"--{kind.split('-')[0]}", _fifo(d / "x.toml"), *layout]
+    elif kind in ("hf-config", "hf-index"):
+        folder = d / "hf"
+        shutil.copytree(hf_folder, folder)
+        if kind == "hf-config":
+            _fifo(folder / "config.json")
+        else:
+            _fifo(folder / "model.safetensors.index.json")
+            (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        cfg = d / "init.toml"
+        cfg.write_text(f'name = "i"\n[model]\ninit = {json.dumps(str(folder))}\n[train]\nsteps = 1\nseq_len = 16\n'
+                       f'global_batch = 2\n[run]\nout = {json.dumps(str(d / "run"))}\n')
+        args = ["train", "--config", str(cfg), "--dry-run"]
+    elif kind == "tokenizer":
+        (d / "t.txt").write_text("to be or not to be " * 20)
+        args = ["prepare-data", "--config", _tiny_cfg(d, "tok", {"files": [str(d / "t.txt")],
+                                                                "tokenizer": _fifo(d / "tokenizer.json")})]
+    elif kind == "data-file":
+        args = ["prepare-data", "--config", _tiny_cfg(d, "data", {"files": [_fifo(d / "corpus.txt")]})]
+    elif kind.startswith("model-"):
+        folder = d / "m"
+        shutil.copytree(model_dir / "final", folder)
+        _fifo(folder / {"model-json": "model.json", "model-weights": "model.safetensors",
+                        "model-tokenizer": "tokenizer.json"}[kind])
+        args = ["generate", str(folder), "--prompt", "to be", "-n", "1"]
+    elif kind == "metrics":
+        run = d / "run"
+        shutil.copytree(model_dir, run)
+        _fifo(run / "metrics.jsonl")
+        args = ["report", "--out", str(d / "report"), "--run", str(run)]
+    else:
+        args = ["report", "--out", str(d / "report"), "--plan", _fifo(d / "plan.json")]
+    code, _, err = cli(*args)
+    assert code == 2 and "not a regular file" in err, (kind, code, err)
 
 
 def test_cases_per_sub_command():
