@@ -417,6 +417,425 @@ def test_text_fields(tmp):
     assert code == 2, err
 
 
+# ------------------------------------------------------------------ issue 23: the files and options added since
+
+BAD_FLOATS = ("nan", "inf", "-inf", "+inf", "1e400", "NaN")
+
+
+def _is_bad_number(value) -> bool:
+    """A value no planner knob, published figure or size may take: NaN, an infinity, or not a number."""
+    if isinstance(value, bool) or value is None:
+        return True
+    if isinstance(value, (int, float)):
+        return not math.isfinite(value)
+    return str(value).strip().lower() in BAD_FLOATS
+
+
+def _toml_doc(table: dict, key: str | None, value, mode: str, garbage: bytes, depth: int) -> bytes:
+    """A TOML file of one kind, damaged one way: a key's value replaced or removed, an unknown key, garbage bytes
+    after half of it, or an array nested ``depth`` deep (tomllib recurses)."""
+    import tomli_w
+
+    def clean(v):
+        if v is None:
+            return "null"
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        return v
+
+    doc = dict(table)
+    if mode == "value" and key is not None:
+        doc[key] = value
+    elif mode == "drop" and key is not None:
+        doc.pop(key, None)
+    elif mode == "unknown":
+        doc["no_such_knob_" + str(abs(hash(str(value))) % 97)] = value
+    text = tomli_w.dumps(clean(doc)).encode()
+    if mode == "garbage":
+        return text[: len(text) // 2] + garbage
+    if mode == "nested":
+        return text + f"deep = {'[' * depth}1{']' * depth}\n".encode()
+    return text
+
+
+FILE_MODES = st.sampled_from(["value", "value", "value", "drop", "unknown", "garbage", "nested"])
+
+
+def _software_table() -> dict:
+    import tomllib
+
+    from trainscale.estimate.planner.software import software_names
+
+    cat = tomllib.loads((ROOT / "src" / "trainscale" / "catalog" / "software.toml").read_text())
+    return dict(cat[software_names()[0]])
+
+
+def test_software_and_profile_files(tmp):
+    """`plan --software FILE` and `plan --profile FILE`: every knob of each kind, damaged."""
+    from trainscale.estimate.planner.efficiencies import KNOB_RANGES
+
+    software = _software_table()
+    profile = {k: 0.5 if r.hi <= 1 else (r.lo + 1) for k, r in KNOB_RANGES.items()}
+
+    @FUZZ
+    @given(kind=st.sampled_from(["software", "profile"]), data=st.data(), value=SCALARS, mode=FILE_MODES,
+           garbage=st.binary(max_size=32), depth=st.sampled_from([3, 50, 5000]))
+    def case(kind, data, value, mode, garbage, depth):
+        table = software if kind == "software" else profile
+        key = data.draw(st.sampled_from(sorted(table)))
+        path = tmp / f"fuzz-{kind}.toml"
+        path.write_bytes(_toml_doc(table, key, value, mode, garbage, depth))
+        code, _, err = cli("plan", f"--{kind}", str(path), "--layout", "tp8,pp16,dp128", "--json")
+        if mode == "value" and isinstance(table[key], (int, float)) and not isinstance(table[key], bool) \
+                and _is_bad_number(value):
+            assert code == 2, f"{kind} knob {key} = {value!r} accepted"
+        if mode == "unknown":
+            assert code == 2, f"an unknown {kind} knob accepted"
+        cli("plan", f"--{kind}", str(path), "--model", "llama3.1-8b", "--gpus", "16", "--top", "1", "--json")
+
+    case()
+
+
+def test_planner_set_fix_forbid(tmp):
+    """`plan --set/--fix/--forbid/--max-v/--precision` and `validate --set`."""
+    from trainscale.estimate.planner.efficiencies import KNOB_RANGES
+
+    keys = st.one_of(st.sampled_from(sorted(KNOB_RANGES)), st.text(max_size=12))
+    fixes = st.one_of(LAYOUTS, st.lists(st.tuples(st.sampled_from(["tp", "pp", "cp", "dp", "ep", "mb", "v", "zero",
+                                                                  "schedule", "recompute", "x", ""]),
+                                                  NUMBERS).map(lambda t: f"{t[0]}={t[1]}"), max_size=3).map(",".join))
+
+    @FUZZ
+    @given(key=keys, value=NUMBERS, fix=fixes, forbid=fixes, max_v=NUMBERS, precision=st.text(max_size=6))
+    def case(key, value, fix, forbid, max_v, precision):
+        code, _, _ = cli("plan", "--set", f"{key}={value}", "--layout", "tp8,pp16,dp128", "--json")
+        if key in KNOB_RANGES and _is_bad_number(value):
+            assert code == 2, f"--set {key}={value} accepted"
+        code, _, _ = cli("validate", "--set", f"{key}={value}", "--json")
+        if key in KNOB_RANGES and _is_bad_number(value):
+            assert code == 2, f"validate --set {key}={value} accepted"
+        cli("plan", "--model", "llama3.1-8b", "--gpus", "16", "--top", "1", "--fix", fix, "--json")
+        cli("plan", "--model", "llama3.1-8b", "--gpus", "16", "--top", "1", "--forbid", forbid, "--json")
+        cli("plan", "--model", "llama3.1-8b", "--gpus", "16", "--top", "1", "--max-v", max_v, "--json")
+        cli("plan", "--model", "llama3.1-8b", "--gpus", "16", "--top", "1", "--precision", precision, "--json")
+
+    case()
+
+
+def test_runs_files(tmp):
+    """`validate --runs FILE`: one published row, each field damaged; a published figure that is not a finite
+    positive number is refused, never predicted."""
+    import tomllib
+
+    row = tomllib.loads((ROOT / "src" / "trainscale" / "catalog" / "runs.toml").read_text())["run"][0]
+
+    @FUZZ
+    @given(key=st.sampled_from(sorted(row)), value=SCALARS, mode=FILE_MODES, garbage=st.binary(max_size=32),
+           depth=st.sampled_from([3, 50, 5000]), rows=st.sampled_from([0, 1, 2]))
+    def case(key, value, mode, garbage, depth, rows):
+        import tomli_w
+
+        if mode in ("garbage", "nested"):
+            raw = _toml_doc({"x": 1}, None, None, mode, garbage, depth)
+        else:
+            damaged = tomllib.loads(_toml_doc(row, key, value, mode, garbage, depth).decode())
+            raw = tomli_w.dumps({"run": [damaged] * rows}).encode()
+        path = tmp / "fuzz-runs.toml"
+        path.write_bytes(raw)
+        code, _, _ = cli("validate", "--runs", str(path), "--json")
+        if mode == "value" and key in ("published", "gpus", "seq", "global_batch_tokens") and rows \
+                and (_is_bad_number(value) or (isinstance(value, (int, float)) and value <= 0)):
+            assert code == 2, f"a run with {key} = {value!r} accepted"
+
+    case()
+
+
+def test_prepare_data_configs(tmp):
+    """`prepare-data`: [data] files globs, tokenizer paths and output folders an adversarial user gives."""
+    (tmp / "corpus").mkdir(exist_ok=True)
+    for i in range(20):  # enough documents for a held-out split
+        (tmp / "corpus" / f"a{i}.txt").write_text(f"to be or not to be, said number {i}. " * 30)
+    (tmp / "corpus" / "b.jsonl").write_text('{"text": "hello world"}\n{"text": 5}\n{"nope": 1}\n')
+    (tmp / "victim").mkdir(exist_ok=True)
+    (tmp / "victim" / "keep.txt").write_text("precious")
+    files = st.one_of(st.sampled_from([str(tmp / "corpus" / "*.txt"), str(tmp / "corpus" / "**"), "/**/*.txt",
+                                       str(tmp / "corpus"), str(tmp / "fifo.toml"), str(tmp / "binary.toml"),
+                                       "/dev/zero", "/proc/self/status", str(tmp / "corpus" / "b.jsonl"), "",
+                                       "[", "*" * 100]),
+                      st.text(max_size=12))
+    where = st.sampled_from([None, "victim", "a-file", "fifo.toml", "fresh", "/proc/nope", "/"])
+
+    @FUZZ
+    @given(data_files=st.lists(files, max_size=3), tokenizer=st.one_of(st.none(), st.sampled_from(paths(tmp))),
+           prepared=where, workers=st.sampled_from(["0", "1", "-1", "99999999", "nan"]))
+    def case(data_files, tokenizer, prepared, workers):
+        import tomli_w
+
+        data = {"files": data_files, "max_chars": 5000}
+        if tokenizer is not None:
+            data["tokenizer"] = tokenizer
+        if prepared is not None:
+            data["prepared"] = prepared if prepared.startswith("/") else str(tmp / prepared)
+        cfg = {"name": "fuzz", "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
+                                         "vocab_size": 300, "max_seq_len": 32},
+               "train": {"steps": 1, "seq_len": 16, "global_batch": 2}, "data": data,
+               "run": {"out": str(tmp / "prep-run")}}
+        path = tmp / "fuzz-prep.toml"
+        path.write_text(tomli_w.dumps(cfg))
+        cli("prepare-data", "--config", str(path), "--workers", workers, "--json")
+        assert (tmp / "victim" / "keep.txt").read_text() == "precious"
+        assert sorted(p.name for p in (tmp / "victim").iterdir()) == ["keep.txt"]
+
+    case()
+    # the same config with sane values prepares (the cases above reach prepare-data's own checks)
+    good = _tiny_cfg(tmp, "prep-good", {"files": [str(tmp / "corpus" / "*.txt")], "prepared": str(tmp / "prep-ok")})
+    code, _, err = cli("prepare-data", "--config", good, "--workers", "0", "--json")
+    assert code == 0, err
+
+
+def test_catalog_shaped_files(tmp):
+    """`plan --model/--gpu/--cluster FILE.toml` and `explain --model/--gpu`: a catalog entry written to a file,
+    damaged field by field (the specs' pydantic models: strict, finite, in range)."""
+    import tomllib
+
+    cats = {kind: tomllib.loads((ROOT / "src" / "trainscale" / "catalog" / f"{kind}.toml").read_text())
+            for kind in ("models", "gpus", "clusters")}
+    bases = {"model": cats["models"]["llama3.1-8b"], "gpu": cats["gpus"]["h100-sxm"],
+             "cluster": cats["clusters"]["dgx-h100"]}
+
+    @FUZZ
+    @given(kind=st.sampled_from(sorted(bases)), data=st.data(), value=SCALARS, mode=FILE_MODES,
+           garbage=st.binary(max_size=32), depth=st.sampled_from([3, 50, 5000]))
+    def case(kind, data, value, mode, garbage, depth):
+        table = bases[kind]
+        key = data.draw(st.sampled_from(sorted(table)))
+        path = tmp / f"fuzz-{kind}.toml"
+        path.write_bytes(_toml_doc(table, key, value, mode, garbage, depth))
+        fixed = {"model": ["--gpu", "h100-sxm"], "gpu": ["--model", "llama3.1-8b"],
+                 "cluster": ["--model", "llama3.1-8b"]}[kind]
+        code, _, _ = cli("plan", f"--{kind}", str(path), *fixed, "--gpus", "16", "--top", "1", "--json")
+        if mode == "value" and isinstance(table[key], (int, float)) and not isinstance(table[key], bool) \
+                and _is_bad_number(value):
+            assert code == 2, f"{kind} file with {key} = {value!r} accepted"
+        if kind != "cluster":
+            cli("explain", f"--{kind}", str(path), "--json")
+
+    case()
+
+
+def test_tokenizer_files(tmp, model_dir):
+    """A tokenizer.json given as `[data] tokenizer`, damaged: JSON garbage, deep nesting, a missing model, an
+    enormous token, wrong types; prepare-data refuses in one sentence or prepares."""
+    good = json.loads((model_dir / "final" / "tokenizer.json").read_text())
+    (tmp / "tok-corpus.txt").write_text("to be or not to be, that is the question " * 40)
+
+    @FUZZ
+    @given(key=st.sampled_from(sorted(good)), value=SCALARS, depth=st.sampled_from([50, 5000]),
+           damage=st.sampled_from(["value", "drop", "garbage", "nested", "huge-token", "vocab-type", "empty"]))
+    def case(key, value, depth, damage):
+        import tomli_w
+
+        tok = tmp / "fuzz-tokenizer.json"
+        if damage == "value":
+            tok.write_text(json.dumps({**good, key: value}, allow_nan=True))
+        elif damage == "drop":
+            tok.write_text(json.dumps({k: v for k, v in good.items() if k != key}))
+        elif damage == "garbage":
+            tok.write_bytes(json.dumps(good).encode()[:100] + bytes(range(128, 256)))
+        elif damage == "nested":
+            tok.write_text('{"x": ' + "[" * depth + "]" * depth + "}")
+        elif damage == "huge-token":
+            model = dict(good["model"])
+            model["vocab"] = {**model["vocab"], "z" * 100_000: len(model["vocab"])}
+            tok.write_text(json.dumps({**good, "model": model}))
+        elif damage == "vocab-type":
+            tok.write_text(json.dumps({**good, "model": {**good["model"], "vocab": [1, 2, 3]}}))
+        else:
+            tok.write_text("")
+        cfg = {"name": "tok", "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
+                                        "vocab_size": 512, "max_seq_len": 32},
+               "train": {"steps": 1, "seq_len": 16, "global_batch": 2},
+               "data": {"files": [str(tmp / "tok-corpus.txt")], "tokenizer": str(tok),
+                        "prepared": str(tmp / "tok-prepared")},
+               "run": {"out": str(tmp / "tok-run")}}
+        path = tmp / "fuzz-tok.toml"
+        path.write_text(tomli_w.dumps(cfg))
+        import shutil
+
+        shutil.rmtree(tmp / "tok-prepared", ignore_errors=True)
+        cli("prepare-data", "--config", str(path), "--workers", "0", "--json")
+
+    case()
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp) -> Path:
+    """A transformers-built random Llama folder, as people download them."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=128, vocab_size=512, max_position_embeddings=128)
+    folder = tmp / "hf-llama"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def test_model_init_folders(tmp, hf_folder):
+    """`[model] init = FOLDER` (train --dry-run reads it) and `plan --model FOLDER/config.json`: a config.json
+    damaged key by key, nested deep, an index whose names point anywhere, files that are FIFOs."""
+    import shutil
+
+    good = json.loads((hf_folder / "config.json").read_text())
+
+    @FUZZ
+    @given(key=st.sampled_from(HF_KEYS + ["rope_scaling", "torch_dtype", "sliding_window"]), value=SCALARS,
+           damage=st.sampled_from(["value", "drop", "nested", "garbage", "fifo", "index", "index-fifo"]),
+           depth=st.sampled_from([50, 2000, 100000]), target=st.sampled_from(["../escape.safetensors", "/etc/passwd",
+                                                                              "model.safetensors", "", "x" * 300]))
+    def case(key, value, damage, depth, target):
+        folder = tmp / "init-folder"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(hf_folder, folder)
+        cfg_path = folder / "config.json"
+        if damage == "value":
+            cfg_path.write_text(json.dumps({**good, key: value}, allow_nan=True))
+        elif damage == "drop":
+            cfg_path.write_text(json.dumps({k: v for k, v in good.items() if k != key}))
+        elif damage == "nested":
+            cfg_path.write_text(json.dumps(good)[:-1] + ', "x": ' + "[" * depth + "]" * depth + "}")
+        elif damage == "garbage":
+            cfg_path.write_bytes(json.dumps(good).encode()[:40] + bytes(range(200, 256)))
+        elif damage == "fifo":
+            cfg_path.unlink()
+            os.mkfifo(cfg_path)
+        else:
+            index = folder / "model.safetensors.index.json"
+            if damage == "index-fifo":
+                os.mkfifo(index)
+            else:
+                index.write_text(json.dumps({"metadata": {}, "weight_map": {"model.embed_tokens.weight": target,
+                                                                            key: value}}, allow_nan=True))
+            (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        cfg = tmp / "fuzz-init.toml"
+        cfg.write_text(f'name = "init"\n[model]\ninit = {json.dumps(str(folder))}\n[train]\nsteps = 1\nseq_len = 16\n'
+                       f'global_batch = 2\n[run]\nout = {json.dumps(str(tmp / "init-run"))}\n')
+        cli("train", "--config", str(cfg), "--dry-run", "--json")
+        cli("plan", "--model", str(cfg_path), "--layout", "tp1", "--gpus", "8", "--seq", "16", "--json")
+        if damage in ("value", "drop") and key in ("num_hidden_layers", "hidden_size", "vocab_size") and \
+                (damage == "drop" or _is_bad_number(value) or not isinstance(value, int) or value <= 0):
+            code, _, _ = cli("train", "--config", str(cfg), "--dry-run", "--json")
+            assert code == 2, f"[model] init with config.json {key} = {value!r} ({damage}) accepted"
+
+    case()
+
+
+def test_train_and_compare_options(tmp):
+    """`train --fallback-layout/--rdzv-endpoint`, `compare --layout/--steps/--profile` (a bad value is refused
+    before any process starts; a good one stops at the missing profile)."""
+    endpoints = st.one_of(st.text(max_size=24), st.sampled_from(["999.999.999.999:29500", "host:٢٩٥٠٠", "host:+1",
+                                                                 "host:0x50", "[::1]:29500", "h" * 300 + ":1",
+                                                                 "host:" + "9" * 5000]))
+
+    @FUZZ
+    @given(fallback=LAYOUTS, endpoint=endpoints, layout=LAYOUTS, steps=NUMBERS)
+    def case(fallback, endpoint, layout, steps):
+        cli("train", "--config", str(TINY), "--layout", "dp2", "--fallback-layout", fallback, "--dry-run")
+        code, _, _ = cli("train", "--config", str(TINY), "--nnodes", "2", "--layout", "dp2", "--rdzv-endpoint",
+                         endpoint, "--dry-run")
+        if code == 0:
+            host, _, port = endpoint.rpartition(":")
+            assert port.isascii() and port.isdigit() and 0 < int(port) < 65536 and len(port) <= 5
+            if host.replace(".", "").isdigit():
+                assert all(0 <= int(p) <= 255 for p in host.split(".")), endpoint
+        cli("compare", "--config", str(TINY), "--layout", layout, "--profile", str(tmp / "missing"))
+        cli("compare", "--config", str(TINY), "--layout", "dp1", "--steps", steps, "--profile", str(tmp / "fifo.toml"))
+
+    case()
+
+
+def _fifo(path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    os.mkfifo(path)
+    return str(path)
+
+
+def _tiny_cfg(tmp: Path, name: str, data: dict | None = None, model: dict | None = None) -> str:
+    import tomli_w
+
+    cfg = {"name": name, "model": model or {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
+                                            "vocab_size": 512, "max_seq_len": 32},
+           "train": {"steps": 1, "seq_len": 16, "global_batch": 2}, "run": {"out": str(tmp / f"{name}-run")}}
+    if data:
+        cfg["data"] = data
+    path = tmp / f"{name}.toml"
+    path.write_text(tomli_w.dumps(cfg))
+    return str(path)
+
+
+FIFO_KINDS = ["config", "software", "planner-profile", "hardware-profile", "runs", "model-toml", "gpu-toml",
+              "cluster-toml", "hf-config", "hf-index", "tokenizer", "data-file", "model-json", "model-weights",
+              "model-tokenizer", "metrics", "plan-json"]
+
+
+@pytest.mark.parametrize("kind", FIFO_KINDS)
+def test_fifo_inputs(kind, tmp, model_dir, hf_folder):
+    """Every kind of file the tool reads, given as a FIFO (it would block a plain open() for ever): one sentence,
+    exit 2, well inside LIMIT_S."""
+    import shutil
+
+    d = tmp / f"fifo-{kind}"
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir()
+    layout = ["--layout", "tp8,pp16,dp128", "--json"]
+    if kind == "config":
+        args = ["train", "--config", _fifo(d / "c.toml"), "--dry-run"]
+    elif kind == "software":
+        args = ["plan", "--software", _fifo(d / "s.toml"), *layout]
+    elif kind == "planner-profile":
+        args = ["plan", "--profile", _fifo(d / "p.toml"), *layout]
+    elif kind == "hardware-profile":
+        args = ["compare", "--config", str(TINY), "--layout", "dp1", "--profile", _fifo(d / "h.toml")]
+    elif kind == "runs":
+        args = ["validate", "--runs", _fifo(d / "r.toml")]
+    elif kind in ("model-toml", "gpu-toml", "cluster-toml"):
+        args = ["plan", f"--{kind.split('-')[0]}", _fifo(d / "x.toml"), *layout]
+    elif kind in ("hf-config", "hf-index"):
+        folder = d / "hf"
+        shutil.copytree(hf_folder, folder)
+        if kind == "hf-config":
+            _fifo(folder / "config.json")
+        else:
+            _fifo(folder / "model.safetensors.index.json")
+            (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        cfg = d / "init.toml"
+        cfg.write_text(f'name = "i"\n[model]\ninit = {json.dumps(str(folder))}\n[train]\nsteps = 1\nseq_len = 16\n'
+                       f'global_batch = 2\n[run]\nout = {json.dumps(str(d / "run"))}\n')
+        args = ["train", "--config", str(cfg), "--dry-run"]
+    elif kind == "tokenizer":
+        (d / "t.txt").write_text("to be or not to be " * 20)
+        args = ["prepare-data", "--config", _tiny_cfg(d, "tok", {"files": [str(d / "t.txt")],
+                                                                "tokenizer": _fifo(d / "tokenizer.json")})]
+    elif kind == "data-file":
+        args = ["prepare-data", "--config", _tiny_cfg(d, "data", {"files": [_fifo(d / "corpus.txt")]})]
+    elif kind.startswith("model-"):
+        folder = d / "m"
+        shutil.copytree(model_dir / "final", folder)
+        _fifo(folder / {"model-json": "model.json", "model-weights": "model.safetensors",
+                        "model-tokenizer": "tokenizer.json"}[kind])
+        args = ["generate", str(folder), "--prompt", "to be", "-n", "1"]
+    elif kind == "metrics":
+        run = d / "run"
+        shutil.copytree(model_dir, run)
+        _fifo(run / "metrics.jsonl")
+        args = ["report", "--out", str(d / "report"), "--run", str(run)]
+    else:
+        args = ["report", "--out", str(d / "report"), "--plan", _fifo(d / "plan.json")]
+    code, _, err = cli(*args)
+    assert code == 2 and "not a regular file" in err, (kind, code, err)
+
+
 def test_cases_per_sub_command():
     """Runs last (file order): every sub-command was fuzzed, and no case hung."""
     names = {c.name for c in app.registered_commands} | {c.callback.__name__ for c in app.registered_commands}
@@ -424,6 +843,6 @@ def test_cases_per_sub_command():
     if SLOW:
         print("slowest:", sorted(SLOW, reverse=True)[:3])
     for command in ("train", "launch", "calibrate", "explain", "generate", "lora", "plan", "quantize", "reliability",
-                    "report", "export"):
+                    "report", "export", "validate", "prepare-data", "compare"):
         assert command in names or command.replace("_", "-") in names
         assert CASES[command] >= 25, (command, CASES[command])

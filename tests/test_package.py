@@ -135,3 +135,18 @@ def test_no_function_in_estimate_over_80_lines():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80:
                 long.append(f"{p.relative_to(SRC)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
     assert long == []
+
+
+def test_version_is_the_packages():
+    """`trainscale --version` prints the version pyproject.toml declares (one source of truth for both)."""
+    import subprocess
+    import sys
+    import tomllib
+
+    declared = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    import trainscale
+
+    assert trainscale.__version__ == declared
+    out = subprocess.run([sys.executable, "-m", "trainscale", "--version"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"trainscale {declared}", out

@@ -23,8 +23,23 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Plan and run large-language-model training, from one laptop to a data center.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import importlib.metadata
+
+        import trainscale
+
+        try:
+            installed = importlib.metadata.version("trainscale")
+        except importlib.metadata.PackageNotFoundError:
+            installed = trainscale.__version__
+        print(f"trainscale {installed}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
     """Plan and run large-language-model training, from one laptop to a data center."""
 
 

@@ -60,14 +60,33 @@ def read_text(path: str | Path, what: str, limit: int = MAX_TEXT_BYTES) -> str:
 MAX_JSON_BYTES = 16 << 20  # run.json, model.json, adapter.json, a plan: kilobytes
 
 
+def parse_json(text: str | bytes, what: str) -> Any:
+    """JSON text from a user's file -> its value; not JSON, or nested too deeply for the decoder (it recurses per
+    level), is one sentence naming ``what``."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise TrainscaleError(f"{what} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise TrainscaleError(f"{what} nests arrays or objects too deeply to be read") from None
+
+
+def parse_toml(text: str, what: str) -> dict[str, Any]:
+    """TOML text from a user's file -> its table; invalid or too deeply nested TOML is one sentence."""
+    import tomllib
+
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise TrainscaleError(f"{what} is not valid TOML ({e})") from None
+    except RecursionError:
+        raise TrainscaleError(f"{what} nests arrays or tables too deeply to be read") from None
+
+
 def read_json_object(path: str | Path, what: str, limit: int = MAX_JSON_BYTES) -> dict[str, Any]:
     """The JSON object in the small regular file ``path``; one sentence naming ``what`` if it is missing, too
     large, not UTF-8, not JSON or not an object."""
-    text = read_text(path, what, limit)
-    try:
-        got = json.loads(text)
-    except ValueError as e:
-        raise TrainscaleError(f"{what} {path} is not valid JSON ({e})") from None
+    got = parse_json(read_text(path, what, limit), f"{what} {path}")
     if not isinstance(got, dict):
         raise TrainscaleError(f"{what} {path} is not a JSON object (it holds a {type(got).__name__})")
     return got

@@ -22,6 +22,18 @@ from trainscale.errors import TrainscaleError
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data: Any) -> Any:
+        """``gpus = true`` is a typo, not 1: pydantic's lax mode would read a bool as a number."""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                field = cls.model_fields.get(key)
+                if isinstance(value, bool) and field is not None and field.annotation is not bool \
+                        and bool not in getattr(field.annotation, "__args__", ()):
+                    raise ValueError(f"{key} must be a number or text, not {str(value).lower()}")
+        return data
+
 
 # Upper bounds: far beyond any real model or machine, so that a typo (an extra digit, 1e400) is refused
 # in one sentence instead of allocating, overflowing or running for ever.
@@ -386,12 +398,9 @@ def _build(cls: type[BaseModel], data: dict[str, Any], what: str) -> Any:
 
 
 def _read_toml(path: Path, what: str) -> dict[str, Any]:
-    from trainscale.safeio import read_text
+    from trainscale.safeio import parse_toml, read_text
 
-    try:
-        return tomllib.loads(read_text(path, f"{what} file"))
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise TrainscaleError(f"{what} file {path} cannot be read: {e}") from None
+    return parse_toml(read_text(path, f"{what} file"), f"{what} file {path}")
 
 
 def _present(path: Path) -> bool:

@@ -16,12 +16,11 @@ Tables (process counts as strings):
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from trainscale.errors import TrainscaleError
-from trainscale.safeio import atomic_write_text, toml_text
+from trainscale.safeio import atomic_write_text, parse_toml, read_text, toml_text
 
 PROFILE_VERSION = 1
 
@@ -79,14 +78,9 @@ def _check_figure(v: Any, where: str, path: str | Path, zero_ok: bool) -> None:
 def read_profile(path: str | Path) -> dict[str, Any]:
     """Read and check a hardware profile written by ``write_profile``."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise TrainscaleError(f"hardware profile {path} does not exist; `trainscale calibrate` writes one") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise TrainscaleError(f"hardware profile {path} cannot be read: {e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise TrainscaleError(f"hardware profile {path} is not valid TOML ({e})") from None
+    if not path.exists() and not path.is_symlink():
+        raise TrainscaleError(f"hardware profile {path} does not exist; `trainscale calibrate` writes one")
+    data = parse_toml(read_text(path, "hardware profile"), f"hardware profile {path}")
     return check_profile(data, path)
 
 

@@ -218,6 +218,10 @@ def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
             if not peak_flops:
                 raise TrainscaleError("a profile's matmul_flops needs the GPU's peak to become an efficiency")
             extra.setdefault("matmul_efficiency", float(extra.pop("matmul_flops")) / peak_flops)
+        unknown = sorted(k for k in extra if k not in vals and not k.endswith("_source") and k != "note")
+        if unknown:  # a misspelt knob is never silently dropped
+            raise TrainscaleError(f"profile {path}: unknown planner setting '{unknown[0]}'; known: "
+                                  f"{', '.join(_EFF_KEYS)}")
         extra = {k: v for k, v in extra.items() if k in vals}
         sources.update({k: f"profile {path}" for k in extra})
     for k, x in {**extra, **(overrides or {})}.items():

@@ -78,13 +78,18 @@ _HOST = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?
 def check_endpoint(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (a host name, an IPv4 address or a bracketed IPv6 one; port 1-65535) -> (host, port)."""
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not (port.isascii() and port.isdigit() and len(port) <= 5) or not 0 < int(port) < 65536:
         raise TrainscaleError(f"--rdzv-endpoint must be HOST:PORT with a port from 1 to 65535, not {text!r}")
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             raise TrainscaleError(f"--rdzv-endpoint {text!r} has an invalid IPv6 address") from None
+    elif host.replace(".", "").isdigit():  # all digits and dots: an IPv4 address, or nothing
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise TrainscaleError(f"--rdzv-endpoint {text!r} has an invalid IPv4 address") from None
     elif not _HOST.match(host):
         raise TrainscaleError(f"--rdzv-endpoint {text!r} does not start with a host name or address")
     return host, int(port)
