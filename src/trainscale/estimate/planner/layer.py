@@ -222,7 +222,7 @@ def attention_core(m: ModelSpec, c: Candidates, r: Rates, eff: Efficiencies, sw:
     rows = c.mb * heads * (seq / c.cp)
     qk_f, qk_b = gemm_train_time(rows, m.head_dim, seq, r.f_mm, r.hbm, r.sms, r.gap)
     av_f, av_b = gemm_train_time(rows, seq, m.head_dim, r.f_mm, r.hbm, r.sms, r.gap)
-    score_f, score_b = unfused_score_bytes(m, c, seq)
+    score_f, score_b = unfused_score_bytes(m, c, seq, sw.dropout)
     t_attn_f = qk_f + av_f + score_f / r.hbm
     return t_attn_f + qk_b + av_b + score_b / r.hbm, t_attn_f
 
@@ -236,15 +236,18 @@ def attention_core(m: ModelSpec, c: Candidates, r: Rates, eff: Efficiencies, sw:
 # output grad and the saved probabilities and writes the input grad (3). torch.nn.Dropout (native_dropout): forward
 # reads the probabilities, writes the dropped ones and a 1-byte bool mask (2 + 0.5); backward reads the grad and the
 # mask and writes the grad (2.5). The V product's backward writes dP and reads the dropped probabilities [GEMM].
-UNFUSED_SCORE_PASSES_FWD = 2.0 + 2.5  # softmax (read, write) + dropout (read, write, 1-byte mask)
-UNFUSED_SCORE_PASSES_BWD = 2.5 + 3.0  # dropout backward (read grad + mask, write) + softmax backward (2 reads, write)
+SOFTMAX_PASSES = (2.0, 3.0)  # forward (read, write), backward (read grad and saved probabilities, write)
+DROPOUT_PASSES = (2.5, 2.5)  # forward (read, write, 1-byte mask), backward (read grad and mask, write)
 
 
-def unfused_score_bytes(m: ModelSpec, c: Candidates, seq: int) -> tuple[Any, Any]:
-    """(forward, backward) HBM bytes of one unfused attention's softmax and dropout on one rank: the score tensor
-    (micro-batch x local heads x local queries x keys, bf16) times the passes above."""
+def unfused_score_bytes(m: ModelSpec, c: Candidates, seq: int, dropout: bool = True) -> tuple[Any, Any]:
+    """(forward, backward) HBM bytes of one unfused attention's softmax and dropout (if the software runs it: with
+    p = 0 Megatron's attention_dropout is the identity) on one rank: the score tensor (micro-batch x local heads x
+    local queries x keys, bf16) times the passes above: 4.5 forward, 5.5 backward with dropout."""
     score = c.mb * (m.n_heads / c.tp) * (seq / c.cp) * seq * ACT_BYTES
-    return UNFUSED_SCORE_PASSES_FWD * score, UNFUSED_SCORE_PASSES_BWD * score
+    drop = 1.0 if dropout else 0.0
+    return ((SOFTMAX_PASSES[0] + drop * DROPOUT_PASSES[0]) * score,
+            (SOFTMAX_PASSES[1] + drop * DROPOUT_PASSES[1]) * score)
 
 
 def hidden_tokens(c: Candidates) -> Any:
