@@ -166,5 +166,6 @@ __all__ = [
     "FULL", "GPIPE", "INTERLEAVED", "NO_RECOMPUTE", "ONE_F_ONE_B", "RECOMPUTE", "SCHEDULE", "SELECTIVE",
     "Efficiencies", "attention_gemm_shapes", "attention_rate", "cluster_topology", "evaluate", "ffn_gemm_shapes",
     "gemm_time", "gemm_train_time", "in_flight", "layer_gemm_shapes", "load_efficiencies", "matmul_params",
-    "memory_capacity", "planner_catalog", "profile_efficiencies", "recompute_flops_per_token", "utilisation", "with_overrides",
+    "memory_capacity", "planner_catalog", "profile_efficiencies", "recompute_flops_per_token",
+    "utilisation", "with_overrides",
 ]
