@@ -99,12 +99,13 @@ def test_set_malformed_is_refused(pair: str) -> None:
 
 
 def test_set_good_values_change_the_plan() -> None:
-    """A valid override is applied: a reserve of 10 GB takes exactly 10e9 from the H100's 80e9 bytes."""
+    """A valid override is applied: a reserve of 10 GB takes exactly 10e9 from the 81,082 MiB torch reports on an
+    H100 (catalog/gpus.toml usable_bytes), in place of the catalog's 689,700,864-byte reserve (planner.toml)."""
     base = planned(*BASE)
     res = planned(*BASE, "--set", "memory_reserve_bytes=1e10", "--set", "launch_gap_s=5e-6",
                   "--set", "cp_overlap=0.5")
-    assert base["memory_capacity_bytes"] == 80e9  # catalog/gpus.toml h100-sxm: 80 GB HBM3
-    assert res["memory_capacity_bytes"] == 70e9
+    assert base["memory_capacity_bytes"] == 81_082 * 2**20 - 689_700_864
+    assert res["memory_capacity_bytes"] == 81_082 * 2**20 - 1e10
     assert res["efficiencies"]["launch_gap_s"] == 5e-6
     assert res["efficiency_sources"]["cp_overlap"] == "set on the command line"
 

@@ -161,6 +161,10 @@ class GPUSpec(_Spec):
                                   description="dense FP8 tensor peak (0: no FP8 tensor cores, e.g. A100)")
     peak_fp8_flops_source: str = ""
     memory_bytes: float = Field(gt=0, le=_BYTES)
+    usable_bytes: float = Field(default=0.0, ge=0, le=_BYTES,
+                                description="what the CUDA driver reports as the device's total memory "
+                                            "(torch.cuda.get_device_properties().total_memory); 0: memory_bytes")
+    usable_bytes_source: str = ""
     hbm_bandwidth: float = Field(gt=0, le=_BYTES)
     tdp_watts: float = Field(gt=0, le=1e6)
     scale_up: str = ""
@@ -168,6 +172,12 @@ class GPUSpec(_Spec):
     sm_count: int = Field(default=0, ge=0, le=100_000,
                           description="streaming multiprocessors (0: unknown, no wave quantization)")
     generation: str = Field(default="", description="architecture whose constants catalog/planner.toml holds")
+
+    @property
+    def capacity_bytes(self) -> float:
+        """The memory a process can allocate from: the driver's total (usable_bytes) where the catalog knows it,
+        else the datasheet figure."""
+        return self.usable_bytes or self.memory_bytes
 
 
 class ClusterSpec(_Spec):

@@ -151,6 +151,7 @@ class ActivationCaching:
     recompute_mla_up: bool = False
     recompute_swiglu_output: bool = False
     weighted_combine: bool = True
+    dropout: bool = False  # the layer runs dropout (two 1-byte masks kept): the software's knob
 
 
 def _sp_div(t: Any, sp: Any) -> Any:
@@ -206,30 +207,40 @@ def moe_ffn_bytes_per_token(m: ModelSpec, t: Any, imbalance: float, c: Activatio
     return rows * per_row + shared + ROUTER_BYTES * m.n_experts / np.asarray(t, dtype=float)
 
 
+def gqa_attention_delta_bytes_per_token(m: ModelSpec, t: Any) -> Any:
+    """What a grouped-query attention layer with a fused kernel keeps beyond Korthikanti's MHA terms, per token on
+    one TP rank: K and V at the KV width (n_kv_heads x head_dim, replicated when TP exceeds the KV heads) in place
+    of h each, and the kernel's fp32 log-sum-exp per local head (FlashAttention-2, arXiv 2307.08691 Alg. 1-2: the
+    backward needs Q, K, V, O and L)."""
+    t = np.asarray(t, dtype=float)
+    kv = np.maximum(m.n_kv_heads / t, 1) * m.head_dim
+    return ACT * 2 * (kv - m.d_model / t) + 4 * m.n_heads / t
+
+
 def shaped_layer_delta_bytes_per_token(m: ModelSpec, moe_layer: bool, t: Any, sp: Any, imbalance: float,
                                        c: ActivationCaching) -> Any:
-    """What a MoE or MLA model's layer keeps per token beyond (or short of) Korthikanti's dense count
-    (``activation_bytes_per_layer`` / (s·b)), which assumes MHA with Q, K, V of width h and a 4h MLP:
+    """What a layer keeps per token beyond (or short of) Korthikanti's dense count (``activation_bytes_per_layer``
+    / (s·b)), which assumes MHA with Q, K, V of width h, a 4h GeLU MLP and dropout, from the layer's own tensors:
 
-    - MLA: the MHA terms (``mha_attention_bytes_per_token``) out, ``mla_attention_bytes_per_token`` in;
-      under recompute_norms a non-MLA attention drops its QKV input (the normed x, recomputed)
+    - MLA: the MHA terms (``mha_attention_bytes_per_token``) out, ``mla_attention_bytes_per_token`` in; GQA/MHA:
+      K and V at their own width and the kernel's log-sum-exp (``gqa_attention_delta_bytes_per_token``); under
+      recompute_norms a non-MLA attention drops its QKV input (the normed x, recomputed)
     - FFN: the 4h MLP's 16h/t out; the MoE FFN (``moe_ffn_bytes_per_token``) or the dense SwiGLU/GeLU FFN of
-      d_ff in (bf16 activation inputs: the FP8 exception is the MoE's, DeepSeek-V3 Sec. 3.3.3); under
+      d_ff in (a SwiGLU keeps w1 and w3 outputs and w2's input: 3 x d_ff, Llama's 14,336 or 53,248 not 4h); under
       recompute_norms its input (the normed x, Korthikanti's fc1 input 2h) recomputed
-    - dropout: Korthikanti's two 1-byte masks (sbh each) out; a ModelSpec has no dropout and the MoE / MLA
-      models it describes train without it (DeepSeek-V3 config.json attention_dropout 0.0; Mixtral none). The
-      dense count keeps them (unchanged, an overcount for dropout-free dense models)
+    - dropout: Korthikanti's two 1-byte masks (sbh each) out unless the software runs dropout (Llama 3, Mixtral,
+      DeepSeek-V3 and torchtitan's Llama train without it; Megatron's GPT defaults --hidden-dropout 0.1)
     """
     h, t = m.d_model, np.asarray(t, dtype=float)
     norm_in = 2 * h / _sp_div(t, sp)  # a normed x, Korthikanti's QKV or fc1 input
     if m.attention == "mla":
         attn = mla_attention_bytes_per_token(m, t, sp, c) - mha_attention_bytes_per_token(h, t, sp)
     else:
-        attn = -norm_in if c.recompute_norms else 0.0
+        attn = gqa_attention_delta_bytes_per_token(m, t) - (norm_in if c.recompute_norms else 0.0)
     if moe_layer:
         ffn = moe_ffn_bytes_per_token(m, t, imbalance, c)
     else:
         ffn = ffn_bytes_per_token(m, t, m.d_ff, ACT, False, c)
     ffn = ffn - 16 * h / t - (norm_in if c.recompute_norms else 0.0)
-    masks = 2 * h / _sp_div(t, sp)  # Korthikanti's two dropout masks (1 byte each): these models have no dropout
+    masks = 0.0 if c.dropout else 2 * h / _sp_div(t, sp)  # Korthikanti's two dropout masks (1 byte each)
     return attn + ffn - masks

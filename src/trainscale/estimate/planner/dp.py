@@ -98,8 +98,10 @@ def dp_exposed(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, st_
 
 
 def optimizer_time(c: Candidates, s: StageParams, eff: Efficiencies, sw: Software, hbm: float) -> Any:
-    """Adam is memory-bound on this rank's shard of the state; fp32 grads are read at 4 bytes."""
+    """Adam is memory-bound on this rank's shard of the state; fp32 grads are read at 4 bytes; a state of other than
+    12 bytes per parameter (sw.optimizer_state_bytes) is read and written at its own size."""
     p_shard = s.crit / np.where(c.zero >= 1, n_shard(c), 1)
     if s.moe:
         p_shard = p_shard + s.e_crit / np.where(c.zero >= 1, n_shard_experts(c), 1)
-    return (eff.optimizer_bytes_per_param + sw.grad_bytes - memory.GRAD_BYTES) * p_shard / hbm
+    return (eff.optimizer_bytes_per_param + sw.grad_bytes - memory.GRAD_BYTES
+            + 2 * (sw.optimizer_state_bytes - memory.ADAM_BYTES)) * p_shard / hbm

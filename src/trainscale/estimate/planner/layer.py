@@ -222,13 +222,32 @@ def attention_core(m: ModelSpec, c: Candidates, r: Rates, eff: Efficiencies, sw:
     rows = c.mb * heads * (seq / c.cp)
     qk_f, qk_b = gemm_train_time(rows, m.head_dim, seq, r.f_mm, r.hbm, r.sms, r.gap)
     av_f, av_b = gemm_train_time(rows, seq, m.head_dim, r.f_mm, r.hbm, r.sms, r.gap)
-    # score bytes (bf16): QK^T written, scale-mask-softmax read + written, dropout read + written (+ a 1-byte
-    # mask), read by the V product: 6.5 passes forward, twice that backward (Korthikanti 2022 Sec. 4.1's
-    # 5as/h terms are these tensors)
-    score = c.mb * heads * (seq / c.cp) * seq * ACT_BYTES
-    t_scores_f = 6.5 * score / r.hbm
-    t_attn_f = qk_f + av_f + t_scores_f
-    return t_attn_f + qk_b + av_b + 2 * t_scores_f, t_attn_f
+    score_f, score_b = unfused_score_bytes(m, c, seq, sw.dropout)
+    t_attn_f = qk_f + av_f + score_f / r.hbm
+    return t_attn_f + qk_b + av_b + score_b / r.hbm, t_attn_f
+
+
+# HBM passes over the s x s score tensor (bf16 = 1 pass) that an unfused attention's kernels move BEYOND the operands
+# of its two batched GEMMs (whose rooflines, gemm_time, already write the scores and read the probabilities).
+# Megatron-LM megatron/core/transformer/dot_product_attention.py (as megatron/model/transformer.py CoreAttention in
+# 2021-22): baddbmm(beta=0) writes the scores [GEMM], scale_mask_softmax, attention_dropout, bmm with V [GEMM].
+# megatron/core/fusions/fused_softmax.py FusedScaleMaskSoftmax -> ScaledUpperTriangMaskedSoftmax /
+# ScaledMaskedSoftmax: forward reads the scores, writes the probabilities (2) and saves them; backward reads the
+# output grad and the saved probabilities and writes the input grad (3). torch.nn.Dropout (native_dropout): forward
+# reads the probabilities, writes the dropped ones and a 1-byte bool mask (2 + 0.5); backward reads the grad and the
+# mask and writes the grad (2.5). The V product's backward writes dP and reads the dropped probabilities [GEMM].
+SOFTMAX_PASSES = (2.0, 3.0)  # forward (read, write), backward (read grad and saved probabilities, write)
+DROPOUT_PASSES = (2.5, 2.5)  # forward (read, write, 1-byte mask), backward (read grad and mask, write)
+
+
+def unfused_score_bytes(m: ModelSpec, c: Candidates, seq: int, dropout: bool = True) -> tuple[Any, Any]:
+    """(forward, backward) HBM bytes of one unfused attention's softmax and dropout (if the software runs it: with
+    p = 0 Megatron's attention_dropout is the identity) on one rank: the score tensor (micro-batch x local heads x
+    local queries x keys, bf16) times the passes above: 4.5 forward, 5.5 backward with dropout."""
+    score = c.mb * (m.n_heads / c.tp) * (seq / c.cp) * seq * ACT_BYTES
+    drop = 1.0 if dropout else 0.0
+    return ((SOFTMAX_PASSES[0] + drop * DROPOUT_PASSES[0]) * score,
+            (SOFTMAX_PASSES[1] + drop * DROPOUT_PASSES[1]) * score)
 
 
 def hidden_tokens(c: Candidates) -> Any:

@@ -30,6 +30,7 @@ from trainscale.estimate.planner.step import (
     cluster_topology,
     evaluate,
     load_efficiencies,
+    memory_capacity,
     planner_catalog,
 )
 from trainscale.specs import (
@@ -240,7 +241,7 @@ class Problem:
             "tokens_per_s": tps,
             "memory_per_gpu_bytes": {"total": float(res["mem_total"][i]),
                                      **{name: float(res[k][i]) for k, name in MEM_PARTS.items()}},
-            "memory_capacity_bytes": float(self.gpu.memory_bytes - self.eff.memory_reserve_bytes),
+            "memory_capacity_bytes": float(memory_capacity(self.gpu, self.eff)),
             "headroom_bytes": float(res["headroom"][i]),
             "fits": bool(res["fits"][i]),
             "runnable": bool(self.runnable_mask({k: a[i:i + 1] for k, a in cfg.items()})[0]),
@@ -384,7 +385,7 @@ class SearchResult:
         lay = layout_at(self.cfg, i)
         slower = float(r["step_time_s"][i] / r["step_time_s"][b] - 1)
         if not r["fits"][i]:
-            cap = p.gpu.memory_bytes - p.eff.memory_reserve_bytes
+            cap = memory_capacity(p.gpu, p.eff)
             reason = (f"{-slower:.1%} faster, but needs {r['mem_total'][i] / 1e9:,.1f} GB per GPU against "
                       f"{cap / 1e9:,.0f} GB")
         else:
@@ -454,7 +455,7 @@ class SearchResult:
     def nothing_fits(self) -> str:
         """One sentence: why nothing fits and what would."""
         p = self.problem
-        cap = p.gpu.memory_bytes - p.eff.memory_reserve_bytes
+        cap = memory_capacity(p.gpu, p.eff)
         what = "that this runtime trains " if p.runnable else ""
         head = (f"no layout of {p.model.name} {what}fits {cap / 1e9:,.0f} GB per GPU on {p.n_gpus:,} {p.gpu.name} "
                 f"at seq {p.seq:,}")

@@ -58,17 +58,19 @@ class Software:
     recompute_swiglu_output: bool = False  # a MoE SwiGLU's output recomputed from its inputs in the backward
     moe_weighted_combine: bool = True  # the combine weights expert outputs by the gate (keeps them); False: the gate
     #                                    is applied on the expert side and the combine is a plain sum (DeepEP)
+    dropout: bool = False  # the layers run dropout (hidden and attention): its masks kept, its kernels run
+    optimizer_state_bytes: float = 12.0  # bytes per parameter of optimizer state: 12 = fp32 master, Adam m and v
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def state_bytes_per_param(self) -> int:
         """Weights (2) + gradients (grad_bytes) + Adam's fp32 master, momentum, variance (12): ZeRO Sec. 3.1."""
-        return 2 + self.grad_bytes + 12
+        return 2 + self.grad_bytes + int(self.optimizer_state_bytes)
 
     def activation_caching(self) -> ActivationCaching:
         return ActivationCaching(self.linear_act_bytes, self.attn_out_act_bytes, self.swiglu_in_act_bytes,
                                  self.recompute_norms, self.recompute_mla_up, self.recompute_swiglu_output,
-                                 self.moe_weighted_combine)
+                                 self.moe_weighted_combine, self.dropout)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
@@ -80,7 +82,8 @@ _KNOBS = tuple(f.name for f in fields(Software) if f.name not in ("name", "sourc
 _OPTIONAL = {"attention_speed": 1.0, "precision": "bf16", "moe_node_limit": 0, "a2a_overlap": 0.0,
              "pipeline": "standard", "comm_sms": 0, "linear_act_bytes": 2.0, "attn_out_act_bytes": 2.0,
              "swiglu_in_act_bytes": 2.0, "recompute_norms": False, "recompute_mla_up": False,
-             "recompute_swiglu_output": False, "moe_weighted_combine": True}
+             "recompute_swiglu_output": False, "moe_weighted_combine": True, "dropout": False,
+             "optimizer_state_bytes": 12.0}
 PRECISIONS = ("bf16", "fp8")
 
 
@@ -131,6 +134,8 @@ class SoftwareKnobs(BaseModel):
     recompute_mla_up: bool
     recompute_swiglu_output: bool
     moe_weighted_combine: bool
+    dropout: bool
+    optimizer_state_bytes: Annotated[float, Field(ge=0, le=32)]
 
 
 _FRACTION = "a fraction, a finite number in [0, 1]"
@@ -152,7 +157,9 @@ KNOB_ALLOWED: dict[str, str] = {
     "comm_sms": "a whole number of SMs from 0 to 4096",
     "linear_act_bytes": _BYTES, "attn_out_act_bytes": _BYTES, "swiglu_in_act_bytes": _BYTES,
     "recompute_norms": _BOOL, "recompute_mla_up": _BOOL, "recompute_swiglu_output": _BOOL,
-    "moe_weighted_combine": _BOOL,
+    "moe_weighted_combine": _BOOL, "dropout": _BOOL,
+    "optimizer_state_bytes": "bytes per parameter of optimizer state, a finite number in [0, 32] (12: fp32 master, "
+                             "Adam m and v)",
 }
 
 
@@ -190,7 +197,7 @@ def _build(name: str, data: dict[str, Any], where: str) -> Software:
     check_knobs(vals, where)
     for k in ("selective_gemms", "zero", "schedules"):
         vals[k] = tuple(vals[k])
-    for k in ("linear_act_bytes", "attn_out_act_bytes", "swiglu_in_act_bytes"):
+    for k in ("linear_act_bytes", "attn_out_act_bytes", "swiglu_in_act_bytes", "optimizer_state_bytes"):
         vals[k] = float(vals[k])
     sources = {k: str(data.get(f"{k}_source", "")) for k in _KNOBS}
     return Software(name=name, source=str(data.get("source", "")), sources=sources, **vals)

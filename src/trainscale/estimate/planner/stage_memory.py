@@ -62,7 +62,9 @@ def layer_activations(m: ModelSpec, c: Candidates, eff: Efficiencies, sw: Softwa
     width, sharded like the GEMM). A MoE or MLA model's layers are counted from their shapes, as a correction to
     Korthikanti's dense count (the MLA latents and up-projected q/k/v in place of MHA's Q, K, V; the routed rows,
     experts, combine and router and the shared expert, or the dense FFN of d_ff, in place of a 4h MLP's 16·sbh/t),
-    under the software's caching and recompute knobs; none of it kept under full recompute."""
+    under the software's caching and recompute knobs; none of it kept under full recompute. A dense model is
+    counted from its shapes the same way (GQA's K/V width, a SwiGLU's 3 x d_ff, no dropout masks unless the
+    software runs dropout): Korthikanti's Table 2 is a GPT layer, not a Llama one."""
     flash = sw.attention == "flash"
 
     def acts(mode: str) -> np.ndarray:
@@ -73,14 +75,12 @@ def layer_activations(m: ModelSpec, c: Candidates, eff: Efficiencies, sw: Softwa
     per_layer = per_mode(lambda mode: acts("selective" if flash and mode == "none" else mode), c.rc, RECOMPUTE)
     dropped = sum(n_out for name, (_, n_out) in layer_gemm_shapes(m, c.tp).items() if name in sw.selective_gemms)
     per_layer = per_layer - np.where(c.rc == SELECTIVE, ACT_BYTES * (seq // c.cp) * c.mb * dropped, 0.0)
-    if not (m.is_moe or m.attention == "mla"):
-        return LayerMemory(per_layer)
     tok_s = (seq // c.cp) * c.mb
     cache_knobs = sw.activation_caching()
     imb = m.capacity_factor if m.capacity_factor > 0 else eff.moe_imbalance
-    dense_act, moe_act = (np.where(c.full, 0.0, tok_s * memory.shaped_layer_delta_bytes_per_token(
-        m, kind, c.tp, c.sp, imb, cache_knobs)) for kind in (False, True))
-    return LayerMemory(per_layer, dense_act, moe_act if m.is_moe else dense_act)
+    shaped = [np.where(c.full, 0.0, tok_s * memory.shaped_layer_delta_bytes_per_token(
+        m, kind, c.tp, c.sp, imb, cache_knobs)) for kind in ((False, True) if m.is_moe else (False,))]
+    return LayerMemory(per_layer, shaped[0], shaped[-1])
 
 
 def buffers(m: ModelSpec, c: Candidates, sw: Software, seq: int) -> tuple[Any, Any]:
@@ -106,9 +106,11 @@ def stage_memory(m: ModelSpec, c: Candidates, sw: Software, lm: LayerMemory, buf
                  layers: Any, dense: Any, params: Any, experts: Any, is_last: Any) -> dict[str, Any]:
     """Bytes per GPU of pipeline rank ``r`` holding ``layers`` (``dense`` of them a MoE's dense ones), ``params``
     split over TP and ``experts`` over EP: weights, gradients, optimizer, activations, buffers, total."""
-    st = memory.zero_state_bytes_per_gpu(params, n_shard(c), c.zero, grad_bytes=sw.grad_bytes)
+    st = memory.zero_state_bytes_per_gpu(params, n_shard(c), c.zero, grad_bytes=sw.grad_bytes,
+                                        optimizer_bytes=sw.optimizer_state_bytes)
     if m.is_moe:
-        ex = memory.zero_state_bytes_per_gpu(experts, n_shard_experts(c), c.zero, grad_bytes=sw.grad_bytes)
+        ex = memory.zero_state_bytes_per_gpu(experts, n_shard_experts(c), c.zero, grad_bytes=sw.grad_bytes,
+                                            optimizer_bytes=sw.optimizer_state_bytes)
         st = memory.StateBytes(st.weights + ex.weights, st.gradients + ex.gradients, st.optimizer + ex.optimizer)
         a = (lm.korthikanti * layers + lm.dense * dense + lm.moe * (layers - dense)) * held(c, sw, r)
     else:

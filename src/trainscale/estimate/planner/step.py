@@ -106,6 +106,12 @@ def utilisation(m: ModelSpec, c: Candidates, sw: Software, seq: int, global_seqs
             "hw_tflops_per_gpu": hfu * peak / 1e12}
 
 
+def memory_capacity(gpu: GPUSpec, eff: Efficiencies) -> float:
+    """Bytes a layout may use per GPU: what the driver reports (``GPUSpec.capacity_bytes``: torch sees 79.2 GiB of
+    an "80 GB" H100) less the planner's reserve (CUDA context, NCCL buffers: catalog/planner.toml)."""
+    return gpu.capacity_bytes - eff.memory_reserve_bytes
+
+
 def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies, seq: int, global_seqs: int,
              cfg: dict[str, Any], sw: Software | None = None) -> dict[str, np.ndarray]:
     """Step time, memory and utilization of every layout in ``cfg`` (arrays: tp cp pp dp mb v schedule
@@ -133,7 +139,7 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     lm = stage_memory.layer_activations(m, c, eff, sw, seq)
     heavy, first_total, heaviest_stage = stage_memory.heaviest(m, c, sw, lm, stage_memory.buffers(m, c, sw, seq),
                                                                d, params)
-    capacity = gpu.memory_bytes - eff.memory_reserve_bytes
+    capacity = memory_capacity(gpu, eff)
     micro, n_moe = c.micro, k.n_moe
     return {
         "world": c.world, "micro_batches": micro, "layers_first_stage": c.place["first"],
@@ -160,5 +166,6 @@ __all__ = [
     "FULL", "GPIPE", "INTERLEAVED", "NO_RECOMPUTE", "ONE_F_ONE_B", "RECOMPUTE", "SCHEDULE", "SELECTIVE",
     "Efficiencies", "attention_gemm_shapes", "attention_rate", "cluster_topology", "evaluate", "ffn_gemm_shapes",
     "gemm_time", "gemm_train_time", "in_flight", "layer_gemm_shapes", "load_efficiencies", "matmul_params",
-    "planner_catalog", "profile_efficiencies", "recompute_flops_per_token", "utilisation", "with_overrides",
+    "memory_capacity", "planner_catalog", "profile_efficiencies", "recompute_flops_per_token",
+    "utilisation", "with_overrides",
 ]
