@@ -75,7 +75,7 @@ def _print_loo(out: dict) -> None:
         s = out[k]
         console.print(f"{what}: mean |error| {s['mean_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} "
                       f"({s['worst_run']}).")
-    fits = "; ".join(f"{f['key']} [{f['scope']}] catalog {f['catalog']:g}, refit on its {f['rows']} rows "
+    fits = "; ".join(f"{f['key']} ({f['scope']}) catalog {f['catalog']:g}, refit on its {f['rows']} rows "
                      f"{f['fit_all_rows']:.3f}" for f in out["fit"])
     console.print("Fitted: " + (fits or "nothing (in-sample = leave-one-out = the catalog's prediction)") + ".")
     by: dict[str, list[float]] = {}
