@@ -16,6 +16,8 @@ def validate(
     runs: str = typer.Option(None, help="TOML file of [[run]] tables (default: the catalog's published runs)"),
     set_: list[str] = typer.Option(None, "--set", help="override one planner constant for every run, key=value "
                                    "(e.g. sustained_clock_fraction=1 for the unfitted model)"),
+    loo: bool = typer.Option(False, "--loo", help="add each row's in-sample and leave-one-out errors: the constants "
+                             "catalog/planner.toml marks FITTED refit on every row, and on every other row"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Predict published training runs from their own layouts and software; show predicted vs published."""
@@ -23,26 +25,28 @@ def validate(
     from trainscale.estimate.planner.validate import CONVENTION_LABELS, CONVENTIONS
     from trainscale.estimate.planner.validate import validate as run_validation
 
-    out = run_validation(runs, _settings(set_) or None)
+    out = run_validation(runs, _settings(set_) or None, loo=loo)
     if as_json:
         emit_json(out)
         return
     t = Table(title="Predicted vs published (error on throughput; + = predicted faster)",
               title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("run", "figure", "FLOPs", "reported", "predicted", "error"):
+    for col in ("run", "figure", "FLOPs", "reported", "predicted", "error") + (("in-sample", "LOO") if loo else ()):
         t.add_column(col, justify="left" if col in ("run", "figure", "FLOPs") else "right", no_wrap=True)
     unit = {"tokens_per_s_per_gpu": "tok/s/GPU", "step_time_s": "s/step", "tflops_per_gpu": "TFLOP/s",
             "gpu_hours": "GPU-hours"}
     for r in out["runs"]:
         err = r["error"]
-        style = "green" if abs(err) <= 0.05 else "yellow" if abs(err) <= 0.10 else "red"
         conv = CONVENTION_LABELS[r["flop_convention"]] + ("?" if r["flop_convention_source"].startswith("ASSUMED")
                                                           else "")
+        extra = (_pct(r["in_sample_error"]), _pct(r["loo_error"])) if loo else ()
         t.add_row(r["id"], unit[r["figure"]], conv, f"{r['published']:,.0f}",
-                  f"{r['predicted']:,.0f}", f"[{style}]{err:+.1%}[/{style}]")
+                  f"{r['predicted']:,.0f}", _pct(err), *extra)
     console.print(t)
     console.print(f"mean |error| {out['mean_abs_error']:.1%}, worst {out['worst_abs_error']:.1%} "
                   f"({out['worst_run']}); {len(out['runs'])} runs.")
+    if loo:
+        _print_loo(out)
     mem = [r for r in out["runs"] if r["memory_error"] is not None]
     if mem:
         console.print("Peak memory per GPU where published: " + ", ".join(
@@ -59,3 +63,23 @@ def validate(
                               {r["flop_convention"] for r in out["runs"]})
                   + ". Constants: catalog/planner.toml per GPU generation; software: catalog/software.toml; sources "
                     "per run: --json.")
+
+
+def _pct(err: float) -> str:
+    style = "green" if abs(err) <= 0.05 else "yellow" if abs(err) <= 0.10 else "red"
+    return f"[{style}]{err:+.1%}[/{style}]"
+
+
+def _print_loo(out: dict) -> None:
+    for k, what in (("in_sample", "in-sample (fit on every row)"), ("loo", "leave-one-out (fit without the row)")):
+        s = out[k]
+        console.print(f"{what}: mean |error| {s['mean_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} "
+                      f"({s['worst_run']}).")
+    fits = "; ".join(f"{f['key']} ({f['scope']}) catalog {f['catalog']:g}, refit on its {f['rows']} rows "
+                     f"{f['fit_all_rows']:.3f}" for f in out["fit"])
+    console.print("Fitted: " + (fits or "nothing (in-sample = leave-one-out = the catalog's prediction)") + ".")
+    by: dict[str, list[float]] = {}
+    for r in out["runs"]:
+        by.setdefault(f"{r['software']}/{r['generation']}", []).append(abs(r["loo_error"]))
+    console.print("Leave-one-out mean |error| by software/generation: " + ", ".join(
+        f"{k} {sum(v) / len(v):.1%} ({len(v)})" for k, v in sorted(by.items())) + ".")

@@ -1,9 +1,12 @@
-"""`trainscale validate`: the step-time model predicts published training runs it was never fitted to.
+"""`trainscale validate`: the step-time model predicts published training runs, with in-sample and leave-one-out errors.
 
 Each run in catalog/runs.toml is evaluated as the run itself was laid out (its own layout string and its
 framework's software preset) with the catalog's per-GPU-generation constants, and its prediction is set
-against the figure the source reported. One constant per GPU generation (sustained_clock_fraction) was fitted
-once over this whole public set; every other constant comes from datasheets and published microbenchmarks
+against the figure the source reported. A constant of catalog/planner.toml whose source string begins with
+"FITTED" was fitted on this public set (``fitted_constants``); ``fit`` refits it from rows (per its GPU generation,
+minimising the worst |error|, as its source says), and ``validate(loo=True)`` reports each row twice: predicted with
+the fit over every row (in-sample) and with the fit over every other row (leave-one-out). With no fitted constant
+both equal the catalog's prediction. Every other constant comes from datasheets and published microbenchmarks
 (catalog/planner.toml, catalog/gpus.toml), the knobs from the frameworks' code and papers (catalog/software.toml).
 A published TFLOP/s or MFU is read with the FLOP count of the source that published it (``CONVENTIONS``, named on
 each row as ``flop_convention``), never with trainscale's own, and the source's MFU is recomputed as a check.
@@ -13,14 +16,18 @@ from __future__ import annotations
 
 import tomllib
 from dataclasses import dataclass
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.params import embedding_params, param_count
 from trainscale.estimate.planner import plan
+from trainscale.estimate.planner.efficiencies import KNOB_RANGES, planner_catalog
 from trainscale.safeio import read_text
 from trainscale.specs import Layout, ModelSpec
 
@@ -101,6 +108,7 @@ class Run:
     note: str = ""
     published_memory_gib: float | None = None  # peak memory per GPU the source reports, GiB
     tokens: float | None = None  # training tokens, for a gpu_hours figure
+    precision: str | None = None  # bf16 | fp8 where the run differs from its software preset (plan --precision)
 
 
 def load_runs(path: str | Path | None = None) -> list[Run]:
@@ -135,7 +143,7 @@ def predict(run: Run, overrides: dict[str, float] | None = None) -> dict[str, An
     """One run predicted from its own layout and software: the figure it published, and ours. ``overrides``
     replaces planner constants (``--set``), e.g. sustained_clock_fraction=1 for the unfitted model."""
     p = plan.problem(run.model, None, run.gpus, run.seq, run.global_batch_tokens, cluster=run.cluster,
-                     software=run.software, overrides=overrides)
+                     software=run.software, overrides=overrides, precision=run.precision)
     row = p.evaluate_layout(Layout.parse(run.layout))
     tps_gpu = row["tokens_per_s"] / run.gpus
     m = p.model
@@ -177,18 +185,135 @@ def predict(run: Run, overrides: dict[str, float] | None = None) -> dict[str, An
     }
 
 
-def validate(path: str | Path | None = None, overrides: dict[str, float] | None = None) -> dict[str, Any]:
-    """Every run predicted, with the mean and worst |error| (error = predicted / published throughput - 1)."""
-    rows = [predict(r, overrides) for r in load_runs(path)]
+# ------------------------------------------------------------------ the fitted constants, refit from rows
+
+FIT_NODES = tuple(round(0.6 + 0.1 * i, 1) for i in range(9))  # x the catalog value: where each row is evaluated
+FIT_FINE = 161  # candidate values between the first and last node (errors interpolated linearly between nodes)
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A planner constant catalog/planner.toml says was fitted on the public set (its source begins 'FITTED')."""
+
+    key: str
+    scope: str  # the GPU generation whose table holds it; "" = [defaults], every run
+    catalog_value: float
+
+
+def fitted_constants(overrides: dict[str, float] | None = None) -> list[Fitted]:
+    """The constants of catalog/planner.toml marked FITTED ([defaults] and [generation.*]); one set on the command
+    line (``overrides``) is fixed there, not fitted."""
+    cat = planner_catalog()
+    tables = {"": cat["defaults"], **cat.get("generation", {})}
+    return [Fitted(k, scope, float(t[k])) for scope, t in tables.items() for k in KNOB_RANGES
+            if k in t and str(t.get(f"{k}_source", "")).startswith("FITTED") and k not in (overrides or {})]
+
+
+def _nodes(f: Fitted) -> np.ndarray:
+    """The values a row is evaluated at: the catalog value x 0.6 ... 1.4, kept inside the knob's range."""
+    r = KNOB_RANGES[f.key]
+    v = np.array([f.catalog_value * x for x in FIT_NODES])
+    v = v[(v > r.lo) | ((v == r.lo) & r.lo_in)]
+    return np.unique(np.append(v[v <= r.hi], r.hi) if (v > r.hi).any() else v)
+
+
+def _in_scope(f: Fitted, generation: str) -> bool:
+    return f.scope in ("", generation)
+
+
+def _tps(run: Run, overrides: dict[str, float] | None) -> float:
+    return predict(run, overrides)["predicted_tokens_per_s_per_gpu"]
+
+
+def fit_table(runs: list[Run], generations: list[str], overrides: dict[str, float] | None = None
+              ) -> dict[Fitted, tuple[np.ndarray, dict[int, np.ndarray]]]:
+    """For each fitted constant: its nodes and, per run in its scope (by index), the predicted tokens/s per GPU
+    at each node (the other constants at their catalog values)."""
+    out = {}
+    for f in fitted_constants(overrides):
+        nodes = _nodes(f)
+        out[f] = (nodes, {i: np.array([_tps(r, {**(overrides or {}), f.key: float(x)}) for x in nodes])
+                          for i, r in enumerate(runs) if _in_scope(f, generations[i])})
+    return out
+
+
+def fit(runs: list[Run], published_tps: list[float], table: dict[Fitted, tuple[np.ndarray, dict[int, np.ndarray]]],
+        leave_out: int | None = None) -> dict[Fitted, float]:
+    """Each fitted constant refit on the runs of its scope, less ``leave_out``: the value that minimises the worst
+    |predicted / published throughput - 1| (ties: the smaller mean), the rule catalog/planner.toml states
+    (benchmarks/fit_validation.py). Candidates: FIT_FINE values across the nodes, each row's prediction interpolated
+    linearly between them. A scope left with no row keeps the catalog value."""
+    values = {}
+    for f, (nodes, per_run) in table.items():
+        rows = [i for i in per_run if i != leave_out]
+        if not rows:
+            values[f] = f.catalog_value
+            continue
+        cand = np.linspace(nodes[0], nodes[-1], FIT_FINE)
+        err = np.abs(np.array([np.interp(cand, nodes, per_run[i]) / published_tps[i] - 1 for i in rows]))
+        worst, mean = err.max(axis=0).round(6), err.mean(axis=0)
+        values[f] = float(cand[np.lexsort((mean, worst))[0]])
+    return values
+
+
+def _with_fit(values: dict[Fitted, float], generation: str, overrides: dict[str, float] | None) -> dict[str, float]:
+    return {**{f.key: v for f, v in values.items() if _in_scope(f, generation)}, **(overrides or {})}
+
+
+def _summary(errs: list[float], ids: list[str]) -> dict[str, Any]:
+    a = [abs(e) for e in errs]
+    w = int(np.argmax(a))
+    return {"mean_abs_error": sum(a) / len(a), "worst_abs_error": a[w], "worst_run": ids[w]}
+
+
+def _loo(runs: list[Run], rows: list[dict[str, Any]], overrides: dict[str, float] | None) -> dict[str, Any]:
+    """In-sample (fit on every row) and leave-one-out (fit on every other row) errors; both the catalog's where
+    nothing is fitted."""
+    gens = [r["generation"] for r in rows]
+    pub = [r["published_tokens_per_s_per_gpu"] for r in rows]
+    table = fit_table(runs, gens, overrides)
+    if not table:
+        for r in rows:
+            r["in_sample_error"] = r["loo_error"] = r["error"]
+        return {"fit": []}
+    every = fit(runs, pub, table)
+    for i, (run, r) in enumerate(zip(runs, rows, strict=True)):
+        r["in_sample_error"] = _tps(run, _with_fit(every, gens[i], overrides)) / pub[i] - 1
+        own = fit(runs, pub, table, leave_out=i)
+        r["loo_fit"] = {f"{f.key}[{f.scope or 'defaults'}]": v for f, v in own.items() if _in_scope(f, gens[i])}
+        r["loo_error"] = _tps(run, _with_fit(own, gens[i], overrides)) / pub[i] - 1
+    return {"fit": [{"key": f.key, "scope": f.scope or "defaults", "catalog": f.catalog_value, "fit_all_rows": v,
+                     "rows": len(table[f][1])} for f, v in every.items()]}
+
+
+def validate(path: str | Path | None = None, overrides: dict[str, float] | None = None,
+             loo: bool = False) -> dict[str, Any]:
+    """Every run predicted, with the mean and worst |error| (error = predicted / published throughput - 1);
+    ``loo`` adds each row's in-sample and leave-one-out errors (``fit``) and their means."""
+    runs = load_runs(path)
+    rows = [predict(r, overrides) for r in runs]
+    ids = [r["id"] for r in rows]
     errs = [abs(r["error"]) for r in rows]
     worst = max(range(len(rows)), key=lambda i: errs[i])
     mem = [abs(r["memory_error"]) for r in rows if r["memory_error"] is not None]
-    return {"runs": rows, "mean_abs_error": sum(errs) / len(errs), "worst_abs_error": errs[worst],
-            "worst_run": rows[worst]["id"], "overrides": overrides or {},
-            "memory_mean_abs_error": sum(mem) / len(mem) if mem else None,
-            "fitted": "one constant per GPU generation, sustained_clock_fraction, fitted once over the 14 dense runs "
-                      "of this public set (the DeepSeek-V3 row, added later, was not in the fit); every other "
-                      "constant from datasheets and published microbenchmarks (catalog/planner.toml); "
-                      "software knobs from the frameworks (catalog/software.toml)",
-            "flop_convention": plan.FLOP_CONVENTION,  # of the "mfu"/"hfu" fields; each row's figure: its own
-            "conventions": {k: {"formula": f, "source": src} for k, (f, src) in CONVENTIONS.items()}}
+    fitted = fitted_constants(overrides)
+    out = {"runs": rows, "mean_abs_error": sum(errs) / len(errs), "worst_abs_error": errs[worst],
+           "worst_run": rows[worst]["id"], "overrides": overrides or {},
+           "memory_mean_abs_error": sum(mem) / len(mem) if mem else None,
+           "fitted": ("; ".join(f"{f.key} [{f.scope or 'defaults'}] = {f.catalog_value:g} fitted on this public set "
+                                "(catalog/planner.toml)" for f in fitted) or "no constant fitted")
+           + "; every other constant from datasheets and published microbenchmarks (catalog/planner.toml); "
+             "software knobs from the frameworks (catalog/software.toml)",
+           "flop_convention": plan.FLOP_CONVENTION,  # of the "mfu"/"hfu" fields; each row's figure: its own
+           "conventions": {k: {"formula": f, "source": src} for k, (f, src) in CONVENTIONS.items()}}
+    if loo:
+        out.update(_loo(runs, rows, overrides))
+        out["in_sample"] = _summary([r["in_sample_error"] for r in rows], ids)
+        out["loo"] = _summary([r["loo_error"] for r in rows], ids)
+    return out
+
+
+@cache
+def catalog_validation() -> dict[str, Any]:
+    """``validate(loo=True)`` on the catalog's runs and constants, computed once per process."""
+    return validate(loo=True)
