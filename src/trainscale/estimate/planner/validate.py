@@ -14,21 +14,21 @@ each row as ``flop_convention``), never with trainscale's own, and the source's 
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.params import embedding_params, param_count
 from trainscale.estimate.planner import plan
 from trainscale.estimate.planner.efficiencies import KNOB_RANGES, planner_catalog
-from trainscale.safeio import read_text
+from trainscale.safeio import parse_toml, read_text
 from trainscale.specs import Layout, ModelSpec
 
 FIGURES = {
@@ -87,46 +87,70 @@ def convention_flops_per_token(convention: str, m: ModelSpec, seq: int, n_params
     raise TrainscaleError(f"unknown flop_convention {convention!r}; known: {', '.join(CONVENTIONS)}")
 
 
-@dataclass
-class Run:
-    id: str
-    source: str
-    model: str
-    cluster: str
-    gpus: int
-    layout: str
-    software: str
-    seq: int
-    global_batch_tokens: int
-    figure: str
-    published: float
-    flop_convention: str  # how the source counts FLOPs (CONVENTIONS), whatever its figure
-    flop_convention_source: str = ""
-    convention_params: float | None = None  # the parameter count the source's formula used, where it printed it
-    alt_flop_convention: str | None = None  # a second reading, where the source does not say which it used
-    published_mfu: float | None = None  # the source's own MFU (0-1), checked against its throughput + convention
-    note: str = ""
-    published_memory_gib: float | None = None  # peak memory per GPU the source reports, GiB
-    tokens: float | None = None  # training tokens, for a gpu_hours figure
-    precision: str | None = None  # bf16 | fp8 where the run differs from its software preset (plan --precision)
+_TEXT = Annotated[str, Field(min_length=1, max_length=4000)]
+_POSITIVE = Annotated[float, Field(gt=0, le=1e30)]
+
+
+class Run(BaseModel):
+    """One published run, as a runs file holds it: strict types, finite numbers, each in its range (a NaN, negative
+    or string figure is one sentence, never a prediction)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", frozen=True)
+    id: _TEXT
+    source: _TEXT
+    model: _TEXT
+    cluster: _TEXT
+    gpus: Annotated[int, Field(gt=0, le=100_000_000)]
+    layout: Annotated[str, Field(max_length=200)]
+    software: _TEXT
+    seq: Annotated[int, Field(gt=0, le=1 << 24)]
+    global_batch_tokens: Annotated[int, Field(gt=0, le=10**15)]
+    figure: Literal["tokens_per_s_per_gpu", "step_time_s", "tflops_per_gpu", "gpu_hours"]
+    published: _POSITIVE
+    flop_convention: _TEXT  # how the source counts FLOPs (CONVENTIONS), whatever its figure
+    flop_convention_source: Annotated[str, Field(max_length=4000)] = ""
+    convention_params: _POSITIVE | None = None  # the parameter count the source's formula used, where it printed it
+    alt_flop_convention: _TEXT | None = None  # a second reading, where the source does not say which it used
+    published_mfu: Annotated[float, Field(gt=0, le=1)] | None = None  # the source's own MFU (0-1)
+    note: Annotated[str, Field(max_length=4000)] = ""
+    published_memory_gib: _POSITIVE | None = None  # peak memory per GPU the source reports, GiB
+    tokens: _POSITIVE | None = None  # training tokens, for a gpu_hours figure
+    precision: Literal["bf16", "fp8"] | None = None  # where the run differs from its software preset
+
+    @field_validator("published", "convention_params", "published_memory_gib", "tokens", mode="before")
+    @classmethod
+    def _int_is_a_number(cls, v: Any) -> Any:  # strict floats take ints, never bools
+        if isinstance(v, bool):
+            raise ValueError("must be a number, not a boolean")
+        return float(v) if isinstance(v, int) else v
+
+
+def _run_error(e: ValidationError, i: int, r: Any, where: str) -> TrainscaleError:
+    err = e.errors()[0]
+    key = ".".join(str(x) for x in err.get("loc", ())) or "?"
+    name = r.get("id") if isinstance(r, dict) and isinstance(r.get("id"), str) else f"run {i + 1}"
+    value = r.get(key, "missing") if isinstance(r, dict) else r
+    return TrainscaleError(f"{name} in {where}: {key} {err.get('msg', 'is invalid').lower()} "
+                           f"(given {str(value)[:60]!r})")
 
 
 def load_runs(path: str | Path | None = None) -> list[Run]:
     """The published runs: catalog/runs.toml, or a TOML file of [[run]] tables with the same keys."""
-    try:
-        text = read_text(path, "runs file") if path else \
-            resources.files("trainscale.catalog").joinpath("runs.toml").read_text()
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise TrainscaleError(f"runs file {path} cannot be read: {e}") from None
+    where = str(path) if path else "catalog/runs.toml"
+    text = read_text(path, "runs file") if path else \
+        resources.files("trainscale.catalog").joinpath("runs.toml").read_text()
+    data = parse_toml(text, f"runs file {where}")
+    tables = data.get("run", [])
+    if not isinstance(tables, list):
+        raise TrainscaleError(f"runs file {where}: 'run' must be an array of tables ([[run]])")
     runs = []
-    for i, r in enumerate(data.get("run", [])):
+    for i, r in enumerate(tables):
+        if not isinstance(r, dict):
+            raise TrainscaleError(f"run {i + 1} in {where} is not a table")
         try:
             run = Run(**r)
-        except TypeError as e:
-            raise TrainscaleError(f"run {i + 1} in {path or 'catalog/runs.toml'} is malformed: {e}") from None
-        if run.figure not in FIGURES:
-            raise TrainscaleError(f"run {run.id}: figure must be one of {', '.join(FIGURES)}, not {run.figure!r}")
+        except ValidationError as e:
+            raise _run_error(e, i, r, where) from None
         if run.figure == "gpu_hours" and not (run.tokens and run.tokens > 0):
             raise TrainscaleError(f"run {run.id}: a gpu_hours figure needs the training tokens (tokens = ...)")
         for conv in (run.flop_convention, run.alt_flop_convention):
