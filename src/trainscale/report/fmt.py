@@ -131,3 +131,11 @@ def wrap(text: str, width: int, indent: str = "  ", hang: str | None = None) -> 
     return textwrap.wrap(text, width=max(width, 20), initial_indent=indent,
                          subsequent_indent=indent + "  " if hang is None else hang,
                          break_long_words=False, break_on_hyphens=False) or [indent]
+
+
+def size(b: float) -> str:
+    """Decimal bytes, short (3.2 MB, 41.8 GB, 1.2 TB): for a sentence where GiB beside it would be noise."""
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= div:
+            return f"{b / div:,.1f} {unit}"
+    return f"{b:,.0f} B"
