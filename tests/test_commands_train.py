@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,63 @@ def test_plan_and_dry_run_on_this_machine():
            "--dry-run", "--json")
     cmd = json.loads(p.stdout)["command"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--rdzv-endpoint") + 1] == "n0:29500"
+
+
+# ------------------------------------------------------------------ pre-flight (issue 22 item 4)
+
+EIGHT_B = ROOT / "configs" / "llama3.1-8b.toml"
+
+
+def test_preflight_refuses_the_8b_config_on_a_small_machine_before_anything_starts(tmp_path):
+    """Llama 3.1 8B's fp32 weights, gradients and AdamW state alone are 16 B x 8.03e9 parameters = 128 GB over its
+    eight ranks: 8 GB of memory cannot hold them under any layout of eight processes."""
+    out = tmp_path / "run"
+    env = {**os.environ, "TRAINSCALE_DEVICE_MEMORY_BYTES": "8e9"}
+    for extra in ([], ["--dry-run"]):
+        p = subprocess.run([sys.executable, "-m", "trainscale", "train", "--config", str(EIGHT_B), "--out", str(out),
+                            *extra], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        assert p.returncode == 2, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+        assert "does not fit" in p.stderr and "no layout this runtime trains on 8 process(es) fits" in p.stderr
+        assert not out.exists()  # nothing started: no run folder, no log, no torchrun
+
+
+def test_preflight_names_a_layout_that_fits_and_that_layout_passes(tmp_path):
+    env = {**os.environ, "TRAINSCALE_DEVICE_MEMORY_BYTES": "400e9"}
+
+    def dry(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trainscale", "train", "--config", str(EIGHT_B), "--dry-run",
+                               "--json", *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+
+    p = dry()
+    assert p.returncode == 2 and " would fit (" in p.stderr
+    named = p.stderr.split("; ")[-1].split(" would fit")[0]
+    ok = dry("--layout", named)
+    assert ok.returncode == 0, ok.stderr
+    mem = json.loads(ok.stdout)["memory"]
+    assert mem["fits"] and mem["predicted_this_machine_bytes"] <= 400e9
+
+
+def test_dry_run_prints_predicted_memory_from_the_real_model(tmp_path):
+    """One process, zero0: fp32 weights + gradients + two AdamW moments = 16 bytes a parameter of the model the
+    runtime builds, plus AdamW's 4-byte step counter per tensor (torch.optim.AdamW's state)."""
+    from trainscale.runtime.model import build_model
+
+    cfg = load_config(TINY)
+    model = build_model(cfg.model)
+    params = list(model.parameters())
+    expected = 16 * sum(q.numel() for q in params) + 4 * len(params)
+    env = {**os.environ, "TRAINSCALE_DEVICE_MEMORY_BYTES": "1e9"}
+    p = subprocess.run([sys.executable, "-m", "trainscale", "train", "--config", str(TINY), "--layout", "dp1",
+                        "--dry-run", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr
+    mem = json.loads(p.stdout)["memory"]
+    assert mem["predicted_state_bytes"] == expected and mem["capacity_bytes"] == 1e9
+    p = subprocess.run([sys.executable, "-m", "trainscale", "train", "--config", str(TINY), "--dry-run"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("memory:"))
+    assert "predicted" in line and "1.0 GB" in line and line.endswith("fits")
+    bad = subprocess.run([sys.executable, "-m", "trainscale", "train", "--config", str(TINY), "--dry-run"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**env, "TRAINSCALE_DEVICE_MEMORY_BYTES": "lots"})
+    assert bad.returncode == 2 and "TRAINSCALE_DEVICE_MEMORY_BYTES" in bad.stderr

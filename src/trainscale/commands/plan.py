@@ -4,6 +4,7 @@ or one layout evaluated."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any
 
 import typer
@@ -11,6 +12,7 @@ from rich.table import Table
 
 from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number, parse_layout
 from trainscale.errors import TrainscaleError
+from trainscale.report import fmt
 
 _SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
 
@@ -50,7 +52,8 @@ def plan(
                               help="catalog name, TOML file or HF config.json"),
     gpu: str = typer.Option(None, callback=catalog_or_file("GPU"), help="GPU (default: the cluster's, else h100-sxm)"),
     gpus: int = typer.Option(None, callback=number(gt=0, le=1e8),
-                             help="number of GPUs (default: the layout's world size, else 16,384)"),
+                             help="number of GPUs (default: the layout's world size, else 16,384; with --days, "
+                             "--budget-gpu-hours or --max-model: the most to consider, default the cluster's size)"),
     seq: int = typer.Option(8192, callback=number(gt=0, le=1 << 24), help="sequence length, tokens"),
     global_batch_tokens: str = typer.Option(
         "16M", help="tokens per optimizer step; K/M/G are powers of 1024 (Llama 3's '16M' is 2^24)"),
@@ -72,43 +75,69 @@ def plan(
                                   "software's); weights, gradients and Adam state as the software keeps them"),
     runnable: bool = typer.Option(False, "--runnable", help="search only the layouts trainscale's own runtime "
                                   "trains (rules.RUNNABLE; `train --plan` searches these)"),
+    days: float = typer.Option(None, "--days", callback=number(gt=0, le=1e6),
+                               help="how many GPUs train --tokens within this many days, and the best layout there"),
+    budget_gpu_hours: str = typer.Option(None, "--budget-gpu-hours", help="what this many GPU-hours buy: with "
+                                         "--tokens the fastest GPU count within them, else the most tokens "
+                                         "(K/M/B are powers of 1000)"),
+    max_model: bool = typer.Option(False, "--max-model", help="the largest catalog model of --model's family (e.g. "
+                                   "llama3.1-8b/70b/405b) with a layout that fits the GPUs"),
+    wide: bool = typer.Option(False, "--wide", help="every layout's figures and breakdowns as wide tables"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days."""
+    """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days; or ask backwards."""
     from trainscale.estimate.planner import plan as planner
 
     gbt = parse_count(global_batch_tokens, "--global-batch-tokens", 1024)
     train = parse_count(tokens, "--tokens", 1000)
+    budget = parse_count(budget_gpu_hours, "--budget-gpu-hours", 1000)
     if gbt is None or gbt != int(gbt):
         raise TrainscaleError(f"--global-batch-tokens must be a whole number of tokens, not {global_batch_tokens}")
-    if top <= 0:
-        raise TrainscaleError(f"--top must be positive, not {top}")
+    asked = [name for name, on in (("--days", days is not None), ("--budget-gpu-hours", budget is not None),
+                                   ("--max-model", max_model)) if on]
+    if len(asked) > 1 or (asked and layout is not None):
+        raise TrainscaleError(f"ask one question at a time: {', '.join(asked + (['--layout'] if layout else []))}")
     lay = parse_layout(layout) if layout is not None else None
-    if gpus is None:
-        gpus = lay.world_size if lay is not None else 16384
-    p = planner.problem(model, gpu, gpus, seq, int(gbt), train, cluster, profile, _settings(set_), software,
+    n = gpus if gpus is not None else lay.world_size if lay is not None else 16384
+    p = planner.problem(model, gpu, n, seq, int(gbt), train, cluster, profile, _settings(set_), software,
                         fix, forbid, max_v, precision, runnable)
-    head = _header(p)
-    if lay is not None:
-        row = p.evaluate_layout(lay)
-        row["not_runnable_because"] = p.why_not_runnable(lay)
-        sugg = [] if row["fits"] else p.suggestions(lay)
-        if as_json:
-            emit_json({**row, **head, "suggestions": sugg})
-            return
-        _print_header(p)
-        _print_rows([row], "Layout")
-        if row["not_runnable_because"]:
-            console.print(f"trainscale's runtime does not train it: {row['not_runnable_because']}.")
-        if not row["fits"]:
-            console.print(f"[bold red]{row['layout']} does not fit[/bold red]: it needs "
-                          f"{_gb(row['memory_per_gpu_bytes']['total'])} per GPU of "
-                          f"{_gb(row['memory_capacity_bytes'])}.")
-            if sugg:
-                _print_rows(sugg, "Nearby layouts that fit", breakdown=False)
-            else:
-                console.print("No nearby layout fits; try more GPUs or rc=full.")
+    if asked:
+        if gpus is None:  # the whole cluster is the most there is
+            p = replace(p, n_gpus=p.cluster.gpus)
+        _inverse(p, asked[0], days, budget, as_json, wide)
+    elif lay is not None:
+        _one_layout(p, lay, as_json, wide)
+    else:
+        _search(p, top, as_json, wide)
+
+
+def _one_layout(p: Any, lay: Any, as_json: bool, wide: bool) -> None:
+    row = p.evaluate_layout(lay)
+    row["not_runnable_because"] = p.why_not_runnable(lay)
+    sugg = [] if row["fits"] else p.suggestions(lay)
+    if as_json:
+        emit_json({**row, **_header(p), "suggestions": sugg})
         return
+    _print_header(p)
+    if wide:
+        _wide_rows([row], "Layout")
+    else:
+        _print_winner(row, "Layout")
+        _print_details(row)
+    if row["not_runnable_because"]:
+        _say(f"trainscale's runtime does not train it: {row['not_runnable_because']}.", "")
+    if not row["fits"]:
+        _say(f"{row['layout']} does not fit: it needs {fmt.gb(row['memory_per_gpu_bytes']['total'])} per GPU of "
+             f"{fmt.gb(row['memory_capacity_bytes'])}.", "")
+        if sugg:
+            console.print("[bold]Nearby layouts that fit[/bold]")
+            for k, r in enumerate(sugg, 1):
+                _print_brief(k, r)
+        else:
+            console.print("No nearby layout fits; try more GPUs or rc=full.")
+
+
+def _search(p: Any, top: int, as_json: bool, wide: bool) -> None:
     res = p.search()
     b = res.best()
     if b is None:
@@ -118,22 +147,53 @@ def plan(
     why = res.why_best()
     search = {"candidates": res.generated, "valid": res.n_valid, "fit": res.n_fit, "seconds": res.seconds}
     if as_json:
-        emit_json({**rows[0], **head, "search": search, "why": why, "top": rows, "runners_up": runners})
+        emit_json({**rows[0], **_header(p), "search": search, "why": why, "top": rows, "runners_up": runners})
         return
     _print_header(p)
-    _print_rows(rows, f"Best {len(rows)} of {res.n_fit:,} layouts that fit")
+    if wide:
+        _wide_rows(rows, f"Best {len(rows)} of {res.n_fit:,} layouts that fit")
+    else:
+        _print_winner(rows[0], f"Best of {res.n_fit:,} layouts that fit")
+        if len(rows) > 1:
+            console.print("[bold]Next best[/bold] (step time against the winner's)")
+            for k, r in enumerate(rows[1:], 2):
+                _print_brief(k, r, rows[0])
+        _print_details(rows[0])
     console.print("[bold]Why this layout[/bold]")
     for line in why:
-        console.print(f"  - {line}")
-    if runners:
-        t = Table(title="Why the runners-up lose", title_justify="left", show_edge=False, pad_edge=False)
-        t.add_column("layout", no_wrap=True, min_width=max(len(r["layout"]) for r in runners))
-        t.add_column("differs in")
-        t.add_column("reason")
-        for r in runners:
-            t.add_row(r["layout"], r["differs_in"], r["reason"])
-        console.print(t)
+        _say(line, "  - ")
+    _print_runners(runners)
     console.print(f"Searched {res.generated:,} candidates in {res.seconds:.2f} s.")
+
+
+def _inverse(p: Any, question: str, days: float | None, budget: float | None, as_json: bool, wide: bool) -> None:
+    """--days, --budget-gpu-hours or --max-model: the planner's search on other GPU counts or models."""
+    from trainscale.estimate.planner import inverse
+
+    if question == "--days":
+        ans = inverse.gpus_for_days(p, float(days or 0))
+    elif question == "--budget-gpu-hours":
+        ans = inverse.budget(p, float(budget or 0))
+    else:
+        ans = inverse.max_model(p)
+    if as_json:
+        emit_json({**_header(p), "inverse": ans.as_dict()})
+        return
+    _print_header(p)
+    console.print(f"[bold]{ans.question[0].upper() + ans.question[1:]}[/bold]")
+    _say(ans.sentence + ".", "  ")
+    if ans.point is not None and ans.point.row is not None:
+        _print_winner(ans.point.row, f"Best layout on {ans.point.gpus:,} GPUs"
+                      + (f" ({ans.extra['model']})" if ans.extra.get("model") else ""))
+        if wide:
+            _wide_rows([ans.point.row], "The answer's layout")
+        else:
+            _print_details(ans.point.row)
+    if question != "--max-model":
+        _print_counts(ans, wide)
+
+
+# ------------------------------------------------------------------ the output, readable at 80 columns
 
 
 def _header(p: Any) -> dict[str, Any]:
@@ -144,73 +204,146 @@ def _header(p: Any) -> dict[str, Any]:
             "software_sources": p.software.sources, "flop_convention": planner.FLOP_CONVENTION}
 
 
-def _gb(x: float) -> str:
-    return f"{x / 1e9:,.1f} GB"
+def _say(text: str, indent: str, hang: str | None = None) -> None:
+    """A sentence wrapped at word boundaries to the terminal, later lines indented under the first."""
+    for line in fmt.wrap(text, console.width, indent, hang if hang is not None else " " * len(indent)):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _lines(lines: list[str]) -> None:
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_header(p: Any) -> None:
     t = p.topo
     pods = f", pods of {t.pod_gpus:,} at 1:{t.oversubscription:g} above" if t.pod_gpus else ""
-    console.print(f"[bold]{p.model.name}[/bold] on {p.n_gpus:,} x {p.gpu.name} ({t.name}: {t.scale_up_domain}-GPU "
-                  f"NVLink domains at {t.scale_up_bandwidth / 1e9:,.0f} GB/s, {t.network_bandwidth / 1e9:,.0f} GB/s "
-                  f"per GPU between them{pods}); seq {p.seq:,}, {p.global_batch_tokens:,} tokens "
-                  f"({p.global_seqs:,} sequences) per step; software {p.software.name}"
-                  + (f", {p.software.precision.upper()} GEMMs" if p.software.precision != "bf16" else "")
-                  + ("; only layouts trainscale's runtime trains (--runnable)" if p.runnable else ""))
+    _say(f"{p.model.name} on {p.n_gpus:,} x {p.gpu.name} ({t.name}: {t.scale_up_domain}-GPU "
+         f"NVLink domains at {t.scale_up_bandwidth / 1e9:,.0f} GB/s, {t.network_bandwidth / 1e9:,.0f} GB/s "
+         f"per GPU between them{pods}); seq {p.seq:,}, {p.global_batch_tokens:,} tokens "
+         f"({p.global_seqs:,} sequences) per step; software {p.software.name}"
+         + (f", {p.software.precision.upper()} GEMMs" if p.software.precision != "bf16" else "")
+         + ("; only layouts trainscale's runtime trains (--runnable)" if p.runnable else ""), "")
 
 
-def _print_rows(rows: list[dict[str, Any]], title: str, breakdown: bool = True) -> None:
+def _interval(row: dict[str, Any], key: str, unit: str) -> str:
+    """The place for a prediction interval: a row that carries ``key`` = (low, high) prints it beside the
+    value (another change adds intervals to the planner's rows); none today prints nothing."""
+    iv = row.get(key)
+    if not iv:
+        return ""
+    lo, hi = iv
+    return f" ({lo:,.2f}-{hi:,.2f} {unit})" if unit == "s" else f" ({lo:,.1f}-{hi:,.1f} {unit})"
+
+
+def winner_fields(row: dict[str, Any]) -> list[str]:
+    """The winner's figures, each with its unit: memory and fit, step time, MFU, throughput, days, GPU-hours."""
+    mem, cap = row["memory_per_gpu_bytes"]["total"], row["memory_capacity_bytes"]
+    out = [f"{fmt.gb(mem)} of {fmt.gb(cap)} per GPU, {'fits' if row['fits'] else 'DOES NOT FIT'}",
+           f"step {row['step_time_s']:,.2f} s{_interval(row, 'step_time_interval_s', 's')}",
+           f"MFU {row['mfu']:.1%}", f"{fmt.count(row['tflops_per_gpu'])} TFLOP/s/GPU",
+           f"{fmt.count(row['tokens_per_s'])} tokens/s"]
+    if row["days"] is None:
+        return [*out, "days and GPU-hours: give --tokens"]
+    return [*out, fmt.days(row["days"]) + _interval(row, "days_interval", "days"),
+            f"{fmt.count(row['gpu_hours'])} GPU-hours"]
+
+
+def _print_winner(row: dict[str, Any], title: str) -> None:
+    console.print(f"[bold]{title}[/bold]")
+    console.print(f"1 [bold]{row['layout']}[/bold]", highlight=False, soft_wrap=True)
+    _lines(fmt.pack(winner_fields(row), console.width))
+
+
+def _print_brief(k: int, r: dict[str, Any], best: dict[str, Any] | None = None) -> None:
+    """Another layout in two lines: its name, then memory, step time (and how much slower), MFU, days."""
+    console.print(f"{k} {r['layout']}", markup=False, highlight=False, soft_wrap=True)
+    step = f"step {r['step_time_s']:,.2f} s"
+    if best is not None:
+        step += f" ({r['step_time_s'] / best['step_time_s'] - 1:+.1%})"
+    fields = [f"{fmt.gb(r['memory_per_gpu_bytes']['total'])}/GPU", step, f"MFU {r['mfu']:.1%}"]
+    if r["days"] is not None:
+        fields.append(fmt.days(r["days"]))
+    _lines(fmt.pack(fields, console.width))
+
+
+def _print_details(row: dict[str, Any]) -> None:
+    """The winner's step time and memory, one item a line (--wide: every layout's, as tables)."""
+    parts = row["step_time_parts_s"]
+    console.print(f"[bold]Step time[/bold], {row['step_time_s']:,.2f} s per step:")
+    w = max(len(n) for n in parts) + 2
+    for name, v in parts.items():
+        extra = f" ({row['bubble_fraction']:.1%} bubble)" if name == "pipeline_bubble" and v else ""
+        _lines([f"  {name.replace('_', ' '):<{w}}{v:>8,.2f} s{extra}"])
+    mem = row["memory_per_gpu_bytes"]
+    console.print(f"[bold]Memory per GPU[/bold] (decimal GB), heaviest pipeline stage "
+                  f"{row.get('heaviest_stage', 0)}:", highlight=False)
+    items = [(k, v) for k, v in mem.items() if k != "total"] + [("total", mem["total"]),
+                                                               ("headroom", row["headroom_bytes"])]
+    for name, v in items:
+        _lines([f"  {name:<{w}}{v / 1e9:>8,.2f} GB"])
+
+
+def _print_runners(runners: list[dict[str, Any]]) -> None:
+    if not runners:
+        return
+    console.print("[bold]Why the runners-up lose[/bold]")
+    for r in runners:
+        console.print(f"  {r['layout']} [dim]({r['differs_in']})[/dim]", highlight=False, soft_wrap=True)
+        _say(r["reason"], "    ")
+
+
+def _print_counts(ans: Any, wide: bool) -> None:
+    """The GPU counts the inverse search tried, smallest first: days and GPU-hours (with --tokens)."""
+    pts = sorted(ans.searched, key=lambda q: q.gpus)
+    t = Table(title="GPU counts searched", title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("GPUs", "tokens/s", "days", "GPU-hours"):
+        t.add_column(col, justify="right", no_wrap=True)
+    if wide:
+        t.add_column("layout", no_wrap=True)
+    tok = ans.tokens
+    for q in pts:
+        cells = [f"{q.gpus:,}", fmt.count(q.tokens_per_s) if q.fits else "no fit",
+                 fmt.days(q.days(tok)) if q.fits and tok else "-",
+                 fmt.count(q.gpu_hours(tok)) if q.fits and tok else "-"]
+        t.add_row(*cells, *([q.layout or "-"] if wide else []))
+    console.print(t)
+
+
+def _wide_rows(rows: list[dict[str, Any]], title: str) -> None:
+    """--wide: every figure of every layout as full tables, as wide as they need (not cut to the terminal)."""
+    from rich.console import Console
+
+    out = Console(width=max(console.width, 400), highlight=False)
     t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    width = max(len(r["layout"]) for r in rows)
     cells = {
         "#": lambda k, r: str(k), "layout": lambda k, r: r["layout"],
-        "memory/GPU": lambda k, r: _gb(r["memory_per_gpu_bytes"]["total"]),
+        "memory/GPU": lambda k, r: fmt.gb(r["memory_per_gpu_bytes"]["total"]),
         "fits": lambda k, r: "yes" if r["fits"] else "no", "step": lambda k, r: f"{r['step_time_s']:.2f} s",
         "MFU": lambda k, r: f"{r['mfu']:.1%}", "HFU": lambda k, r: f"{r['hfu']:.1%}",
-        "model TFLOP/s/GPU": lambda k, r: f"{r['tflops_per_gpu']:.0f}",
-        "tokens/s": lambda k, r: f"{r['tokens_per_s']:,.0f}",
-        "days": lambda k, r: "-" if r["days"] is None else f"{r['days']:,.1f}",
-        "GPU-hours": lambda k, r: "-" if r["gpu_hours"] is None else f"{r['gpu_hours'] / 1e6:,.2f}M",
+        "model TFLOP/s/GPU": lambda k, r: fmt.count(r["tflops_per_gpu"]),
+        "tokens/s": lambda k, r: fmt.count(r["tokens_per_s"]),
+        "days": lambda k, r: "-" if r["days"] is None else fmt.days(r["days"]),
+        "GPU-hours": lambda k, r: "-" if r["gpu_hours"] is None else fmt.count(r["gpu_hours"]),
     }
-    cols = list(cells)
-
-    def need(cs: list[str]) -> int:
-        return sum(max(len(c), *(len(cells[c](k, r)) for k, r in enumerate(rows, 1))) + 3 for c in cs)
-
-    # a narrow terminal drops detail columns (all are in --json), never the layout
-    for drop in ("GPU-hours", "HFU", "tokens/s", "fits", "days", "model TFLOP/s/GPU"):
-        if need(cols) <= console.width:
-            break
-        cols.remove(drop)
-    for col in cols:
-        if col == "layout":  # the answer is never truncated
-            t.add_column(col, no_wrap=True, min_width=width)
-        else:
-            t.add_column(col, justify="right", no_wrap=True)
+    for col in cells:
+        t.add_column(col, no_wrap=True, justify="left" if col == "layout" else "right")
     for k, r in enumerate(rows, 1):
-        t.add_row(*(cells[c](k, r) for c in cols))
-    console.print(t)
-    if not breakdown:
-        return
+        t.add_row(*(cells[c](k, r) for c in cells))
+    out.print(t)
     parts = list(rows[0]["step_time_parts_s"])
     st = Table(title="Step time (s per step)", title_justify="left", show_edge=False, pad_edge=False)
-    st.add_column("#")
-    for name in parts:
-        st.add_column(name.replace("_", " "), justify="right")
-    st.add_column("bubble", justify="right")
+    for name in ["#", *(n.replace("_", " ") for n in parts), "bubble"]:
+        st.add_column(name, justify="right", no_wrap=True)
     for k, r in enumerate(rows, 1):
         st.add_row(str(k), *(f"{r['step_time_parts_s'][n]:.2f}" for n in parts), f"{r['bubble_fraction']:.1%}")
-    console.print(st)
+    out.print(st)
     mem = [k for k in rows[0]["memory_per_gpu_bytes"] if k != "total"]
     mt = Table(title="Memory per GPU (GB, decimal), heaviest pipeline stage", title_justify="left",
                show_edge=False, pad_edge=False)
-    mt.add_column("#")
-    mt.add_column("stage", justify="right")
-    for name in mem:
-        mt.add_column(name, justify="right")
-    mt.add_column("headroom", justify="right")
+    for name in ["#", "stage", *mem, "headroom"]:
+        mt.add_column(name, justify="right", no_wrap=True)
     for k, r in enumerate(rows, 1):
         mt.add_row(str(k), str(r.get("heaviest_stage", 0)),
-                   *(f"{r['memory_per_gpu_bytes'][n] / 1e9:,.2f}" for n in mem),
-                   f"{r['headroom_bytes'] / 1e9:,.2f}")
-    console.print(mt)
+                   *(f"{r['memory_per_gpu_bytes'][n] / 1e9:,.2f}" for n in mem), f"{r['headroom_bytes'] / 1e9:,.2f}")
+    out.print(mt)

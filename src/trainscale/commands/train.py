@@ -16,7 +16,15 @@ from typing import Any
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number, parse_layout, prepare_job_env
+from trainscale.commands._common import (
+    console,
+    emit_json,
+    input_file,
+    number,
+    parse_layout,
+    preflight,
+    prepare_job_env,
+)
 from trainscale.errors import TrainscaleError
 from trainscale.safeio import check_output
 
@@ -97,16 +105,18 @@ def train(
     parse_faults(inject, lay.world_size)  # a bad fault spec is a one-line error here, not a crash in every worker
     if max_restarts < 0:
         raise TrainscaleError(f"--max-restarts must be >= 0, not {max_restarts}")
+    memory = preflight(cfg, lay, max_nodes)  # refuses, in one sentence, a layout this machine cannot hold
     cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
                            max_restarts=max_restarts, inject=inject, resume=resume, fallback_layout=fallback_layout,
                            compile=compile, rdzv_timeout=rdzv_timeout)
     if dry_run:
-        info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd}
+        info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd, "memory": memory}
         if as_json:
             emit_json(info)
         else:
             if why:
                 console.print(f"layout {lay} ({why})")
+            console.print(_memory_line(memory), markup=False, highlight=False, soft_wrap=True)
             console.print(" ".join(cmd), soft_wrap=True, markup=False, highlight=False)
         return
     if why and not as_json:
@@ -174,6 +184,21 @@ def train(
     for ln in events:
         console.print(ln, style="yellow", highlight=False, markup=False)
     _summary(info, rows, run_dir)
+
+
+def _memory_line(mem: dict[str, Any]) -> str:
+    """--dry-run: the pre-flight's prediction against this machine's memory."""
+    from trainscale.report.fmt import size as gb
+
+    if not mem.get("checked"):
+        return f"memory: not checked ({mem.get('why')})"
+    pred = (f"{gb(mem['predicted_this_machine_bytes'])} for the {mem['ranks_here']} process(es) on this machine"
+            if mem["shared_by_ranks"] else f"{gb(mem['predicted_per_rank_bytes'])} per GPU")
+    has = (f"{gb(mem['capacity_bytes'])} of RAM available" if mem["shared_by_ranks"] else
+           f"{gb(mem['capacity_bytes'])} per GPU")
+    return (f"memory: {pred} predicted (heaviest rank: weights, gradients and AdamW state "
+            f"{gb(mem['predicted_state_bytes'])} + activations {gb(mem['predicted_activation_bytes'])}, "
+            f"{'bf16' if mem['bf16'] else 'fp32'}) against {has} ({mem['capacity_source']}): fits")
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -161,7 +161,11 @@ class Problem:
         m, n = self.model, self.n_gpus
         d = divisors(n)
         vs = np.union1d(divisors(m.n_layers), divisors(m.n_layers + 2))
-        tp, cp, pp, v, sched = (a.ravel() for a in np.meshgrid(d, d, d, vs, np.arange(len(SCHEDULE)), indexing="ij"))
+        tp, cp, pp = (a.ravel() for a in np.meshgrid(d, d, d, indexing="ij"))
+        whole = n % (tp * cp * pp) == 0  # tp x cp x pp x dp = N: only the triples that leave a whole dp
+        j, v, sched = (a.ravel() for a in np.meshgrid(np.flatnonzero(whole), vs, np.arange(len(SCHEDULE)),
+                                                       indexing="ij"))
+        tp, cp, pp = tp[j], cp[j], pp[j]
         base = {"tp": tp, "cp": cp, "pp": pp, "dp": n // (tp * cp * pp), "v": v, "schedule": sched,
                 "hsdp": np.ones_like(tp), "ep": np.ones_like(tp)}
         # the rules these fields decide now (the rest once every field is known); interleaving with v1 is 1F1B
