@@ -60,7 +60,36 @@ def test_80_columns_show_the_winners_days_and_gpu_hours(out405):
     assert _close(tps.group(1), row["tokens_per_s"])
     assert float(mfu.group(1)) == pytest.approx(row["mfu"] * 100, abs=0.05)
     assert float(step.group(1)) == pytest.approx(row["step_time_s"], abs=0.005)
-    assert f"{row['memory_per_gpu_bytes']['total'] / 1e9:,.1f} GB of 80.0 GB per GPU, fits" in block
+    assert f"{row['memory_per_gpu_bytes']['total'] / 1e9:,.1f} GB of {row['memory_capacity_bytes'] / 1e9:,.1f} GB " \
+        "per GPU, fits" in block
+
+
+def test_the_winner_carries_its_interval_from_the_validation_residuals(out405, monkeypatch, tmp_path):
+    """Step time and days print (low-high) from the leave-one-out errors of the rows of its software and GPU
+    generation (intervals.annotate); the residuals are cached per model fingerprint and read back equal."""
+    from trainscale.estimate.planner import intervals
+
+    p = planner.problem("llama3.1-405b", None, 16384, 8192, 2**24, tokens=15.6e12)
+    s = p.search()
+    row = intervals.annotate(p.row(s.cfg, s.res, s.best()), p.software.name, p.gpu.generation)
+    lo, hi = row["step_time_interval_s"]
+    assert lo < row["step_time_s"] < hi
+    lines = out405.splitlines()
+    i = next(k for k, ln in enumerate(lines) if ln.startswith("1 "))
+    block = " ".join(lines[i + 1:i + 4])
+    assert f"step {row['step_time_s']:,.2f} s ({lo:,.2f}-{hi:,.2f})" in block, block
+    dlo, dhi = row["days_interval"]
+    assert f"({dlo:,.1f}-{dhi:,.1f})" in block, block
+    assert row["interval_basis"] in " ".join(out405.split())
+    # the cache: written once, then read back without recomputing validate
+    monkeypatch.setenv("TRAINSCALE_CACHE", str(tmp_path))
+    intervals.residuals.cache_clear()
+    first = intervals.residuals()
+    assert intervals.cache_path().exists()
+    intervals.residuals.cache_clear()
+    monkeypatch.setattr(intervals, "catalog_validation", lambda: pytest.fail("recomputed despite the cache"))
+    assert intervals.residuals() == first
+    intervals.residuals.cache_clear()
 
 
 def test_no_line_wider_than_80_and_nothing_cut(out405):

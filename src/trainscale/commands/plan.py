@@ -111,8 +111,16 @@ def plan(
         _search(p, top, as_json, wide)
 
 
+def _with_interval(p: Any, row: dict[str, Any]) -> dict[str, Any]:
+    """The row with its prediction intervals from the validation residuals of its software and GPU generation
+    (estimate/planner/intervals.py)."""
+    from trainscale.estimate.planner import intervals
+
+    return intervals.annotate(row, p.software.name, p.gpu.generation)
+
+
 def _one_layout(p: Any, lay: Any, as_json: bool, wide: bool) -> None:
-    row = p.evaluate_layout(lay)
+    row = _with_interval(p, p.evaluate_layout(lay))
     row["not_runnable_because"] = p.why_not_runnable(lay)
     sugg = [] if row["fits"] else p.suggestions(lay)
     if as_json:
@@ -142,7 +150,7 @@ def _search(p: Any, top: int, as_json: bool, wide: bool) -> None:
     b = res.best()
     if b is None:
         raise TrainscaleError(res.nothing_fits())
-    rows = [p.row(res.cfg, res.res, i) for i in res.top(top)]
+    rows = [_with_interval(p, p.row(res.cfg, res.res, i)) for i in res.top(top)]
     runners = res.runners_up()
     why = res.why_best()
     search = {"candidates": res.generated, "valid": res.n_valid, "fit": res.n_fit, "seconds": res.seconds}
@@ -176,6 +184,8 @@ def _inverse(p: Any, question: str, days: float | None, budget: float | None, as
         ans = inverse.budget(p, float(budget or 0))
     else:
         ans = inverse.max_model(p)
+    if ans.point is not None and ans.point.row is not None:
+        ans.point.row.update(_with_interval(p, ans.point.row))
     if as_json:
         emit_json({**_header(p), "inverse": ans.as_dict()})
         return
@@ -233,7 +243,7 @@ def _interval(row: dict[str, Any], key: str, unit: str) -> str:
     if not iv:
         return ""
     lo, hi = iv
-    return f" ({lo:,.2f}-{hi:,.2f} {unit})" if unit == "s" else f" ({lo:,.1f}-{hi:,.1f} {unit})"
+    return f" ({lo:,.2f}-{hi:,.2f})" if unit == "s" else f" ({lo:,.1f}-{hi:,.1f})"
 
 
 def winner_fields(row: dict[str, Any]) -> list[str]:
@@ -270,6 +280,8 @@ def _print_brief(k: int, r: dict[str, Any], best: dict[str, Any] | None = None) 
 def _print_details(row: dict[str, Any]) -> None:
     """The winner's step time and memory, one item a line (--wide: every layout's, as tables)."""
     parts = row["step_time_parts_s"]
+    if row.get("interval_basis"):
+        _say(f"Interval: the published runs' leave-one-out errors ({row['interval_basis']}).", "")
     console.print(f"[bold]Step time[/bold], {row['step_time_s']:,.2f} s per step:")
     w = max(len(n) for n in parts) + 2
     for name, v in parts.items():

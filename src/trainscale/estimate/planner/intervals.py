@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.planner.validate import catalog_validation
@@ -60,9 +62,75 @@ def interval_from_errors(errors: Iterable[float], basis: str, widen: float = 1.0
                     + (f", widened x{widen:g}" if widen != 1.0 else f" ({cover})"))
 
 
+def model_fingerprint() -> str:
+    """sha256 of everything a validation residual depends on: the catalog's TOML files and the planner's code
+    (estimate/, specs, rules, hf). Change any of it and the cached residuals are recomputed."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[2]  # src/trainscale
+    files = sorted([*(root / "catalog").glob("*.toml"), *(root / "estimate").rglob("*.py"),
+                    root / "specs.py", root / "rules.py", root / "hf.py"])
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def cache_path() -> Path:
+    """$TRAINSCALE_CACHE, else $XDG_CACHE_HOME/trainscale, else ~/.cache/trainscale: residuals-<fingerprint>.json."""
+    import os
+
+    base = os.environ.get("TRAINSCALE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
+        / "trainscale"
+    return Path(base) / f"residuals-{model_fingerprint()[:32]}.json"
+
+
+def _read_cached(path: Path) -> list[tuple[str, str, float]] | None:
+    """The cached residuals, or None when absent or not exactly what ``_write_cached`` writes."""
+    import math
+
+    from trainscale.safeio import read_json_object
+
+    try:
+        got = read_json_object(path, "residual cache")
+    except TrainscaleError:
+        return None
+    rows = got.get("rows")
+    if got.get("fingerprint") != model_fingerprint() or not isinstance(rows, list):
+        return None
+    ok = all(isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and isinstance(r[1], str)
+             and isinstance(r[2], (int, float)) and not isinstance(r[2], bool) and math.isfinite(r[2]) for r in rows)
+    return [(r[0], r[1], float(r[2])) for r in rows] if ok and rows else None
+
+
+@cache
 def residuals() -> list[tuple[str, str, float]]:
-    """(software, GPU generation, leave-one-out error) of every catalog validation row (cached)."""
-    return [(r["software"], r["generation"], r["loo_error"]) for r in catalog_validation()["runs"]]
+    """(software, GPU generation, leave-one-out error) of every catalog validation row: computed by
+    ``validate(loo=True)`` (seconds) once per model fingerprint, then read from the cache file."""
+    from trainscale.safeio import atomic_write_json
+
+    path = cache_path()
+    got = _read_cached(path)
+    if got is not None:
+        return got
+    rows = [(r["software"], r["generation"], r["loo_error"]) for r in catalog_validation()["runs"]]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, {"fingerprint": model_fingerprint(), "rows": [list(r) for r in rows]})
+    except OSError:  # a read-only home: computed again next time, nothing lost
+        pass
+    return rows
+
+
+def annotate(row: dict, software: str, gpu_generation: str) -> dict:
+    """A planner row with its intervals: step_time_interval_s, days_interval, gpu_hours_interval (low, high) and
+    interval_basis (which rows, how many)."""
+    iv = interval_for(software, gpu_generation)
+    out = {**row, "step_time_interval_s": iv.apply(row["step_time_s"]), "interval_basis": iv.basis}
+    if row.get("days") is not None:
+        out["days_interval"] = iv.apply(row["days"])
+        out["gpu_hours_interval"] = iv.apply(row["gpu_hours"])
+    return out
 
 
 def interval_for(software: str, gpu_generation: str,
