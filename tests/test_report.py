@@ -85,10 +85,34 @@ def test_report_of_a_real_tiny_run_in_chromium(tmp_path):
     page = build_report(tmp_path / "r", run_dir=run_dir)
     data = json.loads((tmp_path / "r" / "report.json").read_text())
     assert {"run_loss", "run_throughput", "run_mfu"} <= {f["key"] for f in data["figures"]}
-    assert data["summary"]["steps"] == "6" and "goodput" in data["summary"]
+    assert data["summary"]["steps"] == "6 steps" and "goodput" in data["summary"]
+    assert data["figures"][0]["key"] == "run_loss"  # the run leads; no walkthrough pages unless asked
+    assert "training_state" not in {f["key"] for f in data["figures"]}
+    assert data["summary"]["restarts"] == "0 restart(s)"
     if shutil.which("chromium") is None and os.environ.get("CI") != "true":
         pytest.skip("chromium not installed (make installs it)")
     from trainscale.report.browser import check_page
 
     res = check_page(page, ARTIFACTS / "report-tiny-run.png")
     assert res["images"] == len(data["figures"]) and not res["broken_images"] and res["console_errors"] == []
+
+
+def test_layout_that_does_not_fit_says_so_and_ep_is_drawn(tmp_path):
+    """DeepSeek-V3 (671B) under pp16 with no sharding of weights or optimizer: the planner's memory per GPU is far
+    above an H100's 80 GB, and the picture says so; its EP8 groups are drawn (table and labels)."""
+    from trainscale.report.build import layout_fit
+    from trainscale.report.plots import layout_mesh
+    from trainscale.specs import Layout, load_cluster
+
+    lay = Layout.parse("tp1,cp1,pp16,ep8,dp128")
+    memory, invalid = layout_fit("deepseek-v3", "h100-sxm", 2048, "meta-h100", lay, 4096)
+    assert invalid is None and memory[0] > 3 * memory[1] and memory[1] <= 80e9
+    plot = layout_mesh(lay, load_cluster("meta-h100"), tmp_path, memory=memory)
+    table = dict(plot.table)
+    assert plot.title.startswith("DOES NOT FIT") and table["fits in GPU memory"].startswith("does not fit: ")
+    assert table["EP group"].startswith("8 GPUs") and "e = EP rank" in plot.title
+    ok = Layout.parse("tp8,pp16,dp128,zero1,rc=full")
+    memory, invalid = layout_fit("llama3.1-405b", "h100-sxm", 16384, "meta-h100", ok, 8192)
+    plot = layout_mesh(ok, load_cluster("meta-h100"), tmp_path, memory=memory)
+    assert dict(plot.table)["fits in GPU memory"].startswith("fits: ") and not plot.title.startswith("DOES")
+    assert "EP group" not in dict(plot.table)
