@@ -116,3 +116,26 @@ def test_layout_that_does_not_fit_says_so_and_ep_is_drawn(tmp_path):
     plot = layout_mesh(ok, load_cluster("meta-h100"), tmp_path, memory=memory)
     assert dict(plot.table)["fits in GPU memory"].startswith("fits: ") and not plot.title.startswith("DOES")
     assert "EP group" not in dict(plot.table)
+
+
+def test_restarts_named_by_their_start_events():
+    """Each attempt's start event (runfolder.start_event) says what restarted it: a new launch with the same counts
+    is a person's --resume, a new torchrun attempt in one launch is torchrun's, a new requeue count is Slurm's."""
+    from trainscale.report.build import run_timeline
+
+    def start(launch, requeue=0, attempt=0):
+        return {"event": "start", "wall": 0.0, "launch": launch, "requeue": requeue, "attempt": attempt}
+
+    def step(s):
+        return {"step": s, "loss": 1.0 / s}
+
+    rows = [start("a"), step(1), step(2), step(3),
+            start("a", attempt=1), {"event": "resumed", "step": 2}, step(3), step(4),
+            start("b"), step(5),
+            start("slurm-7", requeue=0), step(6), start("slurm-7", requeue=1), step(6), step(7)]
+    steps, restarts = run_timeline(rows)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6, 7]
+    assert restarts == [(3, "restart 1: torchrun restart, resumed after step 2"),
+                        (5, "restart 2: resumed by hand (--resume), resumed after step 4"),
+                        (6, "restart 3: resumed by hand (--resume), resumed after step 5"),
+                        (6, "restart 4: Slurm requeue, resumed after step 5")]

@@ -14,11 +14,14 @@ What happens, in order:
      forward + backward (through the pipeline schedule, or in ``local_batch / mb`` accumulation
      steps), gradient average over replicas, clipping by the global norm, AdamW, LR schedule; the
      step's mean loss over the whole global batch is logged with tokens/s, FLOP/s and MFU
-  6. rank 0 writes the gathered, unsharded weights as RUN_DIR/final (runtime/artifact.py) and
-     evaluates them on held-out text against the unigram baseline
+  6. every ``[train] eval_every`` steps, and at the end, the held-out loss of the gathered weights (rank 0
+     evaluates, every rank receives the value); rank 0 writes the unsharded weights as RUN_DIR/final
+     (runtime/artifact.py)
 
-Run folder: config.toml, run.json (layout, world size, model, results), metrics.jsonl (a line per
-step), tokenizer.json, final/; its identity, lock and bookkeeping are runtime/job/runfolder.py's.
+Run folder: config.toml, run.json (layout, world size, model, results, the unigram entropy of the training
+tokens), metrics.jsonl (a line per step, held-out evaluation, checkpoint, attempt start and resume),
+TensorBoard events and the optional sinks (runtime/job/tblog.py), profile/ ([profile] steps), tokenizer.json,
+final/; its identity, lock and bookkeeping are runtime/job/runfolder.py's.
 """
 
 from __future__ import annotations
