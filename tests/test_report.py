@@ -85,10 +85,57 @@ def test_report_of_a_real_tiny_run_in_chromium(tmp_path):
     page = build_report(tmp_path / "r", run_dir=run_dir)
     data = json.loads((tmp_path / "r" / "report.json").read_text())
     assert {"run_loss", "run_throughput", "run_mfu"} <= {f["key"] for f in data["figures"]}
-    assert data["summary"]["steps"] == "6" and "goodput" in data["summary"]
+    assert data["summary"]["steps"] == "6 steps" and "goodput" in data["summary"]
+    assert data["figures"][0]["key"] == "run_loss"  # the run leads; no walkthrough pages unless asked
+    assert "training_state" not in {f["key"] for f in data["figures"]}
+    assert data["summary"]["restarts"] == "0 restart(s)"
     if shutil.which("chromium") is None and os.environ.get("CI") != "true":
         pytest.skip("chromium not installed (make installs it)")
     from trainscale.report.browser import check_page
 
     res = check_page(page, ARTIFACTS / "report-tiny-run.png")
     assert res["images"] == len(data["figures"]) and not res["broken_images"] and res["console_errors"] == []
+
+
+def test_layout_that_does_not_fit_says_so_and_ep_is_drawn(tmp_path):
+    """DeepSeek-V3 (671B) under pp16 with no sharding of weights or optimizer: the planner's memory per GPU is far
+    above an H100's 80 GB, and the picture says so; its EP8 groups are drawn (table and labels)."""
+    from trainscale.report.build import layout_fit
+    from trainscale.report.plots import layout_mesh
+    from trainscale.specs import Layout, load_cluster
+
+    lay = Layout.parse("tp1,cp1,pp16,ep8,dp128")
+    memory, invalid = layout_fit("deepseek-v3", "h100-sxm", 2048, "meta-h100", lay, 4096)
+    assert invalid is None and memory[0] > 3 * memory[1] and memory[1] <= 80e9
+    plot = layout_mesh(lay, load_cluster("meta-h100"), tmp_path, memory=memory)
+    table = dict(plot.table)
+    assert plot.title.startswith("DOES NOT FIT") and table["fits in GPU memory"].startswith("does not fit: ")
+    assert table["EP group"].startswith("8 GPUs") and "e = EP rank" in plot.title
+    ok = Layout.parse("tp8,pp16,dp128,zero1,rc=full")
+    memory, invalid = layout_fit("llama3.1-405b", "h100-sxm", 16384, "meta-h100", ok, 8192)
+    plot = layout_mesh(ok, load_cluster("meta-h100"), tmp_path, memory=memory)
+    assert dict(plot.table)["fits in GPU memory"].startswith("fits: ") and not plot.title.startswith("DOES")
+    assert "EP group" not in dict(plot.table)
+
+
+def test_restarts_named_by_their_start_events():
+    """Each attempt's start event (runfolder.start_event) says what restarted it: a new launch with the same counts
+    is a person's --resume, a new torchrun attempt in one launch is torchrun's, a new requeue count is Slurm's."""
+    from trainscale.report.build import run_timeline
+
+    def start(launch, requeue=0, attempt=0):
+        return {"event": "start", "wall": 0.0, "launch": launch, "requeue": requeue, "attempt": attempt}
+
+    def step(s):
+        return {"step": s, "loss": 1.0 / s}
+
+    rows = [start("a"), step(1), step(2), step(3),
+            start("a", attempt=1), {"event": "resumed", "step": 2}, step(3), step(4),
+            start("b"), step(5),
+            start("slurm-7", requeue=0), step(6), start("slurm-7", requeue=1), step(6), step(7)]
+    steps, restarts = run_timeline(rows)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6, 7]
+    assert restarts == [(3, "restart 1: torchrun restart, resumed after step 2"),
+                        (5, "restart 2: resumed by hand (--resume), resumed after step 4"),
+                        (6, "restart 3: resumed by hand (--resume), resumed after step 5"),
+                        (6, "restart 4: Slurm requeue, resumed after step 5")]

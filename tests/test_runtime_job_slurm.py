@@ -133,7 +133,7 @@ def test_a_requeued_job_resumes_and_matches_the_uninterrupted_run(slurm, uninter
 
     steps, restarts = run_timeline([json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()])
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    assert restarts == [(9, "restart 1 (resumed after step 8)")]
+    assert restarts == [(9, "restart 1: Slurm requeue, resumed after step 8")]
 
 
 def test_the_early_signal_writes_a_checkpoint(slurm, tmp_path):

@@ -48,3 +48,25 @@ def test_event_files_read_back(tmp_path):
     assert 0 < goodput.value <= 1
     (val,) = acc.Scalars("eval/val_loss")
     assert val.value == pytest.approx(info["eval_loss"], rel=1e-6)
+
+
+def test_resume_purges_from_the_step_after_the_checkpoint(tmp_path):
+    """A crashed attempt wrote steps 1..5 (flushed, never closed: as a kill leaves them); the run resumes from the
+    step-3 checkpoint and writes 4..7. TensorBoard's own reader must then hold steps 1..7 once each, with the
+    resumed attempt's values at 4 and 5 (purging at 3, the old behaviour, lost step 3's point on every resume)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainscale.runtime.job.tblog import TensorBoardLog
+
+    first = TensorBoardLog(tmp_path)
+    for s in range(1, 6):
+        first.step({"step": s, "loss": 10.0 + s})
+    first.writer.flush()  # what reached the disk before the kill
+    second = TensorBoardLog(tmp_path, resume_step=3)
+    for s in range(4, 8):
+        second.step({"step": s, "loss": 20.0 + s})
+    second.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert got == [(1, 11.0), (2, 12.0), (3, 13.0), (4, 24.0), (5, 25.0), (6, 26.0), (7, 27.0)]

@@ -39,10 +39,15 @@ def report(
                              help="a trainscale run folder to report on"),
     plan: Path = typer.Option(None, "--plan", callback=input_file("plan JSON"),
                               help="the JSON of 'trainscale plan --json' (sets model, GPUs, layout, MFU, seq, tokens)"),
+    walkthrough: bool = typer.Option(None, "--walkthrough/--no-walkthrough",
+                                     help="with --run: add the walkthrough pages (--model on --gpus) after the run "
+                                          "(default: only the run)"),
     check: bool = typer.Option(False, help="open the page in headless Chromium and check every image loads"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Write the HTML report (PNG + SVG figures, numbers as text) into --out; opens nothing."""
+    """Write the HTML report (PNG + SVG figures, numbers as text) into --out; opens nothing. With --run the page
+    is the run's (loss with held-out points and the unigram baseline, throughput, MFU, every restart marked, its
+    layout); --walkthrough adds the pages about --model on --gpus after it."""
     from trainscale.safeio import check_output
 
     check_output(out, "--out", folder=True, inputs=tuple(x for x in (run,) if x is not None))
@@ -56,7 +61,7 @@ def report(
     if not 0 < mfu <= 1:
         raise TrainscaleError(f"--mfu must be in (0, 1], not {mfu}")
     page = build_report(out, model=model, gpu=gpu, gpus=gpus, cluster=cluster, layout=layout or None,
-                        tokens=tokens, mfu=mfu, run_dir=run, plan_file=plan, seq=seq)
+                        tokens=tokens, mfu=mfu, run_dir=run, plan_file=plan, seq=seq, walkthrough=walkthrough)
     result = {"page": str(page), "files": sorted(p.name for p in Path(out).iterdir())}
     if check:
         from trainscale.report.browser import check_page

@@ -245,16 +245,21 @@ def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, l
     deterministic error, which a restart would only repeat: then the job is stopped)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from trainscale.runtime.job.runfolder import console_line
+    from trainscale.runtime.measure import duration_text
+
     rows: list[dict[str, Any]] = []
-    pos = 0
+    pos = metrics.stat().st_size if metrics.exists() else 0  # a resumed run's earlier lines are not news
     columns = [TextColumn("[bold]train[/bold] {task.fields[layout]}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-               TextColumn("{task.fields[flops]} GFLOP/s"), TextColumn("MFU {task.fields[mfu]}"), TimeElapsedColumn()]
+               TextColumn("{task.fields[flops]} GFLOP/s"), TextColumn("MFU {task.fields[mfu]}"), TimeElapsedColumn(),
+               TextColumn("ETA {task.fields[eta]}")]
     with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
-        task = progress.add_task("train", total=total, layout=layout, loss="-", tps="-", flops="-", mfu="-")
+        task = progress.add_task("train", total=total, layout=layout, loss="-", tps="-", flops="-", mfu="-", eta="-")
         while True:
             done = proc.poll() is not None
             if metrics.exists():
+                pos = 0 if metrics.stat().st_size < pos else pos  # a fresh run truncated an old run's file
                 with open(metrics) as f:
                     f.seek(pos)
                     chunk = f.read()
@@ -265,17 +270,15 @@ def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, l
                         row = json.loads(line)
                     except ValueError:
                         continue
+                    text = console_line(row, log_every, total)
+                    if text is not None and not quiet:
+                        progress.console.print(text, highlight=False, markup=False, soft_wrap=True)
                     if "loss" not in row:
                         continue
                     rows.append(row)
                     progress.update(task, completed=row["step"], loss=f"{row['loss']:.4f}",
                                     tps=f"{row['tokens_per_s']:,.0f}", flops=f"{row['flops_per_s'] / 1e9:.2f}",
-                                    mfu=f"{row['mfu']:.1%}")
-                    if row["step"] % log_every == 0 and not quiet:
-                        progress.console.print(
-                            f"step {row['step']:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
-                            f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%} "
-                            f"({row.get('flop_convention', '')})", highlight=False)
+                                    mfu=f"{row['mfu']:.1%}", eta=duration_text(row.get("eta_s")))
             if done:
                 break
             if error_file is not None and error_file.exists():

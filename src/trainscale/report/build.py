@@ -1,4 +1,8 @@
-"""Assemble the report: pick the figures that the inputs allow and write index.html beside them."""
+"""Assemble the report: pick the figures that the inputs allow and write index.html beside them.
+
+With a run folder the page is the run's: its loss (held-out points and the unigram baseline), throughput
+and MFU with every restart marked, its layout; the seed walkthrough (a frontier model on a data center)
+follows only when asked for (``walkthrough``)."""
 
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ def seed_sections(out: Path, model: str, gpu: str, gpus: int, cluster: str, layo
     if layout is not None:
         if layout.world_size != gpus:
             raise TrainscaleError(f"layout {layout} uses {layout.world_size:,} GPUs, not the {gpus:,} asked for")
-        mesh = [plots.layout_mesh(layout, cl, out)]
+        memory, invalid = layout_fit(model, gpu, gpus, cluster, layout, seq)
+        mesh = [plots.layout_mesh(layout, cl, out, memory=memory, invalid=invalid)]
         if layout.pp > 1:
             m_mb = micro_batches or (max(layout.pp * 2, 8) if layout.schedule != "interleaved" else layout.pp * 2)
             tl = timeline(rank_orders(layout.schedule, layout.pp, m_mb, layout.v), layout.pp * layout.v)
@@ -62,6 +67,18 @@ def seed_sections(out: Path, model: str, gpu: str, gpus: int, cluster: str, layo
     return sections, summary
 
 
+def layout_fit(model: str, gpu: str, gpus: int, cluster: str, layout: Layout, seq: int
+               ) -> tuple[tuple[float, float] | None, str | None]:
+    """The planner's verdict on a layout: ((bytes per GPU, usable bytes), None), or (None, why it is invalid)."""
+    from trainscale.estimate.planner.plan import problem
+
+    try:
+        row = problem(model, gpu, gpus, seq, cluster=cluster).evaluate_layout(layout)
+    except TrainscaleError as e:
+        return None, str(e)
+    return (row["memory_per_gpu_bytes"]["total"], row["memory_capacity_bytes"]), None
+
+
 def plan_sections(out: Path, plan: dict[str, Any]) -> tuple[list, list[tuple[str, str]]]:
     """The planner's choice (``trainscale plan --json``): step-time and memory breakdown, and why."""
     parts = plan["step_time_parts_s"]
@@ -76,7 +93,7 @@ def plan_sections(out: Path, plan: dict[str, Any]) -> tuple[list, list[tuple[str
     why = plan.get("why") or []
     step.table += [("why", str(w)) for w in (why if isinstance(why, list) else [why])]
     summary = [("planned layout", plan["layout"]), ("predicted MFU", f"{plan['mfu']:.1%}"),
-               ("predicted tokens/s", f"{plan['tokens_per_s']:,.0f}")]
+               ("predicted tokens/s", f"{plan['tokens_per_s']:,.0f} tokens/s")]
     return [("The plan", [step, memory])], summary
 
 
@@ -101,7 +118,8 @@ def reliability_sections(out: Path, model: str, gpu: str, gpus: int, window_h: f
         f"Monte Carlo of the whole run (Meta's interruption rates), checkpoint write "
         f"{rep['checkpoint']['write_s']:.1f} s, "
         f"restart {rep['checkpoint']['restart_s'] / 60:.0f} min.",
-        marks={"Young interval (min)": iv["young_s"] / 60, "Daly interval (min)": iv["daly_s"] / 60})
+        marks={"Young interval (min)": iv["young_s"] / 60, "Daly interval (min)": iv["daly_s"] / 60},
+        unit="of wall time")
     tl = rep["_timeline"]
     watts = power.state_power_watts(gpus, g.tdp_watts, fac.gpu_idle_fraction, fac.server_overhead_fraction, fac.pue)
     t = np.arange(0.0, window_h * 3600, 1.0)
@@ -110,7 +128,8 @@ def reliability_sections(out: Path, model: str, gpu: str, gpus: int, window_h: f
     power_plot = plots.lines(
         "power_trace", f"Facility power over the first {window_h:.0f} h of a simulated run", "time (hours)",
         "facility power (MW)", {"facility power": (list(t / 3600), list(trace / 1e6))}, out,
-        "GPUs at TDP while computing, at idle while the job writes a checkpoint or restarts; x server overhead x PUE.")
+        "GPUs at TDP while computing, at idle while the job writes a checkpoint or restarts; x server overhead x PUE.",
+        unit="MW")
     shares = {name: float((states == i).mean()) for i, name in enumerate(STATES)}
     power_plot.table += [("power computing", f"{watts['compute'] / 1e6:,.1f} MW"),
                          ("power paused (checkpoint / restart)", f"{watts['restart'] / 1e6:,.1f} MW"),
@@ -125,72 +144,182 @@ def reliability_sections(out: Path, model: str, gpu: str, gpus: int, window_h: f
     return [("Failures, checkpoints and power", [sweep_plot, power_plot])], summary
 
 
+RESTART_KINDS = {"hand": "resumed by hand (--resume)", "torchrun": "torchrun restart", "slurm": "Slurm requeue"}
+
+
+def restart_kind(prev: dict[str, Any], cur: dict[str, Any]) -> str:
+    """How an attempt began after ``prev``, from two start events (runtime/job/runfolder.start_event): a new Slurm
+    requeue count is Slurm's, a new torchrun attempt in the same launch is torchrun's, anything else (a new
+    launch: the CLI or a person started the job again with --resume) was by hand."""
+    if int(cur.get("requeue", 0)) != int(prev.get("requeue", 0)):
+        return "slurm"
+    if cur.get("launch") == prev.get("launch") and int(cur.get("attempt", 0)) != int(prev.get("attempt", 0)):
+        return "torchrun"
+    return "hand"
+
+
 def run_timeline(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[int, str]]]:
     """A run's step rows in step order with each step once (its last run: a step run again after a restart
-    replaced the lost one), and the restarts as (first step after it, label). A restart is a new torchrun
-    attempt or Slurm requeue (the ``attempt`` and ``requeue`` fields of metrics.jsonl)."""
+    replaced the lost one), and the restarts as (first step after it, label). Every attempt writes a start event
+    first (runfolder.start_event); each after the first that trained is a restart, by hand, torchrun or Slurm
+    (``restart_kind``). Folders from before start events: a change of the rows' ``attempt``/``requeue``."""
     last: dict[int, dict[str, Any]] = {}
     restarts: list[tuple[int, str]] = []
-    prev = None
+    starts = [r for r in rows if r.get("event") == "start"]
+    prev_start: dict[str, Any] | None = None
+    pending: str | None = None  # the kind of the restart whose first step is still to come
+    prev_who = None
     for r in rows:
+        if r.get("event") == "start":
+            if prev_start is not None:
+                pending = restart_kind(prev_start, r)
+            prev_start = r
+            continue
         if "loss" not in r or "step" not in r:
             continue
+        step = int(r["step"])
         who = (int(r.get("requeue", 0)), int(r.get("attempt", 0)))
-        if prev is not None and who != prev:
-            restarts.append((int(r["step"]), f"restart {len(restarts) + 1} (resumed after step {int(r['step']) - 1})"))
-        prev = who
-        last[int(r["step"])] = r
+        if not starts and prev_who is not None and who != prev_who:
+            pending = "slurm" if who[0] != prev_who[0] else "torchrun"
+        prev_who = who
+        if pending is not None:
+            restarts.append((step, f"restart {len(restarts) + 1}: {RESTART_KINDS[pending]}, resumed after step "
+                                   f"{step - 1}"))
+            pending = None
+        last[step] = r
     return [last[k] for k in sorted(last)], restarts
 
 
-def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]:
-    """Figures of a real training run folder (metrics.jsonl written by trainscale train)."""
+def eval_points(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The held-out evaluations by step (``eval_every`` rows and the final one; a step evaluated again after a
+    restart counts once, its last value)."""
+    return {int(r["step"]): r for r in rows if "val_loss" in r and "step" in r}
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise TrainscaleError(f"{run_dir} has no metrics.jsonl; is it a trainscale run folder?")
     rows: list[dict[str, Any]] = []
-    for i, line in enumerate(path.read_text().splitlines()):
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
+            if i == len(lines) - 1:  # the last line a kill cut short
+                continue
             raise TrainscaleError(f"{path} line {i + 1} is not JSON") from None
+    return rows
+
+
+def _run_info(run_dir: Path) -> dict[str, Any]:
+    try:
+        return read_json_object(run_dir / "run.json", "run.json") if (run_dir / "run.json").exists() else {}
+    except TrainscaleError:
+        return {}
+
+
+def run_loss_plot(out: Path, run_dir: Path, steps: list[dict[str, Any]], rows: list[dict[str, Any]],
+                  info: dict[str, Any], marks: dict[str, float], note: str) -> plots.Plot:
+    """Training loss per step, the held-out loss as points, the unigram entropy of the training tokens as a level."""
+    xs = [float(r["step"]) for r in steps]
+    series = {"train loss (global batch)": (xs, [float(r["loss"]) for r in steps])}
+    evals = eval_points(rows)
+    if evals:
+        ks = sorted(evals)
+        series["held-out loss"] = ([float(k) for k in ks], [float(evals[k]["val_loss"]) for k in ks])
+    levels = {}
+    if info.get("unigram_entropy") is not None:
+        levels["unigram baseline: entropy of the training tokens"] = float(info["unigram_entropy"])
+    elif evals:  # a folder from before run.json kept the entropy: the held-out loss of the unigram model
+        levels["unigram baseline: held-out loss of the unigram model"] = float(evals[max(evals)]["unigram_loss"])
+    caption = ("Per-step loss on the global batch; dots: held-out loss (eval_every and the end); dotted: the "
+               "unigram baseline, the loss of a model that ignores context." + note)
+    return plots.lines("run_loss", f"Training loss of {run_dir.name}", "step", "cross-entropy (nats/token)",
+                       series, out, caption, marks=marks, unit="nats/token", points={"held-out loss"}, levels=levels)
+
+
+def run_layout_plot(out: Path, info: dict[str, Any]) -> plots.Plot | None:
+    """The run's own layout, one square per process (a server of the run's size: its processes on one machine)."""
+    from trainscale.specs import ClusterSpec
+
+    try:
+        lay = Layout.parse(str(info["layout"]))
+    except (KeyError, TrainscaleError):
+        return None
+    n = lay.world_size
+    per = min(n, 8)
+    device = str(info.get("device", "cpu"))
+    cl = ClusterSpec(name=f"this run's {n} process(es), {device}", gpu=device, gpus=n, gpus_per_server=per,
+                     servers_per_rack=-(-n // per), scale_up_domain=per, network_bandwidth=1.0)
+    return plots.layout_mesh(lay, cl, out, unit="GPUs" if device == "cuda" else "processes")
+
+
+def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]:
+    """Figures of a real training run folder (metrics.jsonl written by trainscale train)."""
+    rows = read_metrics(run_dir)
     steps, restarts = run_timeline(rows)
     if not steps:
-        raise TrainscaleError(f"{path} has no training steps")
+        raise TrainscaleError(f"{run_dir / 'metrics.jsonl'} has no training steps")
+    info = _run_info(run_dir)
     xs = [float(r["step"]) for r in steps]
     marks = {label: float(step) for step, label in restarts}
     note = (f" Dashed lines: the {len(restarts)} restart(s); a step run again after a restart is drawn once "
             "(its last run)." if restarts else "")
-    series = {"train loss": (xs, [float(r["loss"]) for r in steps])}
-    evals = [r for r in rows if "val_loss" in r]
-    if evals:
-        series["held-out loss"] = ([float(r["step"]) for r in evals], [float(r["val_loss"]) for r in evals])
-    figs = [plots.lines("run_loss", f"Training loss of {run_dir.name}", "step", "cross-entropy (nats/token)",
-                        series, out, "Per-step loss on the global batch." + note, marks=marks)]
+    figs = [run_loss_plot(out, run_dir, steps, rows, info, marks, note)]
     if all("tokens_per_s" in r for r in steps):
         figs.append(plots.lines("run_throughput", "Throughput", "step", "tokens per second",
                                 {"tokens/s": (xs, [float(r["tokens_per_s"]) for r in steps])}, out, note.strip(),
-                                marks=marks))
+                                marks=marks, unit="tokens/s"))
     if all("mfu" in r for r in steps):
         figs.append(plots.lines("run_mfu", "Model FLOPs utilization", "step", "MFU (fraction of peak)",
-                                {"MFU": (xs, [float(r["mfu"]) for r in steps])}, out, marks=marks))
-    summary = [("run", str(run_dir)), ("steps", str(len(steps))), ("final loss", f"{float(steps[-1]['loss']):.4f}")]
+                                {"MFU": (xs, [float(r["mfu"]) for r in steps])}, out, marks=marks,
+                                unit="of peak"))
+    mesh = run_layout_plot(out, info)
+    if mesh is not None:
+        figs.append(mesh)
+    summary = [("run", str(run_dir)), ("steps", f"{len(steps)} steps"),
+               ("final loss", f"{float(steps[-1]['loss']):.4f} nats/token"),
+               ("restarts", f"{len(restarts)} restart(s)" + "".join(f"; {label}" for _, label in restarts))]
+    evals = eval_points(rows)
+    if evals:
+        k = max(evals)
+        summary.append(("held-out loss", f"{float(evals[k]['val_loss']):.4f} nats/token at step {k} "
+                                         f"({len(evals)} evaluation(s))"))
+    if info.get("unigram_entropy") is not None:
+        summary.append(("unigram baseline", f"{float(info['unigram_entropy']):.4f} nats/token (entropy of the "
+                                            "training tokens' unigram distribution)"))
     for r in rows:
         if "goodput" in r:
-            summary.append(("goodput", f"{float(r['goodput']):.1%}"))
+            summary.append(("goodput", f"{float(r['goodput']):.1%} of wall time"))
     return [(f"Run {run_dir.name}", figs)], summary
 
 
 def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100-sxm", gpus: int = 16384,
                  cluster: str = "meta-h100", layout: str | None = "tp8,cp1,pp16,dp128,mb1",
                  tokens: float | None = None, mfu: float = 0.40, run_dir: str | Path | None = None,
-                 plan_file: str | Path | None = None, seq: int | None = None) -> Path:
+                 plan_file: str | Path | None = None, seq: int | None = None, walkthrough: bool | None = None
+                 ) -> Path:
     """The report page; with ``plan_file`` (``trainscale plan --json``) the model, GPUs, cluster, layout, MFU,
-    sequence and training tokens are the plan's, so its days are the plan's days."""
+    sequence and training tokens are the plan's, so its days are the plan's days. With ``run_dir`` the page
+    leads with the run, and the walkthrough pages (memory, time, layout, failures and power of ``model`` on
+    ``gpus``) follow only with ``walkthrough=True`` (default: without a run, or with a plan)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if walkthrough is None:
+        walkthrough = run_dir is None or plan_file is not None
+    sections: list = []
+    summary: list[tuple[str, str]] = []
+    if run_dir is not None:
+        rs, rsum = run_sections(out, Path(run_dir))
+        sections += rs
+        summary += rsum
+        if not walkthrough:
+            return _write(out, f"trainscale report: run {Path(run_dir).name}",
+                          "Every number below is read from the run folder's records (metrics.jsonl, run.json).",
+                          sections, summary)
     tokens = tokens if tokens is not None else facts()["llama3_405b_training"]["tokens"]
     plan = None
     plan, seq = None, seq or DEFAULT_SEQ
@@ -205,8 +334,10 @@ def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100
         except (KeyError, TypeError, ValueError) as e:
             raise TrainscaleError(f"{plan_file} is not the output of 'trainscale plan --json' (no {e})") from None
     lay = Layout.parse(layout) if layout else None
-    sections, summary = seed_sections(out, model, gpu, gpus, cluster, lay, tokens, mfu,
-                                      micro_batches=plan.get("micro_batches") if plan else None, seq=seq)
+    ws, wsum = seed_sections(out, model, gpu, gpus, cluster, lay, tokens, mfu,
+                             micro_batches=plan.get("micro_batches") if plan else None, seq=seq)
+    sections += ws
+    summary += wsum
     if plan is not None:
         ps, psum = plan_sections(out, plan)
         sections += ps
@@ -214,13 +345,15 @@ def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100
     rel_sections, rel_summary = reliability_sections(out, model, gpu, gpus)
     sections += rel_sections
     summary += rel_summary
+    title = f"trainscale report: {model} on {gpus:,} x {gpu}"
     if run_dir is not None:
-        rs, rsum = run_sections(out, Path(run_dir))
-        sections += rs
-        summary += rsum
-    page = write_page(out, f"trainscale report: {model} on {gpus:,} x {gpu}",
-                      "Every number below is computed by trainscale from the model, hardware and run inputs.",
-                      sections, summary)
+        title = f"trainscale report: run {Path(run_dir).name}, then {model} on {gpus:,} x {gpu}"
+    return _write(out, title, "Every number below is computed by trainscale from the model, hardware and run inputs.",
+                  sections, summary)
+
+
+def _write(out: Path, title: str, intro: str, sections: list, summary: list[tuple[str, str]]) -> Path:
+    page = write_page(out, title, intro, sections, summary)
     atomic_write_json(out / "report.json", {
         "summary": dict(summary),
         "figures": [{"key": p.key, "title": p.title, "files": p.files, "table": dict(p.table)}

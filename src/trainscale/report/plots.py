@@ -6,6 +6,7 @@ matplotlib runs headless (Agg); every figure has a title and labelled axes with 
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,12 +121,20 @@ def rank_coords(layout: Layout, rank: int) -> dict[str, int]:
     """Rank -> (tp, cp, pp, dp) index as the runtime lays them out (``trainscale.placement``): TP innermost,
     then CP, PP, DP outermost, the order of Llama 3's 4D parallelism (arXiv 2407.21783 Sec. 3.3.2, Fig. 5)."""
     c = placement.coords(layout, rank)
-    return {"tp": c["tp"], "cp": c["cp"], "pp": c["pp"], "dp": placement.flat_coord(layout, c, "dp")}
+    return {"tp": c["tp"], "cp": c["cp"], "pp": c["pp"], "ep": c["ep"], "dp": placement.flat_coord(layout, c, "dp")}
 
 
-def layout_mesh(layout: Layout, cluster: ClusterSpec, out: Path, max_gpus: int = 256) -> Plot:
+def gb(n: float) -> str:
+    """Bytes as decimal gigabytes, labelled (the report's memory unit)."""
+    return f"{n / 1e9:,.1f} GB"
+
+
+def layout_mesh(layout: Layout, cluster: ClusterSpec, out: Path, max_gpus: int = 256,
+                memory: tuple[float, float] | None = None, invalid: str | None = None, unit: str = "GPUs") -> Plot:
     """The layout drawn on the hardware: one square per GPU, a row per server, racks outlined;
-    colour = pipeline stage, label = TP rank, the number under it = DP replica."""
+    colour = pipeline stage, label = TP rank, the number under it = DP replica, and with expert parallelism
+    the EP rank (e) and an edge colour per EP rank. ``memory`` = (the planner's bytes per GPU, the GPU's usable
+    bytes): a layout that does not fit says so across the picture, as does one the rules refuse (``invalid``)."""
     n = min(layout.world_size, max_gpus)
     per_server, per_rack = cluster.gpus_per_server, cluster.gpus_per_rack
     servers = -(-n // per_server)
@@ -136,8 +145,12 @@ def layout_mesh(layout: Layout, cluster: ClusterSpec, out: Path, max_gpus: int =
         row, col = r // per_server, r % per_server
         ax.add_patch(Rectangle((col, -row), 0.92, 0.86, color=COLORS[c["pp"] % len(COLORS)], alpha=0.35 + 0.65 *
                                (1 - c["cp"] / max(layout.cp, 1))))
+        if layout.ep > 1:  # the EP rank as the square's edge: the ranks of one colour hold the same experts
+            ax.add_patch(Rectangle((col + 0.03, -row + 0.03), 0.86, 0.80, fill=False, lw=1.6,
+                                   ec=COLORS[(c["ep"] + 3) % len(COLORS)]))
         if per_server <= 16:
-            ax.text(col + 0.46, -row + 0.43, f"t{c['tp']}\nd{c['dp']}", ha="center", va="center", fontsize=6)
+            label = f"t{c['tp']}\nd{c['dp']}" + (f"\ne{c['ep']}" if layout.ep > 1 else "")
+            ax.text(col + 0.46, -row + 0.43, label, ha="center", va="center", fontsize=6 if layout.ep == 1 else 5)
     rack_rows = per_rack // per_server
     for k in range(0, servers, max(rack_rows, 1)):
         h = min(rack_rows, servers - k)
@@ -149,15 +162,45 @@ def layout_mesh(layout: Layout, cluster: ClusterSpec, out: Path, max_gpus: int =
     ax.set_ylabel("server")
     ax.set_yticks([])
     shown = f" (first {n} of {layout.world_size:,})" if n < layout.world_size else ""
-    ax.set_title(f"Layout {layout} on {cluster.name}{shown}: colour = PP stage, t = TP rank, d = DP replica")
+    ep = ", e = EP rank (edge colour)" if layout.ep > 1 else ""
+    ax.set_title(f"Layout {layout} on {cluster.name}{shown}: colour = PP stage, t = TP rank, d = DP replica{ep}")
     tp_in_server = layout.tp <= per_server and per_server % layout.tp == 0
-    table = [("world size", f"{layout.world_size:,}"), ("TP group", f"{layout.tp} consecutive GPUs"
-              + (" inside one server (NVLink)" if tp_in_server else " spanning servers (network)")),
-             ("CP group", f"{layout.cp} x stride {layout.tp}"), ("PP stages", f"{layout.pp} x stride "
-              f"{layout.tp * layout.cp}"), ("DP replicas", f"{layout.dp} x stride {layout.tp * layout.cp * layout.pp}"),
-             ("racks", f"{-(-layout.world_size // per_rack):,} of {per_rack} GPUs")]
-    return Plot("layout_mesh", ax.get_title(), "Ranks are ordered [TP, CP, PP, DP] from inner to outer, as in Llama 3.",
-                _save(fig, out, "layout_mesh"), table)
+    inside = " inside one server (NVLink)" if unit == "GPUs" else " on one machine"
+    table = [("world size", f"{layout.world_size:,} {unit}"), ("TP group", f"{layout.tp} consecutive {unit}"
+              + (inside if tp_in_server else " spanning servers (network)")),
+             ("CP group", f"{layout.cp} {unit}, rank stride {layout.tp}"),
+             ("PP stages", f"{layout.pp} stages, rank stride {layout.tp * layout.cp * layout.ep}"),
+             ("DP replicas", f"{layout.dp} replicas" + (f" ({layout.ep} of them inside the pipeline stage: EP), "
+                                                        f"the rest at rank stride "
+                                                        f"{layout.tp * layout.cp * layout.ep * layout.pp}"
+                                                        if layout.ep > 1 else
+                                                        f", rank stride {layout.tp * layout.cp * layout.pp}")),
+             ("racks", f"{-(-layout.world_size // per_rack):,} racks of {per_rack} {unit}")]
+    if layout.ep > 1:
+        table.append(("EP group", f"{layout.ep} {unit} (a factor of the {layout.dp} DP ranks), rank stride "
+                                  f"{layout.tp * layout.cp}: each holds 1/{layout.ep} of every MoE layer's experts"))
+    verdict = _fit_verdict(memory, invalid)
+    if verdict is not None:
+        ok, text = verdict
+        table.append(("fits in GPU memory" if memory else "layout rules", text))
+        if not ok:
+            ax.text(0.5, 0.5, textwrap.fill(text, 48), transform=ax.transAxes, ha="center", va="center", fontsize=13,
+                    color="#B00020", bbox={"facecolor": "white", "alpha": 0.9, "edgecolor": "#B00020", "lw": 2})
+            ax.set_title("DOES NOT FIT - " + ax.get_title() if memory else "INVALID - " + ax.get_title())
+    return Plot("layout_mesh", ax.get_title(), "Ranks are ordered [TP, CP, PP, EP, DP] from inner to outer, as in "
+                "Llama 3 (EP a factor of DP).", _save(fig, out, "layout_mesh"), table)
+
+
+def _fit_verdict(memory: tuple[float, float] | None, invalid: str | None) -> tuple[bool, str] | None:
+    """(fits, the sentence) for the layout picture, from the planner's memory per GPU or the rules' refusal."""
+    if invalid:
+        return False, f"not a valid layout: {invalid}"
+    if memory is None:
+        return None
+    need, cap = memory
+    if need > cap:
+        return False, f"does not fit: {gb(need)} per GPU > {gb(cap)} usable"
+    return True, f"fits: {gb(need)} per GPU of {gb(cap)} usable"
 
 
 def pipeline_gantt(tl: list[list[tuple[str, int, int, int]]], title: str, out: Path,
@@ -180,18 +223,26 @@ def pipeline_gantt(tl: list[list[tuple[str, int, int, int]]], title: str, out: P
     bubble = 1 - busy / (end * len(tl))
     ax.legend(handles=[Rectangle((0, 0), 1, 1, color=COLORS[0]), Rectangle((0, 0), 1, 1, color=COLORS[1])],
               labels=["forward", "backward"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
-    table = [("pipeline ranks", str(len(tl))), ("makespan (units)", str(end)),
-             ("idle fraction (bubble)", f"{bubble:.1%}"), ("bubble / useful time", f"{bubble / (1 - bubble):.3f}")]
+    table = [("pipeline ranks", f"{len(tl)} ranks"), ("makespan", f"{end} units (one micro-batch forward)"),
+             ("idle fraction (bubble)", f"{bubble:.1%} of rank time"),
+             ("bubble / useful time", f"{bubble / (1 - bubble):.3f} (ratio)")]
     return Plot(key, title, "Blue: forward of a micro-batch (number = micro-batch), orange: its backward; "
                 "white gaps are the bubble.", _save(fig, out, key), table)
 
 
 def lines(key: str, title: str, xlabel: str, ylabel: str, series: dict[str, tuple[list[float], list[float]]],
-          out: Path, caption: str = "", logy: bool = False, marks: dict[str, float] | None = None) -> Plot:
-    """A generic line chart (loss curves, sweeps, traces), with optional vertical marks."""
+          out: Path, caption: str = "", logy: bool = False, marks: dict[str, float] | None = None,
+          unit: str = "", points: set[str] | frozenset[str] = frozenset(), levels: dict[str, float] | None = None
+          ) -> Plot:
+    """A generic line chart (loss curves, sweeps, traces), with optional vertical marks; the series named in
+    ``points`` are drawn as markers joined by a thin line, ``levels`` as horizontal dotted lines; ``unit``
+    follows every number of the table (``xlabel``'s unit is in its parentheses)."""
     fig, ax = plt.subplots(figsize=(8, 4))
     for i, (label, (xs, ys)) in enumerate(series.items()):
-        ax.plot(xs, ys, label=label, color=COLORS[i % len(COLORS)], lw=1.4)
+        style = {"marker": "o", "ms": 5, "lw": 0.8} if label in points else {"lw": 1.4}
+        ax.plot(xs, ys, label=label, color=COLORS[i % len(COLORS)], **style)
+    for i, (label, y) in enumerate((levels or {}).items()):
+        ax.axhline(y, ls=":", lw=1.4, color=COLORS[(i + 6) % len(COLORS)], label=label)
     for i, (label, x) in enumerate((marks or {}).items()):
         ax.axvline(x, ls="--", color=COLORS[(i + 3) % len(COLORS)], label=label)
     if logy:
@@ -199,14 +250,16 @@ def lines(key: str, title: str, xlabel: str, ylabel: str, series: dict[str, tupl
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    if len(series) + len(marks or {}) > 1:
+    if len(series) + len(marks or {}) + len(levels or {}) > 1:
         ax.legend(fontsize=8)
+    u = f" {unit}" if unit else ""
     table = []
     for label, (xs, ys) in series.items():
         if ys:
-            table.append((label, f"first {ys[0]:.4g}, last {ys[-1]:.4g}, min {min(ys):.4g}, max {max(ys):.4g} "
-                          f"over {xlabel} {xs[0]:.4g}..{xs[-1]:.4g}"))
-    table += [(label, f"{x:.4g}") for label, x in (marks or {}).items()]
+            table.append((label, f"first {ys[0]:.4g}{u}, last {ys[-1]:.4g}{u}, min {min(ys):.4g}{u}, max "
+                          f"{max(ys):.4g}{u} over {xlabel} {xs[0]:.4g}..{xs[-1]:.4g}"))
+    table += [(label, f"{y:.4g}{u}") for label, y in (levels or {}).items()]
+    table += [(label, f"at {xlabel} {x:.4g}") for label, x in (marks or {}).items()]
     return Plot(key, title, caption, _save(fig, out, key), table)
 
 
@@ -224,5 +277,5 @@ def bars(key: str, title: str, ylabel: str, groups: dict[str, dict[str, float]],
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
-    table = [(f"{c}: {s}", f"{v:.4g}") for c, g in groups.items() for s, v in g.items()]
+    table = [(f"{c}: {s}", f"{v:.4g} {ylabel}") for c, g in groups.items() for s, v in g.items()]
     return Plot(key, title, caption, _save(fig, out, key), table)

@@ -5,13 +5,14 @@
               or init = "PATH": a Hugging Face Llama folder whose config.json gives the model and whose
               safetensors give the starting weights (runtime/hf_init.py)
     [train]   steps, lr, min_lr_ratio, warmup, seq_len, global_batch (sequences), seed,
-              weight_decay, grad_clip, betas, precision ("auto" | "bf16" | "fp32"), compile
+              weight_decay, grad_clip, betas, precision ("auto" | "bf16" | "fp32"), compile, eval_every
     [data]    files (the user's corpus: text / JSONL / Parquet paths, globs or folders; default: the
               Shakespeare plays), format, text_field, documents, held_out, tokenizer (tokenizer.json or an
               HF tokenizer folder; default: a BPE trained on the corpus), eot, prepared (shard folder),
               workers, shard_mb; max_chars (limit the text the tokenizer and, for the plays, the loader
               see), cache (folder), tokenizer_vocab (default: the model's vocab_size)
-    [run]     out (run folder), log_every, eval_sequences, layout (default layout string), save_final
+    [run]     out (run folder), log_every, eval_sequences, layout (default layout string), save_final, sinks
+    [profile] steps = [a, b] (torch.profiler trace + memory snapshot of those steps), ranks
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class TrainSection(_Section):
         default="auto", description="bf16: FSDP2 mixed precision (bf16 weights and compute, fp32 gradient "
         "reduction) or bf16 autocast without FSDP; fp32; auto: bf16 on GPUs, fp32 on CPU")
     compile: bool = Field(default=False, description="torch.compile each transformer block")
+    eval_every: int = Field(default=0, ge=0, le=1_000_000_000, description="held-out loss every N steps on the "
+                            "run's own held-out split (0: only at the end)")
 
 
 class DataSection(_Section):
@@ -96,6 +99,8 @@ class RunSection(_Section):
     eval_sequences: int = Field(default=64, ge=0, le=1_000_000)
     layout: str = ""
     save_final: bool = Field(default=True, description="gather the weights to rank 0 and write RUN_DIR/final")
+    sinks: tuple[Literal["mlflow", "wandb"], ...] = Field(default=(), description="metrics sinks beside "
+                                                          "TensorBoard: mlflow (file store), wandb (offline)")
 
 
 class CheckpointSection(_Section):
@@ -108,6 +113,21 @@ class CheckpointSection(_Section):
                                         description="a rank silent this long counts as hung")
 
 
+class ProfileSection(_Section):
+    """[profile] steps = [a, b]: torch.profiler around steps a..b (1-based, inclusive) on the ranks listed, a
+    chrome trace per rank and a CUDA memory snapshot (or, on CPU, the profiler's memory view) in RUN/profile."""
+    steps: tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]] | None = Field(
+        default=None, description="first and last step to profile (inclusive)")
+    ranks: tuple[Annotated[int, Field(ge=0)], ...] = Field(default=(0,), description="ranks that write a trace")
+
+    @field_validator("steps")
+    @classmethod
+    def _ordered(cls, v: Any) -> Any:
+        if v is not None and v[0] > v[1]:
+            raise ValueError(f"[profile] steps must be [first, last] with first <= last, not {list(v)}")
+        return v
+
+
 class TrainConfig(_Section):
     name: str = "run"
     model: ModelSpec
@@ -116,6 +136,7 @@ class TrainConfig(_Section):
     data: DataSection = DataSection()
     run: RunSection = RunSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    profile: ProfileSection = ProfileSection()
 
     @property
     def tokenizer_vocab(self) -> int:
@@ -127,7 +148,7 @@ class TrainConfig(_Section):
 
         data: dict[str, Any] = {"name": self.name}
         for section, obj in (("model", self.model), ("train", self.train), ("data", self.data), ("run", self.run),
-                             ("checkpoint", self.checkpoint)):
+                             ("checkpoint", self.checkpoint), ("profile", self.profile)):
             fields = obj.model_dump(by_alias=True, exclude_none=True)
             data[section] = {"init": self.init, **fields} if section == "model" and self.init is not None else fields
         return toml_text(data)
@@ -151,10 +172,10 @@ def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
     data = dict(data)
     if "model" not in data or not isinstance(data["model"], dict):
         raise TrainscaleError(f"{what} needs a [model] section (name = a catalog model, or the ModelSpec fields)")
-    unknown = set(data) - {"name", "model", "train", "data", "run", "checkpoint"}
+    unknown = set(data) - {"name", "model", "train", "data", "run", "checkpoint", "profile"}
     if unknown:
         raise TrainscaleError(f"{what}: unknown section or key '{sorted(unknown)[0]}'; "
-                              "use [model], [train], [data], [run], [checkpoint]")
+                              "use [model], [train], [data], [run], [checkpoint], [profile]")
     init = data["model"].get("init")
     if init is not None and not isinstance(init, str):
         raise TrainscaleError(f"{what}: [model] init must be a folder path (a string), not {init!r}")

@@ -120,3 +120,90 @@ def peak_memory_bytes(device: torch.device) -> int:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def unigram_entropy(counts) -> float:
+    """Entropy (nats/token) of the training tokens' unigram distribution, p = counts / total:
+    H = -sum p ln p (Shannon 1948), the loss of the best model that ignores context on the training text
+    itself (zero counts add nothing). The report draws it as the baseline a trained model must beat."""
+    import numpy as np
+
+    c = np.asarray(counts, dtype=np.float64)
+    c = c[c > 0]
+    if c.size == 0:
+        return float("nan")
+    p = c / c.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def eta_seconds(step_times: list[float], remaining: int, window: int = 20) -> float | None:
+    """Seconds to the last step: the mean of the last ``window`` measured step times x the steps left; the
+    attempt's first step (compilation, allocator warm-up) counts only while it is the only one."""
+    times = step_times[1:] if len(step_times) > 1 else step_times
+    if not times or remaining < 0:
+        return None
+    recent = times[-window:]
+    return sum(recent) / len(recent) * remaining
+
+
+def duration_text(seconds: float | None) -> str:
+    """3725 -> '1h02m05s', 65 -> '1m05s', 4.2 -> '4s'; None -> '?'."""
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class StepProfiler:
+    """``[profile] steps = [a, b]``: torch.profiler over steps a..b (1-based, inclusive) on the listed ranks,
+    written into RUN/profile as a chrome trace (chrome://tracing, Perfetto) per rank; with CUDA, a memory
+    snapshot of the same steps (torch.cuda.memory._record_memory_history / _dump_snapshot, for
+    pytorch.org/memory_viz); on CPU the profiler's own memory accounting (profile_memory) as a table of the
+    operators that allocated most, since there is no allocator snapshot outside CUDA."""
+
+    def __init__(self, steps: tuple[int, int] | None, ranks: tuple[int, ...], rank: int, folder, device: torch.device,
+                 log=lambda _m: None) -> None:
+        self.window = steps if steps is not None and rank in ranks and folder is not None else None
+        self.rank, self.device, self.log = rank, device, log
+        self.folder = None if folder is None else folder / "profile"
+        self.prof = None
+        self.files: list[str] = []
+
+    def before(self, step: int) -> None:
+        """Called before step ``step`` (1-based) runs."""
+        if self.window is None or self.prof is not None or not self.window[0] <= step <= self.window[1]:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        if self.device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        self.prof = profile(activities=acts, record_shapes=True, profile_memory=True)
+        self.prof.start()
+        self.first = step
+
+    def after(self, step: int, last: bool = False) -> None:
+        """Called after step ``step``; ends the window at its last step (or at the run's last step)."""
+        if self.prof is None or (step < self.window[1] and not last):
+            return
+        self.prof.stop()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tag = f"rank{self.rank}-steps{self.first}-{step}"
+        trace = self.folder / f"trace-{tag}.json"
+        self.prof.export_chrome_trace(str(trace))
+        self.files.append(trace.name)
+        if self.device.type == "cuda":
+            snap = self.folder / f"memory-{tag}.pickle"
+            torch.cuda.memory._dump_snapshot(str(snap))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.files.append(snap.name)
+        else:
+            table = self.folder / f"memory-{tag}.txt"
+            table.write_text("CPU run: no allocator snapshot outside CUDA; the profiler's memory accounting "
+                             "(profile_memory=True), operators by the memory they allocated themselves:\n\n"
+                             + self.prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=30))
+            self.files.append(table.name)
+        self.log(f"profiled steps {self.first}..{step} on rank {self.rank}: {', '.join(self.files)} in {self.folder}")
+        self.prof = None

@@ -14,11 +14,14 @@ What happens, in order:
      forward + backward (through the pipeline schedule, or in ``local_batch / mb`` accumulation
      steps), gradient average over replicas, clipping by the global norm, AdamW, LR schedule; the
      step's mean loss over the whole global batch is logged with tokens/s, FLOP/s and MFU
-  6. rank 0 writes the gathered, unsharded weights as RUN_DIR/final (runtime/artifact.py) and
-     evaluates them on held-out text against the unigram baseline
+  6. every ``[train] eval_every`` steps, and at the end, the held-out loss of the gathered weights (rank 0
+     evaluates, every rank receives the value); rank 0 writes the unsharded weights as RUN_DIR/final
+     (runtime/artifact.py)
 
-Run folder: config.toml, run.json (layout, world size, model, results), metrics.jsonl (a line per
-step), tokenizer.json, final/; its identity, lock and bookkeeping are runtime/job/runfolder.py's.
+Run folder: config.toml, run.json (layout, world size, model, results, the unigram entropy of the training
+tokens), metrics.jsonl (a line per step, held-out evaluation, checkpoint, attempt start and resume),
+TensorBoard events and the optional sinks (runtime/job/tblog.py), profile/ ([profile] steps), tokenizer.json,
+final/; its identity, lock and bookkeeping are runtime/job/runfolder.py's.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from trainscale.runtime.job import faults, runfolder
 from trainscale.runtime.job.checkpoint import CheckpointManager, step_dir_name
 from trainscale.runtime.job.faults import Fault, requeue_count, restart_count
 from trainscale.runtime.job.slurm import SAVE_REQUEST_ENV
-from trainscale.runtime.job.tblog import open_tensorboard
+from trainscale.runtime.job.tblog import check_sinks, open_metric_log
 from trainscale.runtime.model import Transformer, build_model, lm_loss
 from trainscale.runtime.parallel.context import local_positions, shard_sequence
 from trainscale.runtime.parallel.mesh import ParallelMesh, build_mesh, exit_rank, init_distributed
@@ -108,6 +111,7 @@ class Trainer:
         self.resume = resume or restart_count() > 0 or requeue_count() > 0
         self.faults = faults or []
         check_layout(cfg, layout)
+        check_sinks(cfg.run.sinks)
         self.device = init_distributed(cfg.checkpoint.collective_timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.log = log if self.rank == 0 else (lambda _m: None)
@@ -159,6 +163,10 @@ class Trainer:
         self.flops_per_token = measure.flops_per_token(cfg.model, t.seq_len)
         self.peak, self.peak_source = measure.job_peak_flops(self.world)
         self.autocast = autocast_for(self.precision, layout, self.device)
+        self.last_eval: dict[str, Any] | None = None  # the latest held-out evaluation row
+        self._unigram_counts = None
+        self.profiler = measure.StepProfiler(cfg.profile.steps, cfg.profile.ranks, self.rank, out, self.device,
+                                             self.log if self.rank == 0 else _say)
 
     # ------------------------------------------------------------------ setup
 
@@ -393,29 +401,40 @@ class Trainer:
                                   f"{step} of {steps}; ask for more with --steps, or train into a fresh folder")
         self.load_state_dict(state)
         self.load_extras(extras)
-        self.log(f"resumed from {mgr.root / step_dir_name(step)} at step {step} (attempt {restart_count()})")
+        self.log(f"resumed from step {step} (the checkpoint at step {step}, {mgr.root / step_dir_name(step)}; "
+                 f"attempt {restart_count()}, requeue {requeue_count()}); steps {step + 1}..{steps} follow")
+        if self.folder is not None:  # the console follower prints this first, then only the new steps
+            self.folder.log({"event": "resumed", "step": step, "wall": time.time(), "attempt": restart_count(),
+                             "requeue": requeue_count()})
 
     def run(self, steps: int | None = None) -> RunResult:
         steps = self.cfg.train.steps if steps is None else steps
         if self.folder is not None:
             self.folder.start(self.cfg.to_toml(), self.corpus.tokenizer_path, self._run_info())
+        mgr = self._checkpoints()
+        if mgr is not None and self.resume:  # said first: the console then shows only the steps that follow
+            self._resume(mgr, steps)
         self.log(f"training {self.cfg.model.name} ({param_count(self.cfg.model) / 1e6:.2f}M params) on "
                  f"{self.world} process(es), layout {self.layout}, {steps} steps, "
                  f"{self.cfg.train.global_batch} x {self.cfg.train.seq_len} tokens per step")
-        mgr = self._checkpoints()
-        if mgr is not None and self.resume:
-            self._resume(mgr, steps)
-        tb = open_tensorboard(self.out, self.step if self.resume else None, self.log) if self.folder else None
+        tb = None
+        if self.folder is not None:
+            tb = open_metric_log(self.out, self.step if self.resume else None, self.log, self.cfg.run.sinks,
+                                 self.cfg.name, self.run_id)
         start = time.perf_counter()
         last_save = start
         losses, rows = [], []
         while self.step < steps:
             faults.at_step(self.faults, self.step + 1, self.rank, _say)
+            self.profiler.before(self.step + 1)
             row = self.train_step()
+            self.profiler.after(self.step, last=self.step == steps)
             row["time"] = time.perf_counter() - start
             row["wall"] = time.time()  # seconds since the epoch: restarts and requeues line up across attempts
             row["attempt"] = restart_count()
             row["requeue"] = requeue_count()
+            row["eta_s"] = measure.eta_seconds([r["step_time_s"] for r in rows] + [row["step_time_s"]],
+                                               steps - self.step)
             losses.append(row["loss"])
             rows.append(row)
             if self.folder is not None:
@@ -423,9 +442,13 @@ class Trainer:
             if tb is not None:
                 tb.step(row)
             if self.step % self.cfg.run.log_every == 0 or self.step == steps:
-                self.log(f"step {self.step:5d}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
+                self.log(f"step {self.step:5d}/{steps}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                          f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%} "
-                         f"({measure.FLOP_CONVENTION_NAME})  lr {row['lr']:.2e}")
+                         f"({measure.FLOP_CONVENTION_NAME})  lr {row['lr']:.2e}  "
+                         f"ETA {measure.duration_text(row['eta_s'])}")
+            every = self.cfg.train.eval_every
+            if every and self.step % every == 0:
+                self._periodic_eval(tb)
             if mgr is not None:
                 mgr.poll()
                 c = self.cfg.checkpoint
@@ -438,6 +461,8 @@ class Trainer:
                     t0 = time.perf_counter()
                     mgr.save(self.step, self.state_dict(), self.extras())
                     last_save = time.perf_counter()
+                    if tb is not None:
+                        tb.flush()
                     if self.folder is not None:
                         self.folder.log({"event": "checkpoint", "step": self.step, "save_s": last_save - t0,
                                          "attempt": restart_count()})
@@ -452,6 +477,8 @@ class Trainer:
                 g = self.folder.goodput(self.log)
                 if tb is not None:
                     tb.summary({**g, "eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss}, self.step)
+        elif self.last_eval is not None and self.last_eval["step"] == self.step:
+            result.eval_loss, result.unigram_loss = self.last_eval["val_loss"], self.last_eval["unigram_loss"]
         if tb is not None:
             tb.close()
         if self._lock is not None:
@@ -496,9 +523,40 @@ class Trainer:
                 return {k: v for part in got for k, v in part.items()}
         return None
 
-    def evaluate(self, state: dict[str, torch.Tensor]) -> tuple[float | None, float | None]:
+    def _periodic_eval(self, tb) -> None:
+        """``[train] eval_every``: the held-out loss of the weights after this step, computed as the final one is
+        (the unsharded weights gathered to rank 0, one whole model, the first ``eval_sequences`` held-out windows),
+        then broadcast, so every rank of every layout holds the same value; logged to metrics.jsonl (an
+        ``eval`` row), TensorBoard and the console."""
+        t0 = time.perf_counter()
+        state = self.full_state_dict()  # a collective: every rank takes part
+        got = list(self.evaluate(state)) if self.rank == 0 else [None, None]
+        del state
+        if self.world > 1:
+            dist.broadcast_object_list(got, src=0)
+        val, uni = got
+        if val is None:
+            return
+        row = {"event": "eval", "step": self.step, "val_loss": float(val), "unigram_loss": float(uni),
+               "eval_sequences": self.cfg.run.eval_sequences, "eval_s": time.perf_counter() - t0, "wall": time.time(),
+               "attempt": restart_count(), "requeue": requeue_count()}
+        self.last_eval = row
+        if self.folder is not None:
+            self.folder.log(row)
+        if tb is not None:
+            tb.eval(row)
+        self.log(f"eval  {self.step:5d}  held-out loss {val:.4f} nats/token (unigram baseline {uni:.4f}) on "
+                 f"{self.cfg.run.eval_sequences} sequences, {row['eval_s']:.1f} s")
+
+    def unigram_counts(self):
+        """The training tokens' counts per token id (from the prepared data; counted once)."""
+        if self._unigram_counts is None:
+            self._unigram_counts = self.corpus.unigram_counts()
+        return self._unigram_counts
+
+    def evaluate(self, state: dict[str, torch.Tensor] | None) -> tuple[float | None, float | None]:
         n = self.cfg.run.eval_sequences
-        if not n:
+        if not n or state is None:
             return None, None
         spec, seq = self.cfg.model, self.cfg.train.seq_len
         model = build_model(spec, "meta")
@@ -511,17 +569,21 @@ class Trainer:
                 x, y = inputs[i:i + 16].to(self.device), targets[i:i + 16].to(self.device)
                 total += float(lm_loss(model(x), y)) * y.numel()
                 count += y.numel()
-        return total / count, unigram_loss(None, targets, self.corpus.vocab_size, self.corpus.unigram_counts())
+        return total / count, unigram_loss(None, targets, self.corpus.vocab_size, self.unigram_counts())
 
     def _finish(self, result: RunResult, seconds: float) -> None:
         from trainscale.runtime.artifact import save_model_dir
 
         state = self.full_state_dict() if self.cfg.run.save_final else None
         if self.folder is not None:
+            done = self.last_eval if self.last_eval is not None and self.last_eval["step"] == self.step else None
             if state is not None:
                 save_model_dir(self.out / "final", state, self.cfg.model, self.corpus.tokenizer_path)
-                result.eval_loss, result.unigram_loss = self.evaluate(state)
-            if result.eval_loss is not None:
+                if done is None:
+                    result.eval_loss, result.unigram_loss = self.evaluate(state)
+            if done is not None:  # eval_every evaluated these weights already
+                result.eval_loss, result.unigram_loss = done["val_loss"], done["unigram_loss"]
+            elif result.eval_loss is not None:
                 self.folder.append({"step": self.step, "val_loss": result.eval_loss,  # as report/ reads it
                                     "unigram_loss": result.unigram_loss})
                 self.log(f"held-out loss {result.eval_loss:.4f} nats/token (unigram baseline "
@@ -544,6 +606,7 @@ class Trainer:
                 "model": self.cfg.model.model_dump(by_alias=True, exclude_none=True),
                 "params": param_count(self.cfg.model), "local_params_rank0": self.local_params(),
                 "flops_per_token": self.flops_per_token, "flop_convention": measure.FLOP_CONVENTION,
+                "unigram_entropy": measure.unigram_entropy(self.unigram_counts()),
                 "peak_flops": self.peak, "peak_source": self.peak_source, "micro_batch": self.micro,
                 "microbatches": self.n_micro, "config": self.cfg.model_dump(mode="json", exclude={"model"})}
 

@@ -47,7 +47,8 @@ ENV_LAUNCH = "TRAINSCALE_LAUNCH_ID"  # set by a single-machine `trainscale train
 _VOLATILE = {("train", "steps"), ("run", "out"), ("run", "log_every"), ("run", "eval_sequences"),
              ("run", "save_final"), ("run", "layout"), ("data", "cache"), ("checkpoint", "every_steps"),
              ("checkpoint", "every_seconds"), ("checkpoint", "keep"), ("checkpoint", "async_save"),
-             ("checkpoint", "collective_timeout_s"), ("checkpoint", "dir")}
+             ("checkpoint", "collective_timeout_s"), ("checkpoint", "dir"), ("train", "eval_every"), ("run", "sinks")}
+_VOLATILE_SECTIONS = {"profile"}  # what is observed, not what is trained
 
 
 def config_hash(cfg: Any) -> str:
@@ -56,6 +57,8 @@ def config_hash(cfg: Any) -> str:
     for section, key in _VOLATILE:
         if isinstance(data.get(section), dict):
             data[section].pop(key, None)
+    for section in _VOLATILE_SECTIONS:
+        data.pop(section, None)
     data.pop("name", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -343,3 +346,24 @@ def worker_main(body: Callable[[], None]) -> int:
         if os.environ.get("RANK", "0") == "0" or code == 1:
             print(f"trainscale: error: {message}", file=sys.stderr, flush=True)
     return code
+
+
+# ------------------------------------------------------------------ the console of a running job
+
+
+def console_line(row: dict[str, Any], log_every: int, total: int) -> str | None:
+    """The console's line for a metrics.jsonl row (``trainscale train`` tails the file), or None: a resume says
+    so first ("resumed from step N"), a step every ``log_every`` steps with its ETA (measured step times x the
+    steps left, ``measure.eta_seconds``), a held-out evaluation whenever ``eval_every`` ran one."""
+    from trainscale.runtime.measure import duration_text
+
+    if row.get("event") == "resumed":
+        return f"resumed from step {int(row['step'])} (steps {int(row['step']) + 1}..{total} follow)"
+    if row.get("event") == "eval":
+        return (f"eval  {int(row['step']):5d}  held-out loss {float(row['val_loss']):.4f} nats/token (unigram "
+                f"baseline {float(row['unigram_loss']):.4f})")
+    if "loss" not in row or "step" not in row or (int(row["step"]) % log_every and int(row["step"]) != total):
+        return None
+    return (f"step {int(row['step']):5d}/{total} loss {row['loss']:.4f} {row['tokens_per_s']:,.0f} tok/s "
+            f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s MFU {row['mfu']:.1%} ({row.get('flop_convention', '')}) "
+            f"ETA {duration_text(row.get('eta_s'))}")
