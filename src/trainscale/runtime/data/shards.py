@@ -208,11 +208,15 @@ class MixtureStream(TokenStream):
     """A mixture's train split: its components' streams (each windowed and drawn apart by the loader, by
     ``weights``) and, read as one stream, all of them in order."""
 
-    def __init__(self, components: list[TokenStream], weights: list[float], names: list[str]) -> None:
-        files = [f for c in components for f in (c.files or [])]
-        lengths = [int(n) for c in components for n in np.diff(c.starts)]
-        super().__init__(files=files, lengths=lengths, dtype=components[0].dtype, cache=components[0].cache)
-        self.components, self.weights, self.names = components, weights, names
+    def __init__(self, components: list[TokenStream], weights: list[float], names: list[str] | None = None) -> None:
+        if all(c.arrays is not None for c in components):
+            super().__init__([a for c in components for a in c.arrays or []])
+        else:
+            super().__init__(files=[f for c in components for f in (c.files or [])],
+                             lengths=[int(n) for c in components for n in np.diff(c.starts)],
+                             dtype=components[0].dtype, cache=components[0].cache)
+        self.components, self.weights = components, list(weights)
+        self.names = names or [f"source {i + 1}" for i in range(len(components))]
 
 
 @dataclass(frozen=True)
