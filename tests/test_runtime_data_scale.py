@@ -131,7 +131,7 @@ def test_a_format_1_folder_is_refused_in_one_sentence_and_rewritten_by_prepare(t
     index = json.loads((folder / "index.json").read_text())
     (folder / "index.json").write_text(json.dumps({**index, "version": 1, "hash": "old"}))
     with pytest.raises(TrainscaleError, match="format 1 of an earlier trainscale.*re-run prepare-data"):
-        shards.ShardCorpus(folder).index
+        shards.ShardCorpus(folder).tokens("train")
     again = shards.prepare(req, 512, tmp_path)  # the old folder is prepare-data's own: rewritten in place
     assert again.index["version"] == shards.FORMAT_VERSION and again.index["hash"] == index["hash"]
 
