@@ -163,7 +163,7 @@ def test_rerun_is_a_noop_interrupted_run_resumes_and_workers_do_not_matter(tmp_p
     def interrupted(*a):
         if len(calls) == 3:
             raise KeyboardInterrupt
-        calls.append(a[3].index)
+        calls.append(a[2].index)
         return real(*a)
 
     monkeypatch.setattr(shards, "tokenize_unit", interrupted)

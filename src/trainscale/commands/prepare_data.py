@@ -22,7 +22,8 @@ def prepare_data(
                                 "per CPU)"),
     as_json: bool = typer.Option(False, "--json", help="no progress bar; print the shard index as JSON"),
 ) -> None:
-    """Tokenise the config's data files (text, JSONL, Parquet) into token shards, train/held-out split.
+    """Tokenise the config's data files (text, JSONL, Parquet; Megatron .bin/.idx and .npy tokens copied) into
+    token shards, train/held-out split; many small files share a shard, a large one spans several.
 
     Resumable (finished shards are kept if interrupted); a no-op when the inputs, tokenizer and settings have not changed."""  # noqa: E501
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
@@ -34,8 +35,9 @@ def prepare_data(
         raise TrainscaleError(f"--workers must be >= 0, not {workers}")
     cfg = load_config(config, {"data": {"workers": workers}} if workers is not None else None)
     if cfg.data.request() is None:
-        raise TrainscaleError(f"config {config} names no corpus: add [data] files = [\"...\"] (text, JSONL or "
-                              "Parquet); the default Shakespeare plays need no preparing")
+        raise TrainscaleError(f"config {config} names no corpus: add [data] files = [\"...\"] (text, JSONL, "
+                              "Parquet, .bin/.idx or .npy) or [[data.sources]]; the default Shakespeare plays need "
+                              "no preparing")
     t0 = time.perf_counter()
     said: list[str] = []
     if as_json:
@@ -72,7 +74,12 @@ def prepare_data(
                   str(len(s["shards"])))
     console.print(t)
     tokens = sum(index["splits"][s]["tokens"] for s in ("train", "val"))
-    console.print(f"folder: {corpus.folder}")
+    console.print(f"folder: {corpus.folder} ({len(index['sources']):,} input files)")
+    components = index.get("components") or []
+    if len(components) > 1:
+        total = sum(c.weight for c in cfg.data.sources)
+        shares = [f"{c.name or f'source {i + 1}'} {c.weight / total:.0%}" for i, c in enumerate(cfg.data.sources)]
+        console.print(f"mixture: {', '.join(shares)} of the training sequences")
     console.print(f"tokenizer: {index['vocab_size']:,} tokens, end-of-text {index['eot']!r} (id {index['eot_id']}); "
                   f"{index['dtype']} shards; content hash {index['hash'][:12]}")
     if not noop:

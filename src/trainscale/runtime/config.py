@@ -6,11 +6,12 @@
               safetensors give the starting weights (runtime/hf_init.py)
     [train]   steps, lr, min_lr_ratio, warmup, seq_len, global_batch (sequences), seed,
               weight_decay, grad_clip, betas, precision ("auto" | "bf16" | "fp32"), compile, eval_every
-    [data]    files (the user's corpus: text / JSONL / Parquet paths, globs or folders; default: the
-              Shakespeare plays), format, text_field, documents, held_out, tokenizer (tokenizer.json or an
-              HF tokenizer folder; default: a BPE trained on the corpus), eot, prepared (shard folder),
-              workers, shard_mb; max_chars (limit the text the tokenizer and, for the plays, the loader
-              see), cache (folder), tokenizer_vocab (default: the model's vocab_size)
+    [data]    files (the user's corpus: text / JSONL / Parquet / Megatron .bin+.idx / .npy token paths, globs
+              or folders; default: the Shakespeare plays) or [[data.sources]] tables (files, weight, name:
+              a weighted mixture), format, text_field, documents, held_out, tokenizer (tokenizer.json or an
+              HF tokenizer folder; default: a BPE trained on the corpus; token files need theirs), eot,
+              prepared (shard folder), workers, shard_mb; max_chars (limit the text the tokenizer and, for
+              the plays, the loader see), cache (folder), tokenizer_vocab (default: the model's vocab_size)
     [run]     out (run folder), log_every, eval_sequences, layout (default layout string), save_final, sinks
     [profile] steps = [a, b] (torch.profiler trace + memory snapshot of those steps), ranks
 """
@@ -21,7 +22,7 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainscale import rules
 from trainscale.errors import TrainscaleError
@@ -51,10 +52,27 @@ class TrainSection(_Section):
                             "run's own held-out split (0: only at the end)")
 
 
+def _as_tuple(v: Any) -> Any:
+    return (v,) if isinstance(v, str) else v
+
+
+class SourceSection(_Section):
+    """One ``[[data.sources]]`` table: a mixture component."""
+
+    files: tuple[str, ...] = Field(min_length=1, description="its files, globs or folders")
+    weight: float = Field(default=1.0, gt=0, le=1e9, description="its share of the sequences drawn (normalised)")
+    name: str = Field(default="", max_length=200)
+
+    _one_file = field_validator("files", mode="before")(_as_tuple)
+
+
 class DataSection(_Section):
-    files: tuple[str, ...] = Field(default=(), description="text/JSONL/Parquet files, globs or folders; "
-                                   "empty: the Shakespeare plays")
-    format: Literal["auto", "text", "jsonl", "parquet"] = Field(default="auto", description="auto: by suffix")
+    files: tuple[str, ...] = Field(default=(), description="text/JSONL/Parquet/.bin+.idx/.npy files, globs or "
+                                   "folders; empty: the Shakespeare plays")
+    sources: tuple[SourceSection, ...] = Field(default=(), max_length=1000, description="[[data.sources]]: a "
+                                               "weighted mixture, instead of files")
+    format: Literal["auto", "text", "jsonl", "parquet", "megatron", "npy"] = Field(default="auto",
+                                                                                   description="auto: by suffix")
     text_field: str = Field(default="text", description="the JSONL field / Parquet column holding the text")
     documents: Literal["paragraph", "file"] = Field(default="paragraph", description="plain text: a document "
                                                     "is a blank-line separated paragraph, or a whole file")
@@ -65,28 +83,34 @@ class DataSection(_Section):
     prepared: str | None = Field(default=None, description="where prepare-data writes the shards "
                                  "(default: a folder in the cache named by the inputs)")
     workers: int = Field(default=0, ge=0, description="tokenising processes (0: one per CPU)")
-    shard_mb: float = Field(default=32.0, gt=0, description="input megabytes per shard (a unit of work)")
+    shard_mb: float = Field(default=64.0, gt=0, le=1 << 20, description="input megabytes per shard (a unit of "
+                            "work: small files are gathered into one, a large file is cut into several)")
     max_chars: int | None = Field(default=None, gt=0)
     cache: str | None = None
     tokenizer_vocab: int | None = Field(default=None, gt=256, description="default: the model's vocab_size")
 
-    @field_validator("files", mode="before")
-    @classmethod
-    def _one_file(cls, v: Any) -> Any:
-        return (v,) if isinstance(v, str) else v
+    _one_file = field_validator("files", mode="before")(_as_tuple)
+
+    @model_validator(mode="after")
+    def _files_or_sources(self) -> DataSection:
+        if self.files and self.sources:
+            raise ValueError("give data.files (one source) or [[data.sources]] (a mixture), not both")
+        return self
 
     def request(self):
         """The corpus to prepare (runtime/data/shards.py), or None for the Shakespeare plays with a trained
         tokenizer (the plays with a loaded tokenizer are prepared like a user's files, a play a document)."""
-        if not self.files and self.tokenizer is None:
+        if not self.files and not self.sources and self.tokenizer is None:
             return None
-        from trainscale.runtime.data.shards import DataRequest
+        from trainscale.runtime.data.shards import Component, DataRequest
         from trainscale.runtime.data.sources import Settings, corpus_files
 
         files, documents = self.files, self.documents
-        if not files:
+        components = tuple(Component(c.files, c.weight, c.name or f"source {i + 1}")
+                           for i, c in enumerate(self.sources))
+        if not files and not components:
             files, documents = tuple(str(f) for f in corpus_files()), "file"
-        return DataRequest(files=files, format=self.format, tokenizer=self.tokenizer,
+        return DataRequest(files=files, components=components, format=self.format, tokenizer=self.tokenizer,
                            tokenizer_vocab=self.tokenizer_vocab, eot=self.eot, max_chars=self.max_chars,
                            folder=self.prepared, workers=self.workers,
                            settings=Settings(documents=documents, text_field=self.text_field,

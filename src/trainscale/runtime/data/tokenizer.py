@@ -147,6 +147,11 @@ def cached_tokenizer(path: str):
 
 def encode(tok, texts: list[str], ends: list[bool], eot: int, dtype) -> np.ndarray:
     """Token ids of ``texts``, each followed by ``eot`` where its document ends, as one array."""
+    return encode_lengths(tok, texts, ends, eot, dtype)[0]
+
+
+def encode_lengths(tok, texts: list[str], ends: list[bool], eot: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """``encode``, and the tokens of each text (its ``eot`` included): where documents end in the array."""
     from itertools import chain
 
     encs = tok.encode_batch_fast(texts, add_special_tokens=False) if hasattr(tok, "encode_batch_fast") \
@@ -155,8 +160,9 @@ def encode(tok, texts: list[str], ends: list[bool], eot: int, dtype) -> np.ndarr
     for i, end in zip(ids, ends, strict=True):
         if end:
             i.append(eot)
-    n = sum(map(len, ids))
-    return np.fromiter(chain.from_iterable(ids), dtype=dtype, count=n)
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    n = int(lengths.sum())
+    return np.fromiter(chain.from_iterable(ids), dtype=dtype, count=n), lengths
 
 
 def batches(texts: list[str]) -> Iterator[tuple[int, int]]:
