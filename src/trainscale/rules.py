@@ -159,6 +159,8 @@ def _uneven_rest(c: Case) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _uneven_holds(c: Case) -> np.ndarray:
+    if not np.any(_explicit(c)):  # the search's own candidates: nothing to check
+        return np.ones(np.shape(c.first), dtype=bool)
     rest, ranks = _uneven_rest(c)
     ve = np.where(c.is_schedule("interleaved"), c.v, 1)
     per = np.where(ranks > 0, rest // np.maximum(ranks, 1), 0)
