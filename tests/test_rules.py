@@ -96,6 +96,24 @@ def test_planner_valid_layouts_the_runtime_refuses():
         assert set(cfg["zero"].tolist()) == {0, 1, 2, 3}  # every ZeRO stage is runnable
 
 
+def test_ep_beyond_dp_is_planned_and_refused_by_the_runtime_alone():
+    """Megatron-Core's rule (ep divides tp x cp x dp, parallel_state.py) in the planner, the runtime's (ep divides
+    dp) apart: Mixtral on 64 GPUs plans layouts whose EP group takes TP ranks, marks each not runnable, and the
+    runtime's check_layout refuses each with the same sentence."""
+    p = plan.problem("mixtral-8x7b", "h100-sxm", 64, 4096, 2**22)
+    cfg, _ = p.enumerate()
+    beyond = np.flatnonzero(cfg["dp"] % cfg["ep"] != 0)
+    assert beyond.size > 0 and ((cfg["tp"] * cfg["cp"] * cfg["dp"])[beyond] % cfg["ep"][beyond] == 0).all()
+    ok = rules.check(p.case(cfg), rules.RUNNABLE)
+    assert not ok["ep_in_dp"][beyond].any() and not p.runnable_mask({k: a[beyond] for k, a in cfg.items()}).any()
+    tc = train_config(p.model, p.seq, p.global_seqs)
+    for i in beyond[:: max(1, beyond.size // 20)]:
+        lay = plan.layout_at(cfg, int(i))
+        with pytest.raises(TrainscaleError) as e:
+            check_layout(tc, lay)
+        assert str(e.value) == p.why_not_runnable(lay) and "for this runtime" in str(e.value)
+
+
 def test_runnable_search_offers_only_what_runs():
     p = plan.problem("gpt3-175b", "h100-sxm", 1024, 2048, 2**21, runnable=True)
     s = p.search()
@@ -126,7 +144,12 @@ CASES = {
     "world": (L8, dict(tp=8, dp=4), 8192, 64, 64, "not the 64 asked for; dp8 would fill them"),
     "hsdp_divides": (L8, dict(dp=4, hsdp=3, zero=1), 8192, 8, None, "hsdp3 must divide dp4"),
     "hsdp_sharded": (L8, dict(dp=4, hsdp=2, zero=0), 8192, 8, None, "hsdp needs a sharded data-parallel mode"),
-    "ep_divides": (MIXTRAL, dict(dp=4, ep=8), 4096, 8, None, "ep8 must divide dp4"),
+    "ep_divides": (MIXTRAL, dict(dp=4, ep=8), 4096, 8, None, "ep8 must divide tp1 x cp1 x dp4 = 4"),
+    "ep_in_dp": (MIXTRAL, dict(tp=2, dp=2, ep=4), 4096, 8, None, "ep4 must divide dp2 for this runtime"),
+    "mtp": (MIXTRAL.model_copy(update={"mtp_layers": 1}), dict(dp=2), 4096, 8, None,
+            "has 1 multi-token-prediction module(s)"),
+    "uneven_cut": (L8, dict(pp=4, first=7, last=8), 8192, 8, None, "first7 and last8 leave 17 of 32 layers for 2"),
+    "runtime_cut": (L8, dict(pp=4, first=7, last=7), 8192, 8, None, "runtime cuts the pipeline by its own policy"),
     "v_interleaved": (L8, dict(pp=2, v=2, schedule="1f1b"), 8192, 8, None, "v2 (virtual stages) needs the "
                       "interleaved schedule"),
     "schedule_pp": (L8, dict(schedule="gpipe"), 8192, 8, None, "the gpipe schedule needs pp > 1"),
@@ -153,7 +176,7 @@ CASES = {
                           "runs its 9 micro-batches in 2 rounds, which must divide them"),
     "tied": (load_model("mpt-7b"), dict(tp=2), 2048, 8, None, "ties its embeddings to its head"),
 }
-DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, mb=1, v=1, schedule="1f1b", zero=0, hsdp=1, ep=1, sp=True)
+DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, mb=1, v=1, schedule="1f1b", zero=0, hsdp=1, ep=1, sp=True, first=0, last=0)
 
 
 def test_every_rule_has_a_case_and_a_source():

@@ -2,7 +2,7 @@
 
 The planner searches with these rules over numpy arrays (one entry per candidate layout); ``specs.Layout``
 checks the grammar ones for one layout; the runtime refuses what it cannot train with them. Nothing else
-writes a layout rule. A rule reads layout fields (``tp cp pp dp mb v schedule zero hsdp ep sp``) and, where
+writes a layout rule. A rule reads layout fields (``tp cp pp dp mb v schedule zero hsdp ep sp first last``) and, where
 it needs them, the model, the sequence length (``seq``), the global batch in sequences (``seqs``) and the GPU
 count (``gpus``); a rule whose inputs a caller does not have is not evaluated (``holds(partial=True)``).
 
@@ -36,7 +36,8 @@ import numpy as np
 
 from trainscale.errors import TrainscaleError
 
-LAYOUT_FIELDS = ("tp", "cp", "pp", "dp", "mb", "v", "schedule", "zero", "hsdp", "ep", "sp")
+LAYOUT_FIELDS = ("tp", "cp", "pp", "dp", "mb", "v", "schedule", "zero", "hsdp", "ep", "sp", "first", "last")
+_FIELD_DEFAULTS = {"first": 0, "last": 0}  # fields a layout-like object may lack (an explicit pipeline cut)
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ def case_of(layouts: Iterable[Any], model: Any = None, seq: int | None = None, s
     lays = list(layouts)
     names = tuple(sorted({lay.schedule for lay in lays}))
     # int64, or Python ints (object) for a count past int64 that a later check refuses in its own words
-    arrays = {k: np.asarray([getattr(lay, k) for lay in lays]) for k in LAYOUT_FIELDS if k != "schedule"}
+    arrays = {k: np.asarray([getattr(lay, k, _FIELD_DEFAULTS.get(k)) for lay in lays])
+              for k in LAYOUT_FIELDS if k != "schedule"}
     arrays["schedule"] = np.array([names.index(lay.schedule) for lay in lays], dtype=np.int64)
     return Case(arrays, names, model, seq, seqs, gpus)
 
@@ -128,8 +130,54 @@ def _world_says(r: SimpleNamespace) -> str:
 
 
 def _ep_says(r: SimpleNamespace) -> str:
-    good = [e for e in _divisors(r.model.n_experts) if (r.dp // r.hsdp) % e == 0][-6:]
+    ranks = getattr(r, "tp", 1) * getattr(r, "cp", 1) * r.dp  # a --fix ep check knows the GPU count only (as dp)
+    good = [e for e in _divisors(r.model.n_experts) if ranks % (e * r.hsdp) == 0][-6:]
     return f"ep{r.ep} must divide the model's {r.model.n_experts} experts; use ep in {good}"
+
+
+def _ep_divides_says(r: SimpleNamespace) -> str:
+    n = r.tp * r.cp * r.dp
+    return (f"ep{r.ep} must divide tp{r.tp} x cp{r.cp} x dp{r.dp} = {n}" +
+            (f" with hsdp{r.hsdp} dividing the {n // r.ep if n % r.ep == 0 else n / r.ep:g} ranks that hold the same "
+             "experts" if r.hsdp > 1 else "") + " (expert parallelism splits a stage's ranks)")
+
+
+def _ep_in_dp_says(r: SimpleNamespace) -> str:
+    of = f"dp{r.dp}" if r.hsdp == 1 else f"dp{r.dp} / hsdp{r.hsdp} = {r.dp // r.hsdp}"
+    return (f"ep{r.ep} must divide {of} for this runtime, which splits experts over data-parallel ranks only "
+            "(Megatron-Core also takes tensor- and context-parallel ranks)")
+
+
+def _explicit(c: Case) -> np.ndarray:
+    """Where the layout gives its own pipeline cut (firstN / lastN)."""
+    return (c.first > 0) | (c.last > 0)
+
+
+def _uneven_rest(c: Case) -> tuple[np.ndarray, np.ndarray]:
+    """(layers left for the other pipeline ranks, how many ranks take them) of a firstN / lastN cut."""
+    return c.model.n_layers - c.first - c.last, c.pp - (c.first > 0) - (c.last > 0)
+
+
+def _uneven_holds(c: Case) -> np.ndarray:
+    if not np.any(_explicit(c)):  # the search's own candidates: nothing to check
+        return np.ones(np.shape(c.first), dtype=bool)
+    rest, ranks = _uneven_rest(c)
+    ve = np.where(c.is_schedule("interleaved"), c.v, 1)
+    per = np.where(ranks > 0, rest // np.maximum(ranks, 1), 0)
+    even = np.where(ranks > 0, (rest > 0) & (rest % np.maximum(ranks, 1) == 0), rest == 0)
+    by_v = (c.first % ve == 0) & (c.last % ve == 0) & (per % ve == 0)
+    return ~_explicit(c) | ((c.pp > 1) & (rest >= 0) & even & by_v)
+
+
+def _uneven_says(r: SimpleNamespace) -> str:
+    set_ = " and ".join(f"{k}{getattr(r, k)}" for k in ("first", "last") if getattr(r, k))
+    if r.pp == 1:
+        return f"{set_} cuts a pipeline, and the layout has pp1"
+    ranks = r.pp - (r.first > 0) - (r.last > 0)
+    rest = r.model.n_layers - r.first - r.last
+    ve = r.v if r.schedule == "interleaved" else 1
+    return (f"{set_} leave {rest} of {r.model.n_layers} layers for {ranks} other pipeline rank(s), which must take "
+            f"a whole, equal number each" + (f", a multiple of v{ve} as every count must be" if ve > 1 else ""))
 
 
 def _cut_says(r: SimpleNamespace) -> str:
@@ -154,8 +202,10 @@ def _cut(c: Case) -> np.ndarray:
     m = c.model
     chunks = c.pp * np.where(c.is_schedule("interleaved"), c.v, 1)
     # a MoE's layers are unequal (dense leading layers, MoE ones) so no cut balances them exactly: any cut that
-    # leaves every stage a layer is searched, each judged by its slowest and its heaviest stage
-    return chunks <= m.n_layers if m.is_moe else balanced_cut(m.n_layers, c.pp, chunks)
+    # leaves every stage a layer is searched, each judged by its slowest and its heaviest stage; a cut the layout
+    # gives (firstN / lastN) is its own
+    policy = chunks <= m.n_layers if m.is_moe else balanced_cut(m.n_layers, c.pp, chunks)
+    return policy | _explicit(c)
 
 
 def _piped(c: Case, schedule: str) -> np.ndarray:
@@ -171,12 +221,15 @@ _RULES = (
     Rule("hsdp_sharded", ("hsdp", "zero"), lambda c: (c.hsdp == 1) | (c.zero > 0),
          lambda r: "hsdp needs a sharded data-parallel mode (zero1-3 or fsdp)",
          "hybrid sharding replicates shard groups: with zero0 there is nothing sharded (FSDP2 HSDP)"),
-    Rule("ep_divides", ("dp", "hsdp", "ep"), lambda c: (c.dp // np.maximum(c.hsdp, 1)) % c.ep == 0,
-         lambda r: (f"ep{r.ep} must divide " + (f"dp{r.dp}" if r.hsdp == 1 else
-                    f"dp{r.dp} / hsdp{r.hsdp} = {r.dp // r.hsdp}") +
-                    " (expert parallelism splits data-parallel ranks)"),
-         "EP groups are made of data-parallel ranks, as in Megatron-Core (expert_model_parallel_size divides the "
-         "data-parallel size) and DeepSeek-V3 (arXiv 2412.19437 Sec. 3.2)"),
+    Rule("ep_divides", ("tp", "cp", "dp", "hsdp", "ep"),
+         lambda c: (c.tp * c.cp * c.dp) % (c.ep * np.maximum(c.hsdp, 1)) == 0, _ep_divides_says,
+         "Megatron-Core (megatron/core/parallel_state.py initialize_model_parallel) lays the experts out on their own "
+         "rank grid, expert TP x EP x expert DP x PP = world, and raises unless world_size % (expert_tensor x "
+         "expert_model x pipeline parallel size) == 0: with expert TP 1, ep divides tp x cp x dp; its distributed "
+         "optimizer instances (our hsdp) must divide expert_data_parallel_size (same file)"),
+    Rule("ep_in_dp", ("dp", "hsdp", "ep"), lambda c: (c.dp // np.maximum(c.hsdp, 1)) % c.ep == 0, _ep_in_dp_says,
+         "the runtime's mesh puts EP inside the data-parallel ranks (placement.mesh_sizes: dp = dp_replicate x "
+         "dp_shard x ep)"),
     Rule("v_interleaved", ("v", "schedule"), lambda c: (c.v == 1) | c.is_schedule("interleaved"),
          lambda r: f"v{r.v} (virtual stages) needs the interleaved schedule",
          "virtual stages are the interleaved 1F1B schedule's (Narayanan et al. 2021, arXiv 2104.04473 Sec. 2.2.2)"),
@@ -191,6 +244,10 @@ _RULES = (
          lambda r: (f"model {r.model.name} has capacity_factor {r.model.capacity_factor}: the runtime routes "
                     "dropless only (capacity_factor = 0)"),
          "runtime/moe.py routes every token to its top-k experts (dropless, as MegaBlocks, arXiv 2211.15841)"),
+    Rule("mtp", ("model",), lambda c: np.asarray(c.model.mtp_layers == 0),
+         lambda r: (f"model {r.model.name} has {r.model.mtp_layers} multi-token-prediction module(s), which trainscale "
+                    "plans but does not train"),
+         "runtime/model.py builds the main model only (no MTP module, DeepSeek-V3 Sec. 2.2)"),
     Rule("experts_dense", ("ep", "model"), lambda c: (c.ep == 1) | c.model.is_moe,
          lambda r: (f"ep{r.ep} (expert parallelism) needs a mixture-of-experts model, and {r.model.name} is a dense "
                     "model with no experts; drop the ep token"),
@@ -221,8 +278,17 @@ _RULES = (
                     f"{r.model.n_layers} layers"),
          "every pipeline stage runs something: a layer, or the embedding (first) or head (last) "
          "(placement.empty_stages)"),
-    Rule("cut", ("pp", "v", "schedule", "model"), _cut, _cut_says,
-         "the planner prices balanced cuts only (placement's policy; Llama 3 Sec. 3.3.2)"),
+    Rule("uneven_cut", ("pp", "v", "schedule", "first", "last", "model"), _uneven_holds, _uneven_says,
+         "Megatron-Core get_num_layers_to_build (megatron/core/transformer/transformer_block.py): with "
+         "num_layers_in_first/last_pipeline_stage the left-over layers must divide the left-over stages; "
+         "TransformerConfig requires each rank's count divisible by the virtual pipeline size"),
+    Rule("cut", ("pp", "v", "schedule", "first", "last", "model"), _cut, _cut_says,
+         "the planner searches balanced cuts only (placement's policy; Llama 3 Sec. 3.3.2), and prices a cut a "
+         "layout gives"),
+    Rule("runtime_cut", ("first", "last"), lambda c: ~_explicit(c),
+         lambda r: ("this runtime cuts the pipeline by its own policy (placement.stage_sizes); drop the first/last "
+                    "tokens to train it"),
+         "runtime/parallel/pipeline.py builds its stages from placement.stage_layers"),
     Rule("seq", ("cp", "seq"), lambda c: (c.cp == 1) | (c.seq % (2 * c.cp) == 0),
          lambda r: (f"seq {r.seq:,} does not split into 2 x cp{r.cp} = {2 * r.cp} chunks; "
                     f"use a cp that divides {r.seq // 2:,}"),
@@ -266,9 +332,11 @@ _RULES = (
 RULES: dict[str, Rule] = {r.name: r for r in _RULES}
 
 LAYOUT = ("hsdp_divides", "hsdp_sharded", "ep_divides", "v_interleaved", "schedule_pp")
-FRAMEWORK = ("world", *LAYOUT, "experts_dense", "experts", "heads", "kv_heads", "ffn", "stages", "seq", "batch")
+FRAMEWORK = ("world", *LAYOUT, "experts_dense", "experts", "heads", "kv_heads", "ffn", "stages", "uneven_cut", "seq",
+             "batch")
 SEARCH = ("cut", "interleave_fill")
-RUNTIME = ("mla", "capacity", "vocab", "sp_split", "one_f_one_b_fill", "interleave_rounds", "tied")
+RUNTIME = ("ep_in_dp", "mla", "capacity", "mtp", "vocab", "sp_split", "one_f_one_b_fill", "interleave_rounds", "tied",
+           "runtime_cut")
 PLANNED = FRAMEWORK + SEARCH
 RUNNABLE = PLANNED + RUNTIME
 RUNTIME_CHECK = FRAMEWORK + RUNTIME

@@ -91,6 +91,12 @@ class ModelSpec(_Spec):
     kv_lora_rank: int = Field(default=0, ge=0, le=_DIM)
     qk_rope_head_dim: int = Field(default=0, ge=0, le=_DIM)
     v_head_dim: int = Field(default=0, ge=0, le=_DIM, description="MLA value width per head (0: head_dim)")
+    # ---- multi-token prediction (DeepSeek-V3, arXiv 2412.19437 Sec. 2.2): D sequential modules after the main
+    # model, module k an RMSNorm on the previous depth's hidden state and one on the next token's embedding, a
+    # projection M_k (d x 2d) of their concatenation, one transformer block (of the kind of the model's last layer)
+    # and the output head and embedding shared with the main model. Megatron-Core: --mtp-num-layers; it puts them
+    # on the last pipeline stage (multi_token_prediction.py mtp_on_this_rank).
+    mtp_layers: int = Field(default=0, ge=0, le=_LAYERS, description="multi-token-prediction depth D (0: none)")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
@@ -231,9 +237,9 @@ _NUM_TOKEN = re.compile(r"^([a-z]+)([0-9]+)$")  # ASCII digits only: int() would
 MAX_DIGITS = 6  # no layout degree exceeds 10^6 (commands/_common.MAX_PROCESSES); longer numbers are refused unread
 # number tokens -> the Layout field they set (a later parallel dimension, e.g. ``ep``, is one more entry)
 _NUM_FIELDS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "mb": "mb", "v": "v", "zero": "zero", "hsdp": "hsdp",
-               "ep": "ep"}
+               "ep": "ep", "first": "first", "last": "last"}
 _GRAMMAR = ("tpN, cpN, ppN, dpN, fsdpN, epN, zero0-3, hsdpN, mbN, vN, gpipe|1f1b|interleaved, "
-            "rc=none|selective|full, sp|nosp")
+            "rc=none|selective|full, sp|nosp, firstN, lastN")
 
 
 class Layout(_Spec):
@@ -252,12 +258,20 @@ class Layout(_Spec):
       through its backward (FSDP2 ``reshard_after_forward=False``); 3 everything sharded, the weights
       gathered for each use and freed after (FSDP, ``reshard_after_forward=True``).
     - ``epN`` [1] expert parallelism (a MoE model only): each MoE layer's routed experts are split over N
-      of the data-parallel ranks, which send each token to its experts' rank and back (all-to-all). N
-      divides dp (with ZeRO, dp / hsdp: one replica group's shard ranks); it adds no ranks: the N ranks
-      still read different data and shard the dense weights as before, while each expert's weights and
-      optimizer state live on one of them (then sharded/replicated over the other dp ranks holding that
-      expert). The expert weights are not split by tensor parallelism (TP covers attention and the dense
-      layers).
+      of a pipeline stage's tp x cp x dp ranks, which send each token to its experts' rank and back
+      (all-to-all): Megatron-Core's expert_model_parallel_size with expert_tensor_parallel_size 1, where N
+      divides tp x cp x dp (and hsdp the tp x cp x dp / N expert-data-parallel ranks). It adds no ranks:
+      the N ranks still run their own tokens through the dense layers, while each expert's weights and
+      optimizer state live on one of them, then are replicated/sharded over the tp x cp x dp / N ranks
+      holding the same experts (the expert-data-parallel group). The expert weights are not split by tensor
+      parallelism. This runtime trains N dividing dp / hsdp only (``rules.RUNTIME``'s ``ep_in_dp``).
+    - ``firstN`` / ``lastN`` [policy] an uneven pipeline cut: N decoder layers on the first / last pipeline
+      rank, the rest split evenly over the others (Megatron-Core's --decoder-first-pipeline-num-layers /
+      --decoder-last-pipeline-num-layers, transformer_block.get_num_layers_to_build); absent, the cut is
+      ``placement``'s. Counting the embedding and the loss as a layer each (Megatron's
+      --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split) is the cut
+      first = last = S - 1 with S = (L + 2) / pp layers on every middle rank (with one flag, S = (L + 1) / pp and
+      only that end one short).
     - ``fsdpN`` is ``dpN,zero3``. ``hsdpN`` [1] (zero >= 1): the dp ranks form N replica groups, each
       sharding over dp/N ranks (hybrid sharding).
     - ``mbN`` [1] sequences per micro-batch, for the planner and the runtime alike: a step runs
@@ -281,6 +295,8 @@ class Layout(_Spec):
     ep: int = Field(default=1, gt=0)
     mb: int = Field(default=1, gt=0)
     v: int = Field(default=1, gt=0)
+    first: int = Field(default=0, ge=0, description="decoder layers on the first pipeline rank (0: the policy's)")
+    last: int = Field(default=0, ge=0, description="decoder layers on the last pipeline rank (0: the policy's)")
     schedule: Schedule = "1f1b"
     recompute: Recompute = "none"
     sp: bool = True
@@ -361,6 +377,7 @@ class Layout(_Spec):
             parts.append(self.schedule)
             if self.v > 1:
                 parts.append(f"v{self.v}")
+            parts += [f"{k}{getattr(self, k)}" for k in ("first", "last") if getattr(self, k)]
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts.append(f"zero{self.zero}")

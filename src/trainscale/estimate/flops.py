@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainscale.estimate.params import active_params
+from trainscale.estimate.params import active_params, expert_tensors, layer_params, mtp_block_extra, numel
 from trainscale.specs import ModelSpec
 
 SECONDS_PER_HOUR = 3600.0
@@ -51,7 +51,8 @@ def model_flops_per_token(m: ModelSpec, n_params: float, seq_len: int, causal: b
 # Sec. 3.1.1). Published runs read in their own conventions live in estimate/planner/validate.py CONVENTIONS.
 FLOP_CONVENTION_NAME = "6N + 6LHQT"
 FLOP_CONVENTION = ("6N + 6LHQT: N the matmul weights a token passes through (active ones for a MoE; LM head in, "
-                   "input embedding out), + 12·L·H·Q·T attention halved for causal masking")
+                   "input embedding out), + 12·L·H·Q·T attention halved for causal masking; multi-token-prediction "
+                   "modules in both terms, as Megatron-Core counts them")
 
 
 def matmul_params(m: ModelSpec) -> int:
@@ -63,9 +64,26 @@ def matmul_params(m: ModelSpec) -> int:
     return active_params(m, embeddings=False) + tied_head
 
 
+def mtp_matmul_params(m: ModelSpec) -> int:
+    """Matmul weights a token passes through in the multi-token-prediction modules (DeepSeek-V3 Sec. 2.2): per module
+    its block's active weights (top-k of the routed experts), the projection M_k and the shared output head, which
+    each module runs again. Counted in FLOP_CONVENTION as Megatron-Core's num_floating_point_operations does
+    (megatron/training/training.py: the MTP layers added to the layer counts, "MTP norms and proj", logits x
+    (mtp_num_layers + 1)); ``matmul_params`` and the parameter counts stay the main model's, as DeepSeek counts
+    671B / 37B activated without the MTP module (HF deepseek-ai/DeepSeek-V3 README)."""
+    if not m.mtp_layers:
+        return 0
+    last = m.n_layers - 1
+    routed = numel(expert_tensors(m, last)) if m.is_moe_layer(last) else 0
+    block = layer_params(m, last) - routed + (routed * m.experts_per_token // m.n_experts if routed else 0)
+    return m.mtp_layers * (block + mtp_block_extra(m) + m.vocab_size * m.d_model)
+
+
 def training_flops_per_token(m: ModelSpec, seq_len: int) -> float:
-    """Training FLOPs per token under FLOP_CONVENTION: 6·matmul_params + the causal attention term at ``seq_len``."""
-    return model_flops_per_token(m, matmul_params(m), seq_len, causal=True)
+    """Training FLOPs per token under FLOP_CONVENTION: 6·matmul_params + the causal attention term at ``seq_len``,
+    with the multi-token-prediction modules' own (``mtp_matmul_params``, one attention layer each)."""
+    mtp_attn = attention_flops_per_token(m, seq_len, causal=True) * m.mtp_layers / m.n_layers
+    return model_flops_per_token(m, matmul_params(m) + mtp_matmul_params(m), seq_len, causal=True) + mtp_attn
 
 
 def training_compute(m: ModelSpec, tokens: float, seq_len: int) -> float:

@@ -109,6 +109,31 @@ def head_tensors(m: ModelSpec) -> list[Tensor]:
     return out
 
 
+def mtp_tensors(m: ModelSpec, k: int) -> list[Tensor]:
+    """Multi-token-prediction module ``k`` (DeepSeek-V3, arXiv 2412.19437 Sec. 2.2 eq. 21-23): RMSNorms of the
+    previous depth's hidden state (hnorm) and of the next token's embedding (enorm), the projection M_k [d, 2d]
+    (eh_proj), one transformer block of the kind of the model's last layer, and the final norm before the output
+    head (the HF checkpoint's shared_head.norm); the embedding and the head are the main model's, shared."""
+    p, d = f"mtp.{k}.", m.d_model
+    norm = [("weight", (d,))] + ([("bias", (d,))] if m.norm == "layernorm" else [])
+    out: list[Tensor] = [(f"{p}{n}.{w}", sh) for n in ("enorm", "hnorm") for w, sh in norm]
+    out.append((p + "eh_proj.weight", (d, 2 * d)))
+    out += [(p + "block." + name.split(".", 2)[2], shape) for name, shape in layer_tensors(m, m.n_layers - 1)]
+    return out + [(f"{p}norm.{w}", sh) for w, sh in norm]
+
+
+def mtp_params(m: ModelSpec) -> int:
+    """Parameters of the multi-token-prediction modules (0 without): apart from ``param_count``, as DeepSeek counts
+    them ("671B of the main model weights and 14B of the MTP module weights", HF deepseek-ai/DeepSeek-V3 README;
+    its 14B also holds the checkpoint's copies of the shared embedding and head)."""
+    return m.mtp_layers * numel(mtp_tensors(m, 0)) if m.mtp_layers else 0
+
+
+def mtp_block_extra(m: ModelSpec) -> int:
+    """One MTP module's parameters besides its transformer block: the norms and the projection M_k."""
+    return numel(mtp_tensors(m, 0)) - layer_params(m, m.n_layers - 1)
+
+
 def tensor_inventory(m: ModelSpec) -> list[Tensor]:
     """All parameter tensors in module order."""
     out = embedding_tensors(m)
@@ -138,7 +163,8 @@ def head_params(m: ModelSpec) -> int:
 
 
 def param_count(m: ModelSpec) -> int:
-    """Exact parameter count: embeddings + every layer + final norm (+ untied output projection)."""
+    """Exact parameter count: embeddings + every layer + final norm (+ untied output projection); the main model's,
+    without its multi-token-prediction modules (``mtp_params``)."""
     n_moe = m.n_moe_layers
     body = (m.n_layers - n_moe) * numel(layer_tensors(m, 0)) if m.n_layers > n_moe else 0
     if n_moe:

@@ -5,7 +5,14 @@ ZeRO stages (Rajbhandari et al. 2020, arXiv 1910.02054 Sec. 5; ``specs.Layout.ze
 gradients once per step; 1 reduce-scatters them once and all-gathers the updated weights; 2 reduce-scatters per
 micro-batch; 3 also gathers the weights for each micro-batch's forward and again for its backward (FSDP
 reshard_after_forward). With hybrid sharding (hsdp) the shards' gradients are also all-reduced over the replicas.
-A MoE's routed experts are reduced/gathered over the ranks holding the same experts (dp x cp / ep).
+
+A MoE's routed experts are whole on each of the ep ranks that split them, which are any of a stage's tp x cp x dp
+ranks (``rules.ep_divides``): their gradients are reduced, and their ZeRO state sharded, over the expert-data-parallel
+group of the tp x cp x dp / ep ranks holding the same experts (Megatron-Core parallel_state.py:
+expert_data_parallel_size = world / (expert TP x EP x PP), expert TP 1 here; its distributed optimizer shards expert
+state over that group, in hsdp instances). The TP ranks are in it: each ran its own tokens/tp through the experts.
+This runtime shards expert state over dp_shard x cp only and sums the TP ranks' expert gradients apart
+(runtime/parallel/parallelize.py sum_moe_gradients_over_tp): the same bytes reduced, more held when tp > 1.
 """
 
 from __future__ import annotations
@@ -28,9 +35,16 @@ def n_shard(c: Candidates) -> Any:
     return c.cp * c.dp // c.hsdp
 
 
+def n_expert_dp(c: Candidates) -> Any:
+    """The expert-data-parallel group: the tp x cp x dp / ep ranks holding the same experts (Megatron-Core's
+    expert_data_parallel_size with expert TP 1)."""
+    return np.maximum(c.tp * c.cp * c.dp // c.ep, 1)
+
+
 def n_shard_experts(c: Candidates) -> Any:
-    """The ranks sharing one EP rank's experts (placement expert_shard)."""
-    return np.maximum(n_shard(c) // c.ep, 1)
+    """The ranks one EP rank's experts' ZeRO state is sharded over: the expert-data-parallel group over the hsdp
+    replica groups (Megatron-Core: expert_data_parallel_size / num_distributed_optimizer_instances)."""
+    return np.maximum(n_expert_dp(c) // c.hsdp, 1)
 
 
 @dataclass(frozen=True)
@@ -60,10 +74,11 @@ def collectives(c: Candidates, topo: comms.Topology, sw: Software, s: StageParam
     ar = comms.all_reduce_time(gb, cp * dp, bw_d, lat_d)
     if not s.moe:
         return Collectives(rs, ag, ar_rep, ar)
-    e_crit, ns_e, dp_e = s.e_crit, n_shard_experts(c), cp * dp // c.ep
+    e_crit, ns_e, dp_e = s.e_crit, n_shard_experts(c), n_expert_dp(c)
     gb_e, wb_e = sw.grad_reduce_bytes * e_crit, memory.WEIGHT_BYTES * e_crit
-    bw_se, lat_se = comms.link(topo, ns_e, np.where(ns_e > 1, world // hsdp, tp * cp))
-    bw_de, lat_de = comms.link(topo, dp_e, np.where(dp_e > 1, world, tp * cp))
+    # the expert-DP ranks sit ep apart (EP ranks are neighbours, moe.py) over the stage's ranks, which pp interleaves
+    bw_se, lat_se = comms.link(topo, ns_e, np.where(ns_e > 1, world // hsdp, 1))
+    bw_de, lat_de = comms.link(topo, dp_e, np.where(dp_e > 1, world, 1))
     return Collectives(rs + comms.reduce_scatter_time(gb_e, ns_e, bw_se, lat_se),
                        ag + comms.all_gather_time(wb_e, ns_e, bw_se, lat_se),
                        ar_rep + comms.all_reduce_time(gb_e / ns_e, hsdp, bw_r, lat_r),

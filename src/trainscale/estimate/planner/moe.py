@@ -5,8 +5,13 @@ expert-parallel group.
 Per MoE layer (``m.is_moe``): the router GEMM, the shared expert (TP-split like a dense FFN) and the routed experts
 of this rank (n_experts / ep of them, whole: not TP-split), which compute the tokens/tp of this rank's sequence
 shard times top-k times the load imbalance (the busiest EP rank sets the pace); the dispatch and combine
-all-to-all (``comms.all_to_all_time``, 2 forward + 2 backward) over the EP group, whose ranks sit tp x cp apart
-inside the pipeline dim (``placement.mesh_sizes``).
+all-to-all (``comms.all_to_all_time``, 2 forward + 2 backward) over the EP group.
+
+The EP group is ep of a pipeline stage's tp x cp x dp ranks (``rules.ep_divides``), neighbouring ones: Megatron-Core
+orders its expert rank grid tp-cp-ep-dp-pp with expert TP 1 (megatron/core/parallel_state.py
+initialize_model_parallel, RankGenerator over (etp, ep, edp, pp)), so an EP group is ep consecutive ranks, inside one
+scale-up domain first, and DeepSeek-V3's EP64 spans 8 nodes of 8 (arXiv 2412.19437 Sec. 3.2). This runtime places
+its EP ranks among the data-parallel ones, tp x cp apart (``placement.mesh_sizes``): the same ranks when tp x cp = 1.
 """
 
 from __future__ import annotations
@@ -74,22 +79,35 @@ def moe_gemms(m: ModelSpec, c: Candidates, r: Rates, eff: Efficiencies, g: Gemms
     return t_f, t_b
 
 
+def ep_local(c: Candidates, domain: int) -> Any:
+    """EP ranks inside one scale-up domain of ``domain`` GPUs: ep neighbouring ranks, aligned to multiples of ep,
+    share gcd(ep, domain) GPUs with each domain they touch (all ep when ep divides it, the domain when it divides
+    ep)."""
+    return np.gcd(c.ep, domain)
+
+
+def ep_span(c: Candidates) -> Any:
+    """The ranks an EP group spans: ep neighbouring ranks (the placement above)."""
+    return c.ep
+
+
 def all_to_all(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Efficiencies, sw: Software) -> Any:
     """A MoE layer's dispatch (FP8 under fp8, DeepSeek-V3 Sec. 3.3.4) and combine (bf16) forward, their transposes
     backward, the dispatch and combine again under full recompute; the busiest rank receives imbalance x the mean.
-    EP ranks sit tp x cp apart: those inside the scale-up domain talk over it, the rest over the network."""
+    EP ranks are neighbours (``ep_local``): those inside the scale-up domain talk over it, the rest over the network.
+    Each rank dispatches its own tokens/tp (sequence parallelism: Megatron-Core requires it for MoE with TP)."""
     k_top = m.experts_per_token
-    ep_local = np.clip(topo.scale_up_domain // (c.tp * c.cp), 1, c.ep)
-    nodes = c.ep / ep_local
-    off = (c.ep - ep_local) / np.maximum(c.ep, 1)  # share of a token's k copies bound off the node
+    n_local = ep_local(c, topo.scale_up_domain)
+    nodes = c.ep / n_local
+    off = (c.ep - n_local) / np.maximum(c.ep, 1)  # share of a token's k copies bound off the node
     if sw.moe_node_limit:
         # node-limited routing: at most M target nodes per token, one copy each over the network, forwarded
         # inside the node on NVLink (DeepSeek-V3 Sec. 2.1.2, 3.2.2); as a share of the k copies
         off = np.minimum(off, np.minimum(sw.moe_node_limit, nodes) * (nodes - 1) / np.maximum(nodes, 1) / k_top)
     copy_bytes = c.tokens / c.tp * k_top * m.d_model * imbalance(m, eff)
-    disp = comms.all_to_all_time(copy_bytes * (FP8_BYTES if sw.precision == "fp8" else ACT_BYTES), c.ep, ep_local,
+    disp = comms.all_to_all_time(copy_bytes * (FP8_BYTES if sw.precision == "fp8" else ACT_BYTES), c.ep, n_local,
                                  topo, off)
-    comb = comms.all_to_all_time(copy_bytes * ACT_BYTES, c.ep, ep_local, topo, off)
+    comb = comms.all_to_all_time(copy_bytes * ACT_BYTES, c.ep, n_local, topo, off)
     a2a_f, a2a_b = disp + comb, disp + comb
     return a2a_f + a2a_b + c.full * a2a_f
 

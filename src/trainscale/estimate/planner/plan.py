@@ -45,7 +45,7 @@ from trainscale.specs import (
     load_model,
 )
 
-KEYS = ("tp", "cp", "pp", "dp", "mb", "v", "schedule", "recompute", "zero", "hsdp", "sp", "ep")
+KEYS = ("tp", "cp", "pp", "dp", "mb", "v", "schedule", "recompute", "zero", "hsdp", "sp", "ep", "first", "last")
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # micro-batch sizes (sequences) the search tries
 ZERO_STAGES = (0, 1, 2, 3)
 STEP_PARTS = {"t_compute": "compute", "t_recompute": "recompute", "t_tp_comm": "tp_comm", "t_cp_comm": "cp_comm",
@@ -167,7 +167,7 @@ class Problem:
                                                        indexing="ij"))
         tp, cp, pp = tp[j], cp[j], pp[j]
         base = {"tp": tp, "cp": cp, "pp": pp, "dp": n // (tp * cp * pp), "v": v, "schedule": sched,
-                "hsdp": np.ones_like(tp), "ep": np.ones_like(tp)}
+                "hsdp": np.ones_like(tp), "ep": np.ones_like(tp), "first": np.zeros_like(tp), "last": np.zeros_like(tp)}
         # the rules these fields decide now (the rest once every field is known); interleaving with v1 is 1F1B
         keep = rules.holds(self.case(base), self.rule_names, partial=True) & ((v > 1) | (sched != INTERLEAVED))
         base = {k: a[keep] for k, a in base.items()}
@@ -525,6 +525,7 @@ def _cfg(lays: list[Layout], **override: int) -> dict[str, np.ndarray]:
         "recompute": np.array([RECOMPUTE.index(r["recompute"]) for r in rows]),
         "zero": np.array([r["zero"] for r in rows]), "hsdp": np.array([r["hsdp"] for r in rows]),
         "sp": np.array([r["sp"] for r in rows], dtype=bool),
+        "first": np.array([r["first"] for r in rows]), "last": np.array([r["last"] for r in rows]),
     }
 
 
@@ -533,7 +534,8 @@ def layout_at(cfg: dict[str, np.ndarray], i: int) -> Layout:
     return Layout(tp=int(cfg["tp"][i]), cp=int(cfg["cp"][i]), pp=pp, dp=int(cfg["dp"][i]), mb=int(cfg["mb"][i]),
                   v=v, schedule=sched if pp > 1 else "1f1b", recompute=RECOMPUTE[int(cfg["recompute"][i])],
                   zero=int(cfg["zero"][i]), hsdp=int(cfg["hsdp"][i]), sp=bool(cfg["sp"][i]),
-                  ep=int(cfg["ep"][i]) if "ep" in cfg else 1)
+                  ep=int(cfg["ep"][i]) if "ep" in cfg else 1, first=int(cfg["first"][i]) if "first" in cfg else 0,
+                  last=int(cfg["last"][i]) if "last" in cfg else 0)
 
 
 def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: int = 16384, seq: int = 8192,

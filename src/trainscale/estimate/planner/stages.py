@@ -3,7 +3,11 @@ step through the pipeline with its bubble and point-to-point traffic, and the pa
 
 A MoE's layers are unequal: its ``first_dense_layers`` sit on the first pipeline rank (those of its first stage),
 the rank after it any left over (exact for v = 1; with v > 1 the dense layers past the first stage are counted as
-MoE ones, the heavier kind). Arrays over the candidates (``candidates.Candidates``).
+MoE ones, the heavier kind). Multi-token-prediction blocks (``ModelSpec.mtp_layers``) are layers of the last rank
+(``candidates.with_mtp``), of the kind of the model's last layer, with their projection, a copy of the shared
+embedding (Megatron-Core builds one on the stage that runs MTP) and one more output head and loss each. A cut the
+layout gives (firstN / lastN) is ``candidates.explicit_cut``'s. Arrays over the candidates
+(``candidates.Candidates``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ from typing import Any
 import numpy as np
 
 from trainscale.estimate import comms
-from trainscale.estimate.params import embedding_params, expert_tensors, head_params, layer_params, numel
+from trainscale.estimate.params import (
+    embedding_params,
+    expert_tensors,
+    head_params,
+    layer_params,
+    mtp_block_extra,
+    numel,
+)
 from trainscale.estimate.pipeline import bubble_fraction, dualpipe_bubble_fraction, pipeline_time
 from trainscale.estimate.planner.candidates import Candidates
 from trainscale.estimate.planner.efficiencies import Efficiencies
@@ -37,7 +48,7 @@ class DenseLayers:
 def dense_layers(m: ModelSpec, c: Candidates) -> DenseLayers:
     if not m.is_moe:
         return DenseLayers()
-    fd, L, place, pp = m.first_dense_layers, m.n_layers, c.place, c.pp
+    fd, L, place, pp = m.first_dense_layers, m.n_layers + m.mtp_layers, c.place, c.pp  # MTP blocks follow layer L
     chunks = pp * c.ve
     stage0 = np.where(chunks > 1, place["base"] + (place["extra"] == chunks - 1), L)
     first = np.minimum(fd, stage0)
@@ -71,21 +82,34 @@ def exposed_layer_time(lay: LayerTime, tp_x: Any, cp_x: Any) -> Any:
     return lay.compute + lay.rc + tp_x + cp_x + lay.a2a_x
 
 
-def critical_stage(m: ModelSpec, c: Candidates, d: DenseLayers, t_dense: Any, t_moe: Any, t_head: Any) -> Critical:
+def critical_stage(m: ModelSpec, c: Candidates, d: DenseLayers, t_dense: Any, t_moe: Any, t_head: Any,
+                   dual: bool = False) -> Critical:
     """The slowest stage from the layer times ``t_dense``, ``t_moe`` (``exposed_layer_time``): the fullest one,
     or the last one if the output head tips it over; with a MoE's dense layers, the slowest of the first, the
-    fullest and the last."""
+    fullest and the last. Each MTP module runs the output head again (its M_k projection, 2d x d per token, is
+    left out of the time: 1.5 % of DeepSeek-V3's MTP block). ``dual`` (DualPipe): pipeline rank r runs stage r of
+    one direction and stage pp - 1 - r of the other, so the end ranks pair the first stage with the last ("the
+    shallowest layers (including the embedding layer) and deepest layers (including the output head) ... on the
+    same PP rank", DeepSeek-V3 Sec. 2.2): a rank's time per micro-batch is the mean of its two stages'."""
     place, pp = c.place, c.pp
-    if not m.is_moe:
+    t_head = t_head * (1 + m.mtp_layers)
+    if not m.is_moe and not dual:
         last_slower = place["last"] * t_dense + t_head > place["max"] * t_dense
         return Critical(np.where(last_slower, place["last"], place["max"]), 0, np.where(last_slower, t_head, 0.0))
-    cand_t = np.stack([d.first * t_dense + (place["first"] - d.first) * t_moe + np.where(pp > 1, 0.0, t_head),
-                       d.mid * t_dense + (place["max"] - d.mid) * t_moe,
-                       d.last * t_dense + (place["last"] - d.last) * t_moe + t_head])
+    n_first, n_mid, n_last = (np.asarray(place[k]) + 0.0 for k in ("first", "max", "last"))
+    d_first, d_mid, d_last = (np.asarray(x) + 0.0 for x in (d.first, d.mid, d.last))
+    h_first, h_last = np.where(pp > 1, 0.0, t_head), t_head + 0.0
+    if dual:
+        ends = [np.where(pp > 1, (a + b) / 2, a) for a, b in ((n_first, n_last), (d_first, d_last), (h_first, h_last))]
+        n_first, d_first, h_first = ends
+        n_last, d_last, h_last = ends
+    cand_t = np.stack([d_first * t_dense + (n_first - d_first) * t_moe + h_first,
+                       d_mid * t_dense + (n_mid - d_mid) * t_moe,
+                       d_last * t_dense + (n_last - d_last) * t_moe + h_last])
     crit = np.argmax(cand_t, axis=0)
-    n_all = np.choose(crit, [place["first"], place["max"], place["last"]])
-    n_dense = np.choose(crit, [d.first, d.mid, d.last])
-    return Critical(n_dense, n_all - n_dense, np.where((crit == LAST) | (pp == 1), t_head, 0.0))
+    n_all = np.choose(crit, [n_first, n_mid, n_last])
+    n_dense = np.choose(crit, [d_first, d_mid, d_last])
+    return Critical(n_dense, n_all - n_dense, np.choose(crit, [h_first, np.zeros_like(h_last), h_last]))
 
 
 @dataclass(frozen=True)
@@ -134,7 +158,8 @@ def p2p_exposed(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Efficien
     """Pipeline point to point: activations sharded over TP (sequence parallel / scatter-gather, Narayanan 2021
     Sec. 4.1), async in steady state, exposed in fill and drain: a micro-batch crosses p x v - 1 chunk boundaries
     to fill the pipeline and as many to drain it."""
-    bw_pp, lat_pp = comms.link(topo, c.pp, c.tp * c.cp * c.ep * c.pp, collective=False)  # EP ranks sit inside pp
+    # the next stage lies past the smallest block holding whole TP x CP groups and whole EP groups (moe.py)
+    bw_pp, lat_pp = comms.link(topo, c.pp, np.lcm(c.tp * c.cp, c.ep) * c.pp, collective=False)
     t_p2p = comms.p2p_time(layer_bytes(m, c) / c.tp, bw_pp, lat_pp)
     hops = 2 * (c.pp * c.ve - 1)
     return np.where(c.pp > 1, (hops + (1 - eff.p2p_overlap) * 2 * c.micro * c.ve) * t_p2p, 0.0)
@@ -172,10 +197,13 @@ class StageParams:
 def stage_params(m: ModelSpec, c: Candidates, d: DenseLayers, sw: Software) -> StageParams:
     """A layer's attention, norms (and a MoE layer's router and shared expert) split over TP, its routed experts
     whole over EP; the embedding on the first stage, the head on the last, which also keeps its own copy of a tied
-    embedding. DualPipe holds every stage's parameters twice (DeepSeek-V3 Table 2: "Parameter 2x")."""
+    embedding (and one for MTP). DualPipe holds every stage's parameters twice (DeepSeek-V3 Table 2: "Parameter
+    2x"): rank r those of stages r and pp - 1 - r, the end ranks the first and the last stage with the embedding
+    and head together (Sec. 2.2), which the MTP module shares there without a copy."""
     place, pp, tp, ep = c.place, c.pp, c.tp, c.ep
-    emb, head = embedding_params(m), head_params(m)
-    tied_copy = emb if m.tied_embeddings else 0
+    emb, mtp_x = embedding_params(m), m.mtp_layers * mtp_block_extra(m) if m.mtp_layers else 0
+    head = head_params(m) + mtp_x  # the MTP modules' norms and projections sit with the head
+    tied_copy = emb if (m.tied_embeddings or m.mtp_layers) else 0  # a tied head's, or MTP's, copy of the embedding
     ends = np.where(pp > 1, emb, emb + head)
     if not m.is_moe:
         lp = layer_params(m)
@@ -189,10 +217,14 @@ def stage_params(m: ModelSpec, c: Candidates, d: DenseLayers, sw: Software) -> S
                         (d.last * lp_d + (place["last"] - d.last) * lp_m + head + tied_copy) / tp,
                         (place["first"] - d.first) * lp_e / ep, (n1 - d.second) * lp_e / ep,
                         (place["last"] - d.last) * lp_e / ep)
-    if sw.pipeline == "dualpipe":
-        dual = np.where(pp > 1, 2.0, 1.0)
-        s = StageParams(m.is_moe, pp, s.first * dual, s.mid * dual, s.last * dual, s.e_first * dual, s.e_mid * dual,
-                        s.e_last * dual)
+    if sw.pipeline == "dualpipe":  # rank r holds stages r and pp - 1 - r: the end ranks the first and the last
+        def two(a: Any, b: Any) -> Any:
+            return np.where(pp > 1, a + b, a)
+
+        ends, e_ends = two(s.first, s.last), two(s.e_first, s.e_last)
+        if m.mtp_layers:  # the MTP's embedding is the first stage's, on the same rank (Sec. 2.2)
+            ends = ends - np.where(pp > 1, emb / tp, 0.0) * (not m.tied_embeddings)
+        s = StageParams(m.is_moe, pp, ends, two(s.mid, s.mid), ends, e_ends, two(s.e_mid, s.e_mid), e_ends)
     return s
 
 

@@ -128,7 +128,7 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     t_head = layer.head_time(m, c, r)
     d = stages.dense_layers(m, c)
     k = stages.critical_stage(m, c, d, stages.exposed_layer_time(dense, tp_x, cp_x),
-                              stages.exposed_layer_time(moe_lay, tp_x, cp_x), t_head)
+                              stages.exposed_layer_time(moe_lay, tp_x, cp_x), t_head, sw.pipeline == "dualpipe")
     st = stages.stage_time(c, k, dense, moe_lay, tp_x, cp_x, sw)
     t_pipe = stages.pipeline_step(c, st.total, sw)
     p2p_x = stages.p2p_exposed(m, c, topo, eff)
@@ -149,7 +149,7 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
         "t_tp_comm": micro * st.tp, "t_cp_comm": micro * st.cp, "t_bubble": t_pipe - micro * st.total,
         "t_pp_p2p": p2p_x, "t_dp_comm": dp_x, "t_optimizer": t_opt, "dp_traffic_s": dp_traffic,
         "t_ep_comm": micro * st.a2a, "a2a_per_layer_s": moe_lay.a2a + np.zeros(c.tp.shape),
-        "ep_in_scale_up": (comms.in_scale_up(topo, c.tp * c.cp * c.ep) | (c.ep == 1)),
+        "ep_in_scale_up": (comms.in_scale_up(topo, moe.ep_span(c)) | (c.ep == 1)),
         "t_gemm": micro * k.n_dense * (dense.mm_f + dense.mm_b) + micro * n_moe * (moe_lay.mm_f + moe_lay.mm_b),
         "t_attention": micro * k.layers * dense.attn,
         "t_elementwise": micro * k.n_dense * dense.ew + micro * n_moe * moe_lay.ew,
