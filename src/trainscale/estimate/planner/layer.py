@@ -174,7 +174,9 @@ def kernel_curve(gpu: GPUSpec, eff: Efficiencies, sw: Software) -> AttentionCurv
     the command line set attention_efficiency (then that figure rules)."""
     if eff.sources.get("attention_efficiency", "").startswith(("profile", "set on")):
         return None
-    return attention_curve(sw.attention_kernel, gpu.generation)
+    # a kernel the generation has no curve for (cuDNN or FlashAttention-3 on Ampere): the frameworks fall back to
+    # FlashAttention-2 there (Transformer Engine prefers cuDNN only on Hopper+; FA3 is Hopper-only)
+    return attention_curve(sw.attention_kernel, gpu.generation) or attention_curve("fa2", gpu.generation)
 
 
 # ----------------------------------------------------------------------------- one layer
