@@ -109,6 +109,9 @@ def test_fused_attention_runs_at_its_published_curve_in_its_own_flop_count():
     t_attn, t_fwd = layer.attention_core(p.model, c, r, p.eff, p.software, 8192)
     assert t_attn[0] == pytest.approx(3.5 * 2 * 8192**2 * 32 * 128 / 308e12, rel=1e-12)  # 7.14 ms, the GPU's peak
     # (not the GEMMs' sustained clock) is the curve's own: it was measured on this GPU
+    # a measured or user-set attention_efficiency rules over the published curve
+    eff = load_efficiencies("h100-sxm", overrides={"attention_efficiency": 0.5})
+    assert layer.rates(p.gpu, eff, p.software).attn is None
 
 
 @pytest.mark.parametrize(("kernel", "gen", "seq", "head_dim", "tflops"), [
