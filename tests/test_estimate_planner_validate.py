@@ -162,18 +162,22 @@ def test_validation_set_is_public_sourced_and_predicted():
     errs = [abs(r["error"]) for r in out["runs"]]
     assert out["mean_abs_error"] == pytest.approx(sum(errs) / len(errs))
     assert out["worst_abs_error"] == pytest.approx(max(errs))
-    # recorded in benchmarks/RESULTS.md (148 rows, catalog constants): mean 10.8%, worst 32.6% (MPT-1B on 512 H100s)
-    assert out["mean_abs_error"] == pytest.approx(0.108, abs=0.003)
-    assert out["worst_run"] == "foundry-1b-h100-s2048-g512-mb12" and out["worst_abs_error"] == pytest.approx(0.326,
-                                                                                                             abs=0.005)
+    # recorded in benchmarks/RESULTS.md (148 rows, catalog constants, attention at the kernels' published curves,
+    # the sustained clock on the GEMMs only): mean 10.4%, worst 26.0% (MPT-7B at 65,536 tokens on 8 H100s)
+    assert out["mean_abs_error"] == pytest.approx(0.104, abs=0.003)
+    assert out["worst_run"] == "foundry-7b-h100-s65536-g8-mb1" and out["worst_abs_error"] == pytest.approx(0.260,
+                                                                                                           abs=0.005)
     by_id = {r["id"]: r for r in out["runs"]}
-    assert all(abs(by_id[i]["error"]) < 0.05 for i in ("titan-8b-a100x64", "titan-70b-a100x64", "mpt-7b-h100x8",
-                                                       "llama3-405b-8k-8192", "llama3-405b-8k-16384"))
-    # Llama 3 Table 4 at 128K: +8.3% read with torchtitan's convention, -22.7% with causal halving
+    assert all(abs(by_id[i]["error"]) < 0.06 for i in ("titan-8b-a100x64", "titan-70b-a100x64", "mpt-7b-h100x8",
+                                                       "titan-8b-h100x8", "deepseek-v3-h800x2048"))
+    # Llama 3 Table 4 at 8K as the paper shards it (zero2, Sec. 3.3.2): -21%, the gradients reduce-scattered per
+    # micro-batch (estimate/planner/dp.py) and not hidden across the pipeline's micro-batches
+    assert all(-0.23 < by_id[i]["error"] < -0.19 for i in ("llama3-405b-8k-8192", "llama3-405b-8k-16384"))
+    # Llama 3 Table 4 at 128K: +10.5% read with torchtitan's convention, -21.2% with causal halving
     l128 = by_id["llama3-405b-128k-16384"]
-    assert l128["error"] == pytest.approx(0.083, abs=0.005)
+    assert l128["error"] == pytest.approx(0.105, abs=0.005)
     assert l128["alt_convention"]["flop_convention"] == "trainscale"
-    assert l128["alt_convention"]["error"] == pytest.approx(-0.227, abs=0.005)
+    assert l128["alt_convention"]["error"] == pytest.approx(-0.212, abs=0.005)
     gens = {r["generation"] for r in out["runs"]}
     assert gens == {"hopper", "ampere"}
     # peak memory where the source publishes it (torchtitan's H100 tables): the heaviest stage within 6%
@@ -286,10 +290,12 @@ def test_intervals_contain_the_estimate_and_widen_with_fewer_rows():
 
 
 def test_kernel_and_norm_knobs_come_from_the_rows_software():
-    # llm-foundry's attn_impl triton (FA1-era Triton kernel) runs attention at half FA2's rate
+    # llm-foundry's attn_impl triton (the FA1-era Triton kernel, as fast as FlashAttention v1 by its docstring) against
+    # attn_impl flash (flash-attn 2.4.2): at 2k tokens and head dim 128 on an H100 the published curves give FA2 265
+    # and FA1 108 TFLOP/s (flash2_h100_fwd_bwd_benchmark.png (d)), so the Triton rows' attention takes 265/108 as long
     fa2, tri = (plan.problem("mpt-7b", "h100-sxm", 8, 2048, 48 * 2048, cluster="dgx-h100", software=s)
                 .evaluate_layout(Layout.parse("dp8,zero3,mb6")) for s in ("llm-foundry", "llm-foundry-triton"))
-    assert tri["compute_parts_s"]["attention"] == pytest.approx(2 * fa2["compute_parts_s"]["attention"])
+    assert tri["compute_parts_s"]["attention"] == pytest.approx(265 / 108 * fa2["compute_parts_s"]["attention"])
     assert tri["compute_parts_s"]["gemm"] == pytest.approx(fa2["compute_parts_s"]["gemm"])
     # torchtitan's April 2024 configs ran the Triton fused RMSNorm: 28 element-wise passes per layer, not 60
     assert load_software("torchtitan-2024-04").elementwise_passes == 28

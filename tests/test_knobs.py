@@ -198,6 +198,7 @@ def software_file(tmp_path: Path, **changes: object) -> Path:
     ("attention_speed", 0.0), ("attention_speed", float("nan")),
     ("grad_bytes", 3), ("grad_bytes", "4"), ("grad_bytes", True), ("grad_reduce_bytes", 2.0),
     ("attention", "fast"), ("precision", "fp4"), ("pipeline", "zb"),
+    ("attention_kernel", "fa9"), ("attention_kernel", 2),
     ("zero", []), ("zero", [4]), ("zero", ["3"]), ("zero", [1.0]), ("zero", [True]),
     ("schedules", ["zb-v"]), ("schedules", []),
     ("selective_gemms", ["wx"]), ("selective_gemms", "wk"),

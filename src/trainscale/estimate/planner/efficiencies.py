@@ -235,6 +235,39 @@ def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
     return Efficiencies(**vals, sources=sources)
 
 
+@dataclass(frozen=True)
+class AttentionCurve:
+    """A fused attention kernel's published forward + backward TFLOP/s on one GPU (catalog/planner.toml
+    [attention.KERNEL.GENERATION]), causal, at sequence lengths ``seq`` for head dims 64 and 128, counted as its
+    source counts them (forward + backward = 3.5 x the forward)."""
+
+    kernel: str
+    generation: str
+    seq: tuple[float, ...]
+    hd64: tuple[float, ...]
+    hd128: tuple[float, ...]
+    peak: float  # the bf16 datasheet peak of the GPU it was measured on
+    source: str
+
+
+ATTENTION_KERNELS = ("fa2", "fa1", "fa-triton", "fa3", "cudnn")  # the kernels catalog/planner.toml may tabulate
+
+
+@cache
+def attention_curve(kernel: str, generation: str) -> AttentionCurve | None:
+    """The published curve of ``kernel`` on a GPU of ``generation``, None where catalog/planner.toml has none."""
+    t = planner_catalog().get("attention", {}).get(kernel, {}).get(generation)
+    if t is None:
+        return None
+    seq, hd64, hd128 = (tuple(float(x) for x in t[k]) for k in ("seq", "hd64", "hd128"))
+    if not (len(seq) == len(hd64) == len(hd128) >= 1 and list(seq) == sorted(set(seq))
+            and min(hd64 + hd128) > 0):
+        raise TrainscaleError(f"catalog/planner.toml [attention.{kernel}.{generation}]: seq must rise and hd64, hd128 "
+                              "be positive rates, one per seq")
+    return AttentionCurve(kernel, generation, seq, hd64, hd128, load_gpu(str(t["gpu"])).peak_bf16_flops,
+                          str(t.get("source", "")))
+
+
 def cluster_topology(cluster: ClusterSpec, gpu: GPUSpec, eff: Efficiencies) -> comms.Topology:
     """The cluster's wires, with its pods and oversubscription (ClusterSpec)."""
     src = cluster.source + (f"; {cluster.pods_source}" if cluster.pods_source else "")

@@ -12,7 +12,7 @@ import numpy as np
 
 from trainscale.estimate import comms, flops
 from trainscale.estimate.planner.candidates import FULL, SELECTIVE, Candidates
-from trainscale.estimate.planner.efficiencies import Efficiencies
+from trainscale.estimate.planner.efficiencies import AttentionCurve, Efficiencies, attention_curve
 from trainscale.estimate.planner.software import Software
 from trainscale.specs import GPUSpec, ModelSpec
 
@@ -92,14 +92,35 @@ def layer_gemm_shapes(m: ModelSpec, tp: Any) -> dict[str, tuple[Any, Any]]:
     return {**attention_gemm_shapes(m, tp), **ffn_gemm_shapes(m, tp)}
 
 
-def attention_rate(m: ModelSpec, seq: Any, peak: float, eff: Efficiencies) -> Any:
-    """FLOP/s of a fused (FlashAttention) kernel, forward + backward: its plateau fraction of peak at head dim 128,
-    times s / (s + s_half) for the rise with sequence length and d / (d + 16) (normalised at 128) for the head
-    dimension (FlashAttention-2, arXiv 2307.08691 Fig. 4-7: throughput grows with both)."""
+# The FLOPs of one attention forward + backward over its forward: 3.5 as the FlashAttention benchmarks count them
+# (Dao-AILab/flash-attention benchmarks/benchmark_flash_attention.py flops(): backward 2.5 x forward, five GEMMs to
+# two), 3 as the planner counts them (flops.attention_flops_per_token: 12·L·H·Q·T = 3 x the forward's 4·L·H·Q·T).
+SOURCE_FWD_BWD, PLANNER_FWD_BWD = 3.5, 3.0
+
+
+def curve_rate(curve: AttentionCurve, seq: Any, head_dim: int) -> Any:
+    """The curve's TFLOP/s (its own count) at ``seq`` and ``head_dim``: linear in log2(seq) between its points and in
+    head dim between 64 and 128, the end values held outside them."""
+    x = np.log2(np.maximum(np.asarray(seq, dtype=float), 1.0))
+    xs = np.log2(np.array(curve.seq))
+    r64, r128 = np.interp(x, xs, curve.hd64), np.interp(x, xs, curve.hd128)
+    w = min(max((head_dim - 64) / 64, 0.0), 1.0)
+    return (1 - w) * r64 + w * r128
+
+
+def attention_rate(m: ModelSpec, seq: Any, peak: float, eff: Efficiencies, curve: AttentionCurve | None = None
+                   ) -> Any:
+    """FLOP/s (the planner's count) of a fused attention kernel, forward + backward, on a GPU whose compute runs at
+    ``peak``. With the kernel's published curve (``curve``, catalog/planner.toml [attention]): its rate at this
+    sequence length and head dim, in the planner's FLOP count (x 3 / 3.5), scaled by ``peak`` over the measured
+    GPU's datasheet peak. Without one: the plateau fraction of peak at head dim 128 (attention_efficiency) times
+    s / (s + s_half) for the rise with sequence length and d / (d + 16) (normalised at 128) for the head dimension
+    (FlashAttention-2, arXiv 2307.08691 Fig. 4-7: throughput grows with both)."""
     s = np.asarray(seq, dtype=float)
     hd = m.qk_head_dim
+    if curve is not None:
+        return curve_rate(curve, s, hd) * 1e12 * PLANNER_FWD_BWD / SOURCE_FWD_BWD * peak / curve.peak
     return peak * eff.attention_efficiency * s / (s + eff.attention_seq_half) * (hd / (hd + 16)) / (128 / 144)
-
 
 
 def full_gemm_shapes(m: ModelSpec) -> dict[str, tuple[int, int]]:
@@ -116,11 +137,13 @@ class Rates:
 
     peak: float  # the bf16 datasheet peak (MFU's denominator)
     peak_run: float  # tensor-core FLOP/s held through a long run, on the SMs the compute kernels keep
+    peak_attn: float  # the peak an attention kernel's published rate is scaled from, on the SMs it keeps
     f_mm: float  # a bf16 GEMM (output head, router, unfused attention)
     f_lay: float  # the decoder layers' GEMMs: bf16, or FP8 at the GPU's FP8 peak
     hbm: float  # achievable HBM bandwidth
     sms: int  # SMs the GEMMs run on
     gap: float  # the shortest kernel (launch gap)
+    attn: AttentionCurve | None = None  # the software's fused attention kernel's published curve on this GPU
 
 
 def rates(gpu: GPUSpec, eff: Efficiencies, sw: Software) -> Rates:
@@ -143,7 +166,17 @@ def rates(gpu: GPUSpec, eff: Efficiencies, sw: Software) -> Rates:
     # Fprop, Dgrad and Wgrad of the linear layers; the output head, router and attention core stay bf16)
     f_lay = (gpu.peak_fp8_flops * eff.sustained_clock_fraction * sm_share * eff.fp8_matmul_efficiency) \
         if sw.precision == "fp8" else f_mm
-    return Rates(peak, peak_run, f_mm, f_lay, hbm, sms, gap)
+    return Rates(peak, peak_run, peak * sm_share, f_mm, f_lay, hbm, sms, gap, kernel_curve(gpu, eff, sw))
+
+
+def kernel_curve(gpu: GPUSpec, eff: Efficiencies, sw: Software) -> AttentionCurve | None:
+    """The published curve of the software's attention kernel on this GPU's generation, unless a measured profile or
+    the command line set attention_efficiency (then that figure rules)."""
+    if eff.sources.get("attention_efficiency", "").startswith(("profile", "set on")):
+        return None
+    # a kernel the generation has no curve for (cuDNN or FlashAttention-3 on Ampere): the frameworks fall back to
+    # FlashAttention-2 there (Transformer Engine prefers cuDNN only on Hopper+; FA3 is Hopper-only)
+    return attention_curve(sw.attention_kernel, gpu.generation) or attention_curve("fa2", gpu.generation)
 
 
 # ----------------------------------------------------------------------------- one layer
@@ -216,7 +249,9 @@ def attention_core(m: ModelSpec, c: Candidates, r: Rates, eff: Efficiencies, sw:
     s x s products and the score traffic)."""
     if sw.attention == "flash":
         attn_train = flops.attention_flops_per_token(m, seq, causal=True) / m.n_layers * c.tokens / c.tp
-        t_attn = attn_train / (attention_rate(m, seq, r.peak_run, eff) * sw.attention_speed)
+        # a published kernel curve is scaled from the datasheet peak (the sustained clock is the GEMMs', Rates)
+        rate = attention_rate(m, seq, r.peak_attn if r.attn else r.peak_run, eff, r.attn)
+        t_attn = attn_train / (rate * sw.attention_speed)
         return t_attn, t_attn / 3  # the forward is a third of forward + backward
     heads = m.n_heads / c.tp
     rows = c.mb * heads * (seq / c.cp)

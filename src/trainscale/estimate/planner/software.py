@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.memory import ActivationCaching
+from trainscale.estimate.planner.efficiencies import ATTENTION_KERNELS
 from trainscale.safeio import read_text
 from trainscale.specs import Schedule
 
@@ -43,7 +44,8 @@ class Software:
     schedules: tuple[str, ...]
     cp: bool
     max_v: int
-    attention_speed: float = 1.0  # the fused kernel's rate relative to FlashAttention-2's (planner.toml), 1 = FA2
+    attention_speed: float = 1.0  # a factor on the fused kernel's published rate (catalog/planner.toml)
+    attention_kernel: str = "fa2"  # the fused kernel whose published curve the planner uses (planner.toml [attention])
     precision: str = "bf16"  # "bf16" | "fp8": the layers' GEMMs at the GPU's FP8 peak (master state unchanged)
     moe_node_limit: int = 0  # a token's routed experts lie on at most this many nodes (0: no limit)
     a2a_overlap: float = 0.0  # fraction of a MoE layer's compute the expert all-to-all can hide under
@@ -79,9 +81,9 @@ class Software:
 
 _KNOBS = tuple(f.name for f in fields(Software) if f.name not in ("name", "source", "sources"))
 # knobs a preset may leave out, with their default
-_OPTIONAL = {"attention_speed": 1.0, "precision": "bf16", "moe_node_limit": 0, "a2a_overlap": 0.0,
-             "pipeline": "standard", "comm_sms": 0, "linear_act_bytes": 2.0, "attn_out_act_bytes": 2.0,
-             "swiglu_in_act_bytes": 2.0, "recompute_norms": False, "recompute_mla_up": False,
+_OPTIONAL = {"attention_speed": 1.0, "attention_kernel": "fa2", "precision": "bf16", "moe_node_limit": 0,
+             "a2a_overlap": 0.0, "pipeline": "standard", "comm_sms": 0, "linear_act_bytes": 2.0,
+             "attn_out_act_bytes": 2.0, "swiglu_in_act_bytes": 2.0, "recompute_norms": False, "recompute_mla_up": False,
              "recompute_swiglu_output": False, "moe_weighted_combine": True, "dropout": False,
              "optimizer_state_bytes": 12.0}
 PRECISIONS = ("bf16", "fp8")
@@ -122,6 +124,7 @@ class SoftwareKnobs(BaseModel):
     cp: bool
     max_v: Annotated[int, Field(ge=1, le=1024)]
     attention_speed: Annotated[float, Field(gt=0, le=4)]
+    attention_kernel: Literal[ATTENTION_KERNELS]  # type: ignore[valid-type]
     precision: Literal["bf16", "fp8"]
     moe_node_limit: _SMs
     a2a_overlap: _Fraction
@@ -151,7 +154,8 @@ KNOB_ALLOWED: dict[str, str] = {
     "zero": "a non-empty list of ZeRO stages among 0, 1, 2, 3",
     "schedules": f"a non-empty list of schedules among {', '.join(get_args(Schedule))}",
     "cp": _BOOL, "max_v": "a whole number of virtual stages from 1 to 1024",
-    "attention_speed": "the kernel's rate over FlashAttention-2's, a finite number in (0, 4]",
+    "attention_speed": "a factor on the kernel's published rate, a finite number in (0, 4]",
+    "attention_kernel": f"one of {', '.join(ATTENTION_KERNELS)}",
     "precision": f"one of {', '.join(PRECISIONS)}", "pipeline": "standard or dualpipe",
     "moe_node_limit": "a whole number of nodes from 0 (no limit) to 4096",
     "comm_sms": "a whole number of SMs from 0 to 4096",
