@@ -25,11 +25,13 @@ from trainscale.estimate.planner import plan, step
 from trainscale.estimate.planner.validate import convention_flops_per_token
 from trainscale.specs import Layout, load_model
 
-# Meta's layout in the planner's terms, under the meta-llama3 software preset (catalog/software.toml): FP32
-# gradients accumulated over micro-batches and reduce-scattered once, optimizer sharded (zero1); interleaved
-# with one layer per virtual stage (128 slots = 126 layers + embedding + head); FlashAttention, and no
-# activation checkpointing at 8K (Llama 3 Sec. 3.3.2).
-META = "mb1,v8,zero1"
+# Meta's layout in the planner's terms, under the meta-llama3 software preset (catalog/software.toml): optimizer
+# states and gradients sharded (zero2: Sec. 3.3.2 "FSDP to shard the optimizer states and gradients"), each
+# micro-batch's gradients reduce-scattered in FP32 into the FP32 shards they accumulate in (Sec. 3.3.4), the
+# reduce-scatter overlapping the stage's next forward and backward chunk (estimate/planner/dp.py zero2_window);
+# interleaved with one layer per virtual stage (128 slots = 126 layers + embedding + head); FlashAttention, and no
+# activation checkpointing at 8K (Llama 3 Sec. 3.3.2). The same reading fits 80 GB (test_estimate_planner_facts.py).
+META = "mb1,v8,zero2"
 TABLE4 = [  # (gpus, tp, cp, pp, dp, seq, batch/DP, TFLOP/s, MFU)
     (8192, 8, 1, 16, 64, 8192, 32, 430, 0.43),
     (16384, 8, 1, 16, 128, 8192, 16, 400, 0.41),
@@ -88,7 +90,10 @@ def test_search_405b_best_layout_tp_in_server_and_fits(p405, search405):
     best = p405.row(search405.cfg, search405.res, b)
     lay = Layout.parse(best["layout"])
     assert lay.tp <= 8 and best["tp_in_scale_up"]
-    assert best["fits"] and best["memory_per_gpu_bytes"]["total"] <= 80e9
+    # fits = within the usable capacity an "80 GB" H100 offers (81,082 MiB less the stated reserve = 84.33 GB,
+    # issue 20 item 6), not 80e9 B: the winner (zero2 since its per-micro-batch reduce-scatter hides under the
+    # pipeline's next chunks, dp.zero2_window) holds 81.4 GB
+    assert best["fits"] and best["memory_per_gpu_bytes"]["total"] <= best["memory_capacity_bytes"] < 84.4e9
     assert lay.world_size == 16384
     # ranked by throughput among layouts that fit
     fits = search405.res["fits"]

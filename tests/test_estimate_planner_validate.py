@@ -163,21 +163,29 @@ def test_validation_set_is_public_sourced_and_predicted():
     assert out["mean_abs_error"] == pytest.approx(sum(errs) / len(errs))
     assert out["worst_abs_error"] == pytest.approx(max(errs))
     # recorded in benchmarks/RESULTS.md (148 rows, catalog constants, attention at the kernels' published curves,
-    # the sustained clock on the GEMMs only): mean 10.4%, worst 26.0% (MPT-7B at 65,536 tokens on 8 H100s)
-    assert out["mean_abs_error"] == pytest.approx(0.104, abs=0.003)
+    # the sustained clock on the GEMMs only, zero2's reduce-scatter under the pipeline's next chunks): mean 10.2%,
+    # worst 26.0% (MPT-7B at 65,536 tokens on 8 H100s)
+    assert out["mean_abs_error"] == pytest.approx(0.1015, abs=0.003)
     assert out["worst_run"] == "foundry-7b-h100-s65536-g8-mb1" and out["worst_abs_error"] == pytest.approx(0.260,
                                                                                                            abs=0.005)
     by_id = {r["id"]: r for r in out["runs"]}
+    # DeepSeek-V3 with its MTP module on the last rank, cut first3,last2 (61 layers + embedding + MTP + loss = 16 x 4
+    # units, as Megatron-Core splits DeepSeek-V3; catalog/runs.toml's note): +1.6%. placement's default cut would put
+    # 90 GB on rank 15 (no fit) and predict -8.9%.
+    assert by_id["deepseek-v3-h800x2048"]["error"] == pytest.approx(0.016, abs=0.005)
     assert all(abs(by_id[i]["error"]) < 0.06 for i in ("titan-8b-a100x64", "titan-70b-a100x64", "mpt-7b-h100x8",
                                                        "titan-8b-h100x8", "deepseek-v3-h800x2048"))
-    # Llama 3 Table 4 at 8K as the paper shards it (zero2, Sec. 3.3.2): -21%, the gradients reduce-scattered per
-    # micro-batch (estimate/planner/dp.py) and not hidden across the pipeline's micro-batches
-    assert all(-0.23 < by_id[i]["error"] < -0.19 for i in ("llama3-405b-8k-8192", "llama3-405b-8k-16384"))
-    # Llama 3 Table 4 at 128K: +10.5% read with torchtitan's convention, -21.2% with causal halving
+    # Llama 3 Table 4 at 8K as the paper shards it (zero2, Sec. 3.3.2): -2.7% and -3.0%, each micro-batch's
+    # gradients reduce-scattered on FSDP2's own stream under the stage's next forward and backward chunk
+    # (dp.zero2_window); -21% while the model hid each only under its own micro-batch's backward
+    assert by_id["llama3-405b-8k-8192"]["error"] == pytest.approx(-0.027, abs=0.005)
+    assert by_id["llama3-405b-8k-16384"]["error"] == pytest.approx(-0.030, abs=0.005)
+    # Llama 3 Table 4 at 128K: +6.8% read with torchtitan's convention, -23.8% with causal halving (the attention
+    # kernel at a CP rank's shapes, seq / cp = 8K: layer.cp_kernel_seq; it was +10.5% / -21.2% at the 16K plateau)
     l128 = by_id["llama3-405b-128k-16384"]
-    assert l128["error"] == pytest.approx(0.105, abs=0.005)
+    assert l128["error"] == pytest.approx(0.068, abs=0.005)
     assert l128["alt_convention"]["flop_convention"] == "trainscale"
-    assert l128["alt_convention"]["error"] == pytest.approx(-0.212, abs=0.005)
+    assert l128["alt_convention"]["error"] == pytest.approx(-0.238, abs=0.005)
     gens = {r["generation"] for r in out["runs"]}
     assert gens == {"hopper", "ampere"}
     # peak memory where the source publishes it (torchtitan's H100 tables): the heaviest stage within 6%

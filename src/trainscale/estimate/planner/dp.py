@@ -90,9 +90,11 @@ def dp_exposed(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, st_
     """(exposed, total) DP traffic of a step. A collective overlaps (sw.dp_overlap of) the compute it follows: the
     weight gathers the critical stage's forward, the gradient reductions its backward and recomputation; one that
     runs once per step also leaves one layer's bucket exposed (the first gather before any compute, the last
-    reduce after all of it). ZeRO-3's backward gather and reduce-scatter share the same links at once."""
+    reduce after all of it). ZeRO-3's backward gather and reduce-scatter share the same links at once. ZeRO-2's
+    per-micro-batch reduce-scatter hides under ``zero2_window``."""
     win_f = k.n_dense * dense.fwd + k.n_moe * moe.fwd
     win_b = k.n_dense * dense.bwd + k.n_moe * moe.bwd + st_rc
+    win_rs2 = zero2_window(c, win_f, win_b)
     ov, n_layers = sw.dp_overlap, k.layers
     zero, micro = c.zero, c.micro
     rs, ag, ar_rep, ar = col.rs, col.ag, col.ar_rep, col.ar
@@ -105,11 +107,26 @@ def dp_exposed(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, st_
         [zero == 0, zero == 1, zero == 2],
         [hidden(ar, win_b, True),
          hidden(rs + ar_rep, win_b, True) + hidden(ag, win_f, True),
-         micro * hidden(rs, win_b) + hidden(ar_rep, win_b, True) + hidden(ag, win_f, True)],
+         micro * hidden(rs, win_rs2) + rs / np.maximum(n_layers, 1) + hidden(ar_rep, win_b, True)
+         + hidden(ag, win_f, True)],
         micro * (hidden(ag, win_f) + hidden(ag + rs, win_b)) + hidden(ar_rep, win_b, True))
     total = np.select([zero == 0, zero == 1, zero == 2], [ar, rs + ag + ar_rep, micro * rs + ag + ar_rep],
                       micro * (2 * ag + rs) + ar_rep)
     return exposed, total
+
+
+def zero2_window(c: Candidates, win_f: Any, win_b: Any) -> Any:
+    """The compute one micro-batch's ZeRO-2 gradient reduce-scatter hides under on the critical stage. FSDP2 issues
+    each layer group's reduce-scatter on its own stream and the compute stream waits for it only when the next
+    group's reduce-scatter is issued (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py post_backward:
+    ``current_stream().wait_event(comm_ctx.reduce_scatter_state.event)``) or at the step's last backward
+    (_fsdp_state.py ``_root_post_backward_final_callback``, ``is_last_backward``): one reduce-scatter in flight,
+    each overlapping the compute until the next backward chunk is done. Without a pipeline that is the
+    micro-batch's own backward (its last group also reaches into the next forward: ignored). Under a pipeline
+    schedule's steady 1F1B phase (Narayanan et al. 2021, arXiv 2104.04473 Fig. 4) a forward runs between two
+    backward chunks on the stage, so each micro-batch's reduce-scatter overlaps one forward and one backward of
+    the stage's layers; the last one of the step is exposed (``dp_exposed``'s once-per-step floor)."""
+    return np.where(c.pp > 1, win_f + win_b, win_b)
 
 
 def optimizer_time(c: Candidates, s: StageParams, eff: Efficiencies, sw: Software, hbm: float) -> Any:

@@ -244,13 +244,26 @@ def dense_gemms(m: ModelSpec, c: Candidates, r: Rates, sw: Software) -> Gemms:
     return Gemms(t_mm_f, t_mm_b, t_sel, t_up, t_att_f, t_att_b, t_sel_att)
 
 
+def cp_kernel_seq(seq: int, cp: Any) -> Any:
+    """The square causal sequence length whose published kernel rate a context-parallel rank's attention runs at:
+    seq / cp. A rank holds seq / cp queries in 2 load-balanced chunks of seq / (2 cp) (Llama 3, arXiv 2407.21783
+    Sec. 3.3.2: rank i takes chunks i and 2 CP - 1 - i; Megatron-Core's p2p CP, transformer_engine
+    context_parallel.py, the same). FlashAttention-2's backward (2.5 of its 3.5 FLOP units) parallelises over key
+    blocks and loops over the query blocks (arXiv 2307.08691 Sec. 3.2): a chunk's seq / (2 cp) queries, unmasked
+    but for the diagonal block, the same loop as a causal square of seq / cp (whose key block meets seq / (2 cp)
+    query rows on average). Ring-style CP runs (seq / cp) x (seq / cp) blocks per step. The key length is long and
+    does not shorten the forward's loop; the curve at seq / cp is taken for forward and backward alike."""
+    return seq / np.asarray(cp, dtype=float)
+
+
 def attention_core(m: ModelSpec, c: Candidates, r: Rates, eff: Efficiencies, sw: Software, seq: int) -> tuple[Any, Any]:
     """(forward + backward, forward) of the attention core: fused (FlashAttention, causal halving) or unfused (full
     s x s products and the score traffic)."""
     if sw.attention == "flash":
         attn_train = flops.attention_flops_per_token(m, seq, causal=True) / m.n_layers * c.tokens / c.tp
-        # a published kernel curve is scaled from the datasheet peak (the sustained clock is the GEMMs', Rates)
-        rate = attention_rate(m, seq, r.peak_attn if r.attn else r.peak_run, eff, r.attn)
+        # a published kernel curve is scaled from the datasheet peak (the sustained clock is the GEMMs', Rates);
+        # under context parallelism the kernel runs at the shapes of one rank's seq / cp queries (``cp_kernel_seq``)
+        rate = attention_rate(m, cp_kernel_seq(seq, c.cp), r.peak_attn if r.attn else r.peak_run, eff, r.attn)
         t_attn = attn_train / (rate * sw.attention_speed)
         return t_attn, t_attn / 3  # the forward is a third of forward + backward
     heads = m.n_heads / c.tp
