@@ -29,7 +29,7 @@ def report(
     gpus: int = typer.Option(16384, callback=number(gt=0, le=1e8), help="number of GPUs"),
     cluster: str = typer.Option("meta-h100", callback=catalog_or_file("cluster"),
                                 help="cluster (servers, racks, links)"),
-    layout: str = typer.Option("tp8,cp1,pp16,dp128,mb1", help="layout to draw ('' for none)"),
+    layout: str = typer.Option("tp8,cp1,pp16,dp128,mb1,v8,zero2", help="layout to draw ('' for none)"),
     tokens: float = typer.Option(None, callback=number(gt=0, le=1e18),
                                  help="training tokens (default: Llama 3.1's 15.6T)"),
     mfu: float = typer.Option(0.40, callback=number(gt=0, le=1), help="MFU for time and energy"),

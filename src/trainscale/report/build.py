@@ -298,7 +298,7 @@ def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]
 
 
 def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100-sxm", gpus: int = 16384,
-                 cluster: str = "meta-h100", layout: str | None = "tp8,cp1,pp16,dp128,mb1",
+                 cluster: str = "meta-h100", layout: str | None = "tp8,cp1,pp16,dp128,mb1,v8,zero2",
                  tokens: float | None = None, mfu: float = 0.40, run_dir: str | Path | None = None,
                  plan_file: str | Path | None = None, seq: int | None = None, walkthrough: bool | None = None
                  ) -> Path:
