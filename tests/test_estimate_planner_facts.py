@@ -157,3 +157,15 @@ def test_nemo_preset_knobs_each_cite_the_recipe_or_framework_code():
     assert layer.rates(load_gpu("h100-sxm"), eff_h, sw).attn.kernel == "cudnn"  # type: ignore[union-attr]
     assert layer.rates(load_gpu("a100-sxm-80gb"), eff_a, sw).attn.kernel == "fa2"  # type: ignore[union-attr]
     assert sw.zero == (0, 1) and sw.optimizer_state_bytes == 12.0
+
+
+def test_recomputed_attention_forward_is_the_kernels_published_forward_share() -> None:
+    """Full recomputation redoes a fused attention kernel's forward: FlashAttention-2 on H100 at head dim 128 and
+    16k runs forward + backward at 328 TFLOP/s and the forward alone at 335 (its count: backward = 2.5 x forward,
+    FlashAttention-3 arXiv 2407.08608 Fig. 5 and the FA2 README H100 figure), so the forward takes
+    328 / (3.5 x 335) = 0.280 of the time; a kernel with no published forward curve (the Triton kernel) 1 / 3.5."""
+    forward_share = layer.forward_share
+    assert float(forward_share(attention_curve("fa2", "hopper"), 16384, 128)) == pytest.approx(328 / (3.5 * 335))
+    assert float(forward_share(attention_curve("fa2", "hopper"), 512, 64)) == pytest.approx(141 / (3.5 * 180))
+    assert float(forward_share(attention_curve("fa-triton", "hopper"), 16384, 128)) == pytest.approx(1 / 3.5)
+    assert float(forward_share(None, 2048, 128)) == pytest.approx(1 / 3.5)

@@ -163,18 +163,23 @@ def test_validation_set_is_public_sourced_and_predicted():
     assert out["mean_abs_error"] == pytest.approx(sum(errs) / len(errs))
     assert out["worst_abs_error"] == pytest.approx(max(errs))
     # recorded in benchmarks/RESULTS.md (148 rows, catalog constants, attention at the kernels' published curves,
-    # the sustained clock on the GEMMs only, zero2's reduce-scatter under the pipeline's next chunks): mean 10.2%,
-    # worst 26.0% (MPT-7B at 65,536 tokens on 8 H100s)
-    assert out["mean_abs_error"] == pytest.approx(0.1015, abs=0.003)
-    assert out["worst_run"] == "foundry-7b-h100-s65536-g8-mb1" and out["worst_abs_error"] == pytest.approx(0.260,
-                                                                                                           abs=0.005)
+    # the sustained clock on the GEMMs only, zero2's reduce-scatter under the pipeline's next chunks, full
+    # recomputation redoing the attention kernel's forward at its published forward share, 1/3.5 at one rate, not
+    # 1/3): mean 9.8% (10.2% with 1/3), worst 25.4% (MPT-1B on 512 H100s, predicted fast; MPT-7B at 65,536 tokens on
+    # 8 H100s was the worst at -26.0%, now -23.7%)
+    assert out["mean_abs_error"] == pytest.approx(0.0983, abs=0.003)
+    assert out["worst_run"] == "foundry-1b-h100-s2048-g512-mb12" and out["worst_abs_error"] == pytest.approx(
+        0.254, abs=0.005)
     by_id = {r["id"]: r for r in out["runs"]}
     # DeepSeek-V3 with its MTP module on the last rank, cut first3,last2 (61 layers + embedding + MTP + loss = 16 x 4
     # units, as Megatron-Core splits DeepSeek-V3; catalog/runs.toml's note): +1.6%. placement's default cut would put
     # 90 GB on rank 15 (no fit) and predict -8.9%.
     assert by_id["deepseek-v3-h800x2048"]["error"] == pytest.approx(0.016, abs=0.005)
-    assert all(abs(by_id[i]["error"]) < 0.06 for i in ("titan-8b-a100x64", "titan-70b-a100x64", "mpt-7b-h100x8",
-                                                       "titan-8b-h100x8", "deepseek-v3-h800x2048"))
+    # torchtitan's A100 8B row (selective recompute redoes the attention core): +5.9% -> +6.6% since the recomputed
+    # FlashAttention-2 forward costs 1/3.5 of the kernel's time, not 1/3 (layer.forward_share)
+    assert all(abs(by_id[i]["error"]) < 0.06 for i in ("titan-70b-a100x64", "mpt-7b-h100x8", "titan-8b-h100x8",
+                                                       "deepseek-v3-h800x2048"))
+    assert by_id["titan-8b-a100x64"]["error"] == pytest.approx(0.066, abs=0.005)
     # Llama 3 Table 4 at 8K as the paper shards it (zero2, Sec. 3.3.2): -2.7% and -3.0%, each micro-batch's
     # gradients reduce-scattered on FSDP2's own stream under the stage's next forward and backward chunk
     # (dp.zero2_window); -21% while the model hid each only under its own micro-batch's backward

@@ -248,6 +248,8 @@ class AttentionCurve:
     hd128: tuple[float, ...]
     peak: float  # the bf16 datasheet peak of the GPU it was measured on
     source: str
+    fwd64: tuple[float, ...] | None = None  # its forward-only TFLOP/s at ``seq``, where published
+    fwd128: tuple[float, ...] | None = None
 
 
 ATTENTION_KERNELS = ("fa2", "fa1", "fa-triton", "fa3", "cudnn")  # the kernels catalog/planner.toml may tabulate
@@ -260,12 +262,15 @@ def attention_curve(kernel: str, generation: str) -> AttentionCurve | None:
     if t is None:
         return None
     seq, hd64, hd128 = (tuple(float(x) for x in t[k]) for k in ("seq", "hd64", "hd128"))
+    fwd64, fwd128 = (tuple(float(x) for x in t[k]) if k in t else None for k in ("fwd_hd64", "fwd_hd128"))
+    fwd = (fwd64 or ()) + (fwd128 or ())
     if not (len(seq) == len(hd64) == len(hd128) >= 1 and list(seq) == sorted(set(seq))
-            and min(hd64 + hd128) > 0):
+            and min(hd64 + hd128) > 0 and (fwd64 is None) == (fwd128 is None)
+            and (not fwd or (len(fwd) == 2 * len(seq) and min(fwd) > 0))):
         raise TrainscaleError(f"catalog/planner.toml [attention.{kernel}.{generation}]: seq must rise and hd64, hd128 "
-                              "be positive rates, one per seq")
+                              "(and fwd_hd64, fwd_hd128 if given, both) be positive rates, one per seq")
     return AttentionCurve(kernel, generation, seq, hd64, hd128, load_gpu(str(t["gpu"])).peak_bf16_flops,
-                          str(t.get("source", "")))
+                          str(t.get("source", "")), fwd64, fwd128)
 
 
 def cluster_topology(cluster: ClusterSpec, gpu: GPUSpec, eff: Efficiencies) -> comms.Topology:

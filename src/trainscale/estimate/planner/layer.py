@@ -98,14 +98,26 @@ def layer_gemm_shapes(m: ModelSpec, tp: Any) -> dict[str, tuple[Any, Any]]:
 SOURCE_FWD_BWD, PLANNER_FWD_BWD = 3.5, 3.0
 
 
-def curve_rate(curve: AttentionCurve, seq: Any, head_dim: int) -> Any:
+def curve_rate(curve: AttentionCurve, seq: Any, head_dim: int, forward: bool = False) -> Any:
     """The curve's TFLOP/s (its own count) at ``seq`` and ``head_dim``: linear in log2(seq) between its points and in
-    head dim between 64 and 128, the end values held outside them."""
+    head dim between 64 and 128, the end values held outside them. ``forward``: its forward-only rates."""
     x = np.log2(np.maximum(np.asarray(seq, dtype=float), 1.0))
     xs = np.log2(np.array(curve.seq))
-    r64, r128 = np.interp(x, xs, curve.hd64), np.interp(x, xs, curve.hd128)
+    y64, y128 = (curve.fwd64, curve.fwd128) if forward else (curve.hd64, curve.hd128)
+    r64, r128 = np.interp(x, xs, y64), np.interp(x, xs, y128)
     w = min(max((head_dim - 64) / 64, 0.0), 1.0)
     return (1 - w) * r64 + w * r128
+
+
+def forward_share(curve: AttentionCurve | None, seq: Any, head_dim: int) -> Any:
+    """The forward's share of a fused attention kernel's forward + backward time (what full recomputation redoes).
+    FlashAttention's backward does 2.5 x the forward's FLOPs (it recomputes the scores and probabilities from Q, K
+    and the saved log-sum-exp, arXiv 2307.08691 Sec. 3.1.2; benchmark_flash_attention.py flops() counts it so): at
+    one rate the forward is 1 / 3.5 of the time. Where the kernel's forward-only rates are published (catalog/
+    planner.toml fwd_hd64, fwd_hd128), time(forward) / time(forward + backward) = rate(fwd+bwd) / (3.5 rate(fwd))."""
+    if curve is None or curve.fwd64 is None:
+        return 1.0 / SOURCE_FWD_BWD
+    return curve_rate(curve, seq, head_dim) / (SOURCE_FWD_BWD * curve_rate(curve, seq, head_dim, forward=True))
 
 
 def attention_rate(m: ModelSpec, seq: Any, peak: float, eff: Efficiencies, curve: AttentionCurve | None = None
@@ -265,7 +277,7 @@ def attention_core(m: ModelSpec, c: Candidates, r: Rates, eff: Efficiencies, sw:
         # under context parallelism the kernel runs at the shapes of one rank's seq / cp queries (``cp_kernel_seq``)
         rate = attention_rate(m, cp_kernel_seq(seq, c.cp), r.peak_attn if r.attn else r.peak_run, eff, r.attn)
         t_attn = attn_train / (rate * sw.attention_speed)
-        return t_attn, t_attn / 3  # the forward is a third of forward + backward
+        return t_attn, t_attn * forward_share(r.attn, cp_kernel_seq(seq, c.cp), m.qk_head_dim)
     heads = m.n_heads / c.tp
     rows = c.mb * heads * (seq / c.cp)
     qk_f, qk_b = gemm_train_time(rows, m.head_dim, seq, r.f_mm, r.hbm, r.sms, r.gap)
