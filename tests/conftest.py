@@ -47,6 +47,10 @@ BY_TEST = {
         "test_commands_train.py": ["test_train_writes_the_run_folder_and_a_loadable_model"],
         "test_infer_export_moe.py": ["test_cli_refuses_moe_tiny_in_one_line"],
         "test_estimate_flops.py": ["test_a_real_run_logs_the_planners_mfu"],
+        "test_runtime_resume.py": [
+            "test_resume_with_fewer_steps_or_none_keeps_the_uninterrupted_schedule",
+            "test_going_past_the_total_is_explicit_and_a_refusal_writes_nothing",
+            "test_wsd_extended_in_its_stable_phase_is_the_longer_run"],
     },
     "service": {
         "test_report.py": ["test_seed_report_in_chromium", "test_report_of_a_real_tiny_run_in_chromium"],
