@@ -85,7 +85,7 @@ def test_continuation_keeps_the_schedule_and_refuses_in_one_sentence():
     with pytest.raises(TrainscaleError, match=r"^--steps 30: the run in RUN was laid out for 20 steps .* add "
                        r"--extend \(steps 21\.\.30 train at the schedule's final learning rate, 0\.1\)"):
         continuation(t, 10, Horizon(20, 20), 30, False, "RUN")
-    with pytest.raises(TrainscaleError, match="already reached step 20, its last; train further with --resume "
+    with pytest.raises(TrainscaleError, match="already reached step 20 of 20; train further with --resume "
                        "--steps N --extend"):
         continuation(t, 20, Horizon(20, 20), None, False, "RUN")
     with pytest.raises(TrainscaleError, match="already reached step 12, past --steps 10"):
@@ -164,7 +164,7 @@ def test_going_past_the_total_is_explicit_and_a_refusal_writes_nothing(uninterru
     shutil.copytree(base, out)
     before = snapshot(out, skip=(".lock",))  # run directly, the rank takes the lock (its pid) before it reads
     for args, said in ((["--steps", "16"], "add --extend (steps 13..16 train at the schedule's final learning rate"),
-                       ([], "already reached step 12, its last")):
+                       ([], "already reached step 12 of 12; train further")):
         p = worker(cfg, out, "--resume", *args, ok=False)
         assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr
         assert snapshot(out, skip=(".lock",)) == before  # run.json not "running", no start event, no restart

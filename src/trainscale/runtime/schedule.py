@@ -106,11 +106,11 @@ def continuation(t: Any, step: int, rec: Horizon, steps: int | None, extend: boo
     already got there or when going past the total needs ``--extend``. ``t``: the config's train section."""
     want = rec.total if steps is None else steps
     if step >= want:
-        if steps is None or want == rec.total:
-            raise TrainscaleError(f"the run in {where} already reached step {step}, its last; train further with "
+        if step >= rec.total:
+            raise TrainscaleError(f"the run in {where} already reached step {step} of {rec.total}; train further with "
                                   f"--resume --steps N --extend (N > {step}), or train into a fresh folder")
         raise TrainscaleError(f"the run in {where} already reached step {step}, past --steps {want}; ask for more "
-                              f"steps (up to {rec.total}, or more with --extend)")
+                              f"(its total is {rec.total}; past it with --extend)")
     if want <= rec.total:
         return rec, want
     same = step <= min(fixed_steps(t, rec.schedule_steps), fixed_steps(t, want))

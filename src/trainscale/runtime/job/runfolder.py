@@ -101,6 +101,26 @@ class RunLock:
         self.fd = fd
         return self
 
+    @staticmethod
+    def check_free(folder: Path) -> None:
+        """Refuse, as ``acquire`` does, a folder another job holds -- without writing anything (a refused
+        ``--resume`` must leave the folder as it was)."""
+        import fcntl
+
+        try:
+            fd = os.open(Path(folder) / LOCK, os.O_RDONLY)
+        except OSError:
+            return  # no lock file: nobody holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                raise TrainscaleError(f"run folder {folder} is in use by another trainscale job (pid {holder}); "
+                                      "wait for it to end or train into another folder") from None
+        finally:
+            os.close(fd)
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing drops the flock
@@ -164,6 +184,7 @@ def check_resume(folder: Path, ckpt_root: Path, cfg: Any, steps: int | None, ext
     from trainscale.runtime.schedule import continuation, recorded
 
     folder, ckpt_root = Path(folder), Path(ckpt_root)
+    RunLock.check_free(folder)
     ident = _identity(folder)
     if ident is None:
         raise TrainscaleError(f"--resume: {folder} holds no run to continue (no {IDENTITY}); train without "
