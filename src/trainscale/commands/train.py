@@ -33,12 +33,12 @@ def register(app: typer.Typer) -> None:
     app.command()(train)
 
 
-def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool, sets: list[str] = ()):
+def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool, sets: list[str] | None = None):
     from trainscale.runtime.config import check_layout, load_config
 
     if steps is not None and steps <= 0:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
-    cfg = load_config(config, {"train": {"steps": steps}} if steps else None, sets=sets)
+    cfg = load_config(config, {"train": {"steps": steps}} if steps else None, sets=sets or ())
     why = None
     if plan:
         if layout:
