@@ -44,9 +44,15 @@ BY_TEST = {
             "test_jsonl_corpus_trains_below_the_unigram_baseline",
             "test_parquet_folder_with_a_loaded_tokenizer_trains_below_the_unigram_baseline"],
         "test_runtime_data_loader.py": ["test_resume_under_another_dp_and_pp_continues_on_the_same_sequences"],
-        "test_commands_train.py": ["test_train_writes_the_run_folder_and_a_loadable_model"],
+        "test_commands_train.py": ["test_train_writes_the_run_folder_and_a_loadable_model",
+                                   "test_a_refused_resume_is_one_sentence_and_changes_nothing_in_the_run_folder",
+                                   "test_set_overrides_are_the_runs_config_and_resume_sees_them"],
         "test_infer_export_moe.py": ["test_cli_refuses_moe_tiny_in_one_line"],
         "test_estimate_flops.py": ["test_a_real_run_logs_the_planners_mfu"],
+        "test_runtime_resume.py": [
+            "test_resume_with_fewer_steps_or_none_keeps_the_uninterrupted_schedule",
+            "test_going_past_the_total_is_explicit_and_a_refusal_writes_nothing",
+            "test_wsd_extended_in_its_stable_phase_is_the_longer_run"],
     },
     "service": {
         "test_report.py": ["test_seed_report_in_chromium", "test_report_of_a_real_tiny_run_in_chromium"],

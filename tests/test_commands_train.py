@@ -139,3 +139,105 @@ def test_dry_run_prints_predicted_memory_from_the_real_model(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**env, "TRAINSCALE_DEVICE_MEMORY_BYTES": "lots"})
     assert bad.returncode == 2 and "TRAINSCALE_DEVICE_MEMORY_BYTES" in bad.stderr
+
+
+# ------------------------------------------------------------------ runs continue correctly (issue 21 item 6)
+
+
+def _short(tmp: Path) -> Path:
+    text = TINY.read_text().replace("steps = 40", "steps = 4").replace("warmup = 5", "warmup = 2")
+    path = tmp / "short.toml"
+    path.write_text(text.replace("eval_sequences = 64", "eval_sequences = 0\nsave_final = false"))
+    return path
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Every path under ``folder`` (the lock file included) with the sha256 of its bytes."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): "folder" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*"))}
+
+
+def test_a_refused_resume_is_one_sentence_and_changes_nothing_in_the_run_folder(tmp_path):
+    """Main before this: `--resume` on a finished run without checkpoints printed "no complete checkpoint to resume
+    from: starting at step 0" and trained from scratch over it; a refusal rewrote run.json to "running" and counted
+    a restart. Now every refusal comes before the run folder is touched (its lock file included)."""
+    cfg = _short(tmp_path)
+    done, kept = tmp_path / "done", tmp_path / "kept"
+    for out, extra in ((done, []), (kept, ["--set", "checkpoint.every_steps=2"])):
+        p = subprocess.run([sys.executable, "-m", "trainscale.runtime.train", "--config", str(cfg), "--out", str(out),
+                            *extra], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert not (done / "checkpoints").exists() and (kept / "checkpoints" / "step-00000004").is_dir()
+    cases = [
+        (done, ["--steps", "30"], "the run in {out} finished at step 4 and kept no checkpoint to continue from"),
+        (kept, [], "already reached step 4 of 4; train further with --resume --steps N --extend"),
+        (kept, ["--steps", "8"], "was laid out for 4 steps and its learning-rate schedule ends at step 4; going "
+                                 "past it is explicit: add --extend"),
+        (kept, ["--set", "train.lr=1e-3"], "trained with another config"),
+        (kept, ["--layout", "tp3"], "tp3 must divide"),
+    ]
+    for out, extra, said in cases:
+        before = _snapshot(out)
+        p = ts("train", "--config", str(cfg), "--out", str(out), "--resume", *extra)
+        assert p.returncode == 2, (extra, p.stdout[-1000:], p.stderr)
+        assert said.format(out=out) in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert _snapshot(out) == before, extra
+    p = ts("train", "--config", str(cfg), "--out", str(tmp_path / "none"), "--resume")
+    assert p.returncode == 2 and "holds no run to continue" in p.stderr and not (tmp_path / "none").exists()
+    p = ts("train", "--config", str(cfg), "--out", str(kept), "--resume", "--steps", "8", "--extend", "--dry-run",
+           "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["command"][-1] == "--extend"
+
+
+def test_set_is_typed_by_the_schema_and_reaches_the_ranks(tmp_path):
+    p = ts("train", "--config", str(TINY), "--set", "train.lrr=1e-4", "--dry-run")
+    assert p.returncode == 2 and p.stderr.strip() == "trainscale: error: --set train.lrr: [train] has no key 'lrr'; " \
+        "did you mean train.lr?"
+    p = ts("train", "--config", str(TINY), "--set", "trian.lr=1e-4", "--dry-run")
+    assert p.returncode == 2 and "no config section 'trian'" in p.stderr
+    p = ts("train", "--config", str(TINY), "--set", "train.lr=fast", "--dry-run")
+    assert p.returncode == 2 and "train.lr: Input should be a valid number" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = ts("train", "--config", str(TINY), "--extend", "--dry-run")
+    assert p.returncode == 2 and "use it with --resume" in p.stderr
+    p = ts("train", "--config", str(TINY), "--set", "train.lr=1e-4", "--set", "data.held_out=0.1", "--dry-run",
+           "--json")
+    cmd = json.loads(p.stdout)["command"]
+    assert cmd[-4:] == ["--set", "train.lr=1e-4", "--set", "data.held_out=0.1"]
+    cfg = load_config(TINY, sets=["train.lr=1e-4", "data.held_out=0.1", "train.betas=[0.9, 0.99]",
+                                  'train.schedule="wsd"', "run.out=runs/x"])
+    assert (cfg.train.lr, cfg.data.held_out, cfg.train.betas, cfg.train.schedule, cfg.run.out) == (
+        1e-4, 0.1, (0.9, 0.99), "wsd", "runs/x")
+
+
+def test_launch_set_writes_the_overridden_config_beside_the_script(tmp_path):
+    script = tmp_path / "job.sh"
+    p = ts("launch", "--slurm", "--config", str(TINY), "--nodes", "1", "--cpu", "--gpus-per-node", "1",
+           "--set", "train.lr=2e-3", "--set", "train.schedule=wsd", "--script", str(script))
+    assert p.returncode == 0, p.stderr
+    written = tmp_path / "job.sh.config.toml"
+    assert f"--config={written}" in script.read_text()
+    assert load_config(written) == load_config(TINY, sets=["train.lr=2e-3", "train.schedule=wsd"])
+    p = ts("launch", "--slurm", "--config", str(TINY), "--nodes", "1", "--cpu", "--gpus-per-node", "1",
+           "--set", "train.lr=2e-3")
+    assert p.returncode == 2 and "--set needs --script" in p.stderr
+
+
+def test_set_overrides_are_the_runs_config_and_resume_sees_them(tmp_path):
+    out = tmp_path / "run"
+    cfg = _short(tmp_path)
+    p = ts("train", "--config", str(cfg), "--out", str(out), "--steps", "2", "--set", "train.lr=2e-3",
+           "--set", "data.held_out=0.1", "--set", "checkpoint.every_steps=2", "--json")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    lrs = [json.loads(x)["lr"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert lrs == pytest.approx([1e-3, 2e-3])  # warmup 2 to the overridden lr
+    saved = load_config(out / "config.toml")
+    assert (saved.train.lr, saved.data.held_out, saved.checkpoint.every_steps) == (2e-3, 0.1, 2)
+    p = ts("train", "--config", str(cfg), "--out", str(out), "--resume", "--steps", "4", "--extend", "--dry-run")
+    assert p.returncode == 2 and "trained with another config" in p.stderr
+    p = ts("train", "--config", str(out / "config.toml"), "--out", str(out), "--resume", "--steps", "4", "--extend",
+           "--dry-run")
+    assert p.returncode == 0, p.stderr

@@ -47,6 +47,9 @@ def launch(
     script: Path = typer.Option(None, help="where to write the script (default: stdout); the Slurm log goes beside "
                                            "it"),
     as_json: bool = typer.Option(False, "--json", help="print the script and its settings as JSON"),
+    sets: list[str] = typer.Option(None, "--set", metavar="SECTION.KEY=VALUE",
+                                   help="override a config value, e.g. --set train.lr=1e-4 (repeatable); the config "
+                                   "with them is written beside --script, as SCRIPT.config.toml, for the job to read"),
 ) -> None:
     """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous); it is
     requeueable (always --resume) and checkpoints before the time limit."""
@@ -58,12 +61,22 @@ def launch(
         raise TrainscaleError("say which scheduler: --slurm (the only one supported)")
     if steps is not None and steps <= 0:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
-    cfg = load_config(config, {"train": {"steps": steps}} if steps else None)
+    sets = list(sets or [])
+    cfg = load_config(config, {"train": {"steps": steps}} if steps else None, sets=sets)
     layout_text = layout if layout is not None else cfg.run.layout
     lay = Layout.parse(layout_text)
     check_layout(cfg, lay)
     if script is not None:
         check_output(script, "--script", folder=False, inputs=(config,))
+    if sets:  # the job reads the config with the overrides, written beside the script (the cluster sees it there)
+        if script is None:
+            raise TrainscaleError("--set needs --script: the config with the overrides is written beside it")
+        config = script.with_name(f"{script.name}.config.toml")
+        check_output(config, "the overridden config", folder=False)
+        try:
+            config.write_text(cfg.to_toml())
+        except OSError as e:
+            raise TrainscaleError(f"cannot write {config}: {e.strerror or e}") from None
     job_name = re.sub(r"[^A-Za-z0-9._-]", "-", cfg.name)[:64] or "trainscale"  # Slurm's name syntax, one line
     log_dir = str(script.parent.resolve()) if script is not None else "."
     job = SlurmJob(config=str(Path(config).resolve()), layout=str(lay), out=str(out or cfg.run.out), nodes=nodes,

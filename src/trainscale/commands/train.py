@@ -33,12 +33,12 @@ def register(app: typer.Typer) -> None:
     app.command()(train)
 
 
-def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool):
+def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool, sets: list[str] | None = None):
     from trainscale.runtime.config import check_layout, load_config
 
     if steps is not None and steps <= 0:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
-    cfg = load_config(config, {"train": {"steps": steps}} if steps else None)
+    cfg = load_config(config, {"train": {"steps": steps}} if steps else None, sets=sets or ())
     why = None
     if plan:
         if layout:
@@ -67,7 +67,14 @@ def train(
     rdzv_endpoint: str = typer.Option(None, help="HOST:PORT of the first machine, for a multi-node rendezvous"),
     rdzv_timeout: int = typer.Option(600, callback=number(gt=0, le=86400),
                                      help="multi-node: seconds to wait for the other machines to join"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the run folder's newest good checkpoint"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the run folder's newest good checkpoint, on "
+                                "the run's own learning-rate schedule, to --steps (default: the run's total)"),
+    extend: bool = typer.Option(False, "--extend", help="with --resume: go past the run's total (the schedule is laid "
+                                "out again where the steps so far are unchanged by it, as in WSD's stable phase; "
+                                "else the extra steps train at its final learning rate)"),
+    sets: list[str] = typer.Option(None, "--set", metavar="SECTION.KEY=VALUE",
+                                   help="override a config value, e.g. --set train.lr=1e-4 (a TOML value; "
+                                   "repeatable); it is part of the run's config.toml"),
     inject: str = typer.Option(None, help="faults to inject, e.g. 'crash@step=7,rank=1' (crash, hang, slow, "
                                "kill-during-save); checkpoints come from the config's [checkpoint] section"),
     max_restarts: int = typer.Option(3, callback=number(ge=0, le=1000),
@@ -85,7 +92,10 @@ def train(
     """Train a model with real 4D parallelism (torch.distributed: TP+SP, CP, PP, FSDP) on this machine."""
     from trainscale.runtime.job.launch import torchrun_command
 
+    sets = list(sets or [])
     if compare_plan:  # the same as `trainscale compare` (commands/compare.py), kept for scripts that use it
+        if sets:
+            raise TrainscaleError("--set does not apply to --compare-plan; give the values in the config file")
         from trainscale.commands.compare import compare_layouts
 
         compare_layouts(config, layout, steps, profile, as_json)
@@ -97,7 +107,9 @@ def train(
         from trainscale.specs import Layout as _Layout
 
         _Layout.parse(fallback_layout)  # a bad fallback is a one-line error here, not in every worker later
-    cfg, layout_text, lay, why = _resolve(config, layout, steps, plan)
+    if extend and not resume:
+        raise TrainscaleError("--extend continues a run past its total steps: use it with --resume and --steps")
+    cfg, layout_text, lay, why = _resolve(config, layout, steps, plan, sets)
     run_dir = out or Path(cfg.run.out)
     check_output(run_dir, "the run folder", folder=True)
     from trainscale.runtime.job.faults import parse_faults
@@ -109,6 +121,14 @@ def train(
     cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
                            max_restarts=max_restarts, inject=inject, resume=resume, fallback_layout=fallback_layout,
                            compile=compile, rdzv_timeout=rdzv_timeout)
+    cmd += [a for s in sets for a in ("--set", s)] + (["--extend"] if extend else [])
+    multi_node = max_nodes > 1 or rdzv_endpoint is not None
+    total = cfg.train.steps
+    if resume and not multi_node:  # read-only: a refused --resume leaves the run folder as it was
+        from trainscale.runtime.job import runfolder
+
+        ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+        total = runfolder.check_resume(run_dir, ckpt_root, cfg, steps, extend)
     if dry_run:
         info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd, "memory": memory}
         if as_json:
@@ -125,7 +145,6 @@ def train(
 
     # one machine: this process holds the run folder's lock for the whole job (restarts included) and
     # names the run; on several machines rank 0 of the job does both (the folder may be shared)
-    multi_node = max_nodes > 1 or rdzv_endpoint is not None
     lock = runfolder.RunLock(run_dir).acquire() if not multi_node else None
     # the ranks' one-sentence error goes outside the run folder: a full disk there must not swallow it
     err_dir = Path(tempfile.mkdtemp(prefix="trainscale-job-"))
@@ -154,7 +173,7 @@ def train(
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             try:
-                rows = _follow(proc, metrics, cfg.train.steps if steps is None else steps, cfg.run.log_every,
+                rows = _follow(proc, metrics, total, cfg.run.log_every,
                                str(lay), quiet=as_json, error_file=err_file if lock is not None else None)
             except BaseException:
                 _stop(proc)

@@ -4,8 +4,9 @@
               ModelSpec fields inline (n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, ...),
               or init = "PATH": a Hugging Face Llama folder whose config.json gives the model and whose
               safetensors give the starting weights (runtime/hf_init.py)
-    [train]   steps, lr, min_lr_ratio, warmup, seq_len, global_batch (sequences), seed,
-              weight_decay, grad_clip, betas, precision ("auto" | "bf16" | "fp32"), compile, eval_every
+    [train]   steps, lr, min_lr_ratio, warmup, schedule ("cosine" | "linear" | "wsd" | "constant"), decay_fraction
+              (WSD), seq_len, global_batch (sequences), seed, weight_decay, grad_clip, betas, precision ("auto" |
+              "bf16" | "fp32"), compile, eval_every (the schedules: runtime/schedule.py)
     [data]    files (the user's corpus: text / JSONL / Parquet / Megatron .bin+.idx / .npy token paths, globs
               or folders; default: the Shakespeare plays) or [[data.sources]] tables (files, weight, name:
               a weighted mixture), format, text_field, documents, held_out, tokenizer (tokenizer.json or an
@@ -14,6 +15,9 @@
               the plays, the loader see), cache (folder), tokenizer_vocab (default: the model's vocab_size)
     [run]     out (run folder), log_every, eval_sequences, layout (default layout string), save_final, sinks
     [profile] steps = [a, b] (torch.profiler trace + memory snapshot of those steps), ranks
+
+Any value can be overridden from the command line: ``--set train.lr=1e-4`` (``parse_set``: the value read as
+TOML, then validated by the same models; an unknown section or key is refused in one sentence).
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ class TrainSection(_Section):
     lr: float = Field(default=3e-4, gt=0, le=10)
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
     warmup: int = Field(default=10, ge=0, le=1_000_000_000)
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = Field(
+        default="cosine", description="after the warmup: cosine or linear to min_lr_ratio x lr at the last step; wsd: "
+        "constant, then linear to min_lr_ratio x lr over the last decay_fraction of the steps (MiniCPM, arXiv "
+        "2404.06395); constant (runtime/schedule.py)")
+    decay_fraction: float = Field(default=0.1, gt=0, le=1, description="wsd: the share of the steps that decay "
+                                  "(MiniCPM: about 10% suffices)")
     seq_len: int = Field(default=256, gt=0, le=1 << 24)
     global_batch: int = Field(default=8, gt=0, le=1 << 24, description="sequences per optimizer step")
     seed: int = Field(default=0, ge=0, lt=2**63)
@@ -222,8 +232,64 @@ def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
     return cfg
 
 
-def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None) -> TrainConfig:
-    """Read a training config TOML; ``overrides`` ({section: {key: value}}) replace its values."""
+_SECTIONS: dict[str, type[BaseModel]] = {"model": ModelSpec, "train": TrainSection, "data": DataSection,
+                                         "run": RunSection, "checkpoint": CheckpointSection, "profile": ProfileSection}
+
+
+def _keys(section: str) -> set[str]:
+    fields = _SECTIONS[section].model_fields
+    keys = set(fields) | {f.alias for f in fields.values() if f.alias}
+    return keys | {"init"} if section == "model" else keys
+
+
+def parse_set(text: str) -> tuple[str | None, str, Any]:
+    """``--set section.key=value`` (or ``name=value``) -> (section, key, value). The value is read as a TOML value
+    (``1e-4``, ``true``, ``"text"``, ``[0.9, 0.99]``, ``[{files = "a.txt"}]``); one that is not TOML is taken as a
+    string (``run.out=runs/x``). The config's models then type and check it, as they do the file's values."""
+    import difflib
+
+    name, sep, raw = text.partition("=")
+    name, raw = name.strip(), raw.strip()
+    if not sep or not name:
+        raise TrainscaleError(f"--set {text!r}: give section.key=value, e.g. --set train.lr=1e-4")
+    section, _, key = name.rpartition(".")
+    if section not in _SECTIONS and name != "name":
+        raise TrainscaleError(f"--set {name}: no config section {section or name!r}; the sections are "
+                              f"{', '.join(_SECTIONS)} (and the top-level name)")
+    if section and key not in _keys(section):
+        near = difflib.get_close_matches(key, sorted(_keys(section)), n=1)
+        hint = f"; did you mean {section}.{near[0]}?" if near else ""
+        raise TrainscaleError(f"--set {name}: [{section}] has no key {key!r}{hint}")
+    try:
+        value = _toml_value(raw)
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section or None, key, value
+
+
+def _toml_value(raw: str) -> Any:
+    return tomllib.loads(f"v = {raw}")["v"]
+
+
+def apply_sets(data: dict[str, Any], sets: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """The config's raw tables with each ``--set`` applied (later ones win)."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for text in sets:
+        section, key, value = parse_set(text)
+        if section is None:
+            data[key] = value
+            continue
+        table = data.get(section, {})
+        if not isinstance(table, dict):
+            raise TrainscaleError(f"--set {section}.{key}: the config's {section} is not a table")
+        data[section] = {**table, key: value}
+    return data
+
+
+def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None,
+                sets: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read a training config TOML; ``sets`` (``--set section.key=value``, ``parse_set``) then ``overrides``
+    ({section: {key: value}}, e.g. ``--steps``) replace its values."""
     from trainscale.safeio import read_text
 
     path = Path(path)
@@ -232,9 +298,11 @@ def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = 
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise TrainscaleError(f"config file {path} cannot be read: {e}") from None
     data.setdefault("name", path.stem)
+    data = apply_sets(data, sets)
     for section, values in (overrides or {}).items():
         data[section] = {**data.get(section, {}), **values}
-    return config_from_dict(data, f"config {path}")
+    what = f"config {path}" + (f" with --set {' --set '.join(sets)}" if sets else "")
+    return config_from_dict(data, what)
 
 
 def check_layout(cfg: TrainConfig, layout: Layout) -> None:

@@ -12,8 +12,9 @@ What happens, in order:
      activation checkpointing -> FSDP (runtime/parallel/parallelize.py)
   5. per step: the global batch (dp ranks take disjoint rows, cp ranks their load-balanced chunks),
      forward + backward (through the pipeline schedule, or in ``local_batch / mb`` accumulation
-     steps), gradient average over replicas, clipping by the global norm, AdamW, LR schedule; the
-     step's mean loss over the whole global batch is logged with tokens/s, FLOP/s and MFU
+     steps), gradient average over replicas, clipping by the global norm, AdamW, the LR schedule
+     (runtime/schedule.py: its horizon is the run's length when it started, kept by every resume; past it
+     only with --extend); the step's mean loss over the whole global batch is logged with tokens/s, FLOP/s, MFU
   6. every ``[train] eval_every`` steps, and at the end, the held-out loss of the gathered weights (rank 0
      evaluates, every rank receives the value); rank 0 writes the unsharded weights as RUN_DIR/final
      (runtime/artifact.py)
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import time
 from collections.abc import Callable
@@ -69,18 +69,8 @@ from trainscale.runtime.parallel.parallelize import (
 )
 from trainscale.runtime.parallel.pipeline import Pipeline, split_model
 from trainscale.runtime.parallel.zero1 import Zero1AdamW, adamw_groups, optimizer_module
+from trainscale.runtime.schedule import Horizon, continuation, lr_at, recorded
 from trainscale.specs import Layout
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr`` at the
-    last step (the Chinchilla / Llama recipe, Hoffmann et al. 2022)."""
-    t = cfg.train
-    if t.warmup and step < t.warmup:
-        return t.lr * (step + 1) / t.warmup
-    span = max(1, t.steps - t.warmup)
-    progress = min(1.0, (step - t.warmup) / span)
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @dataclass
@@ -157,6 +147,9 @@ class Trainer:
         self.dense_params = [p for p in self.params if id(p) not in experts]
         self.moe_params = [p for _, part in self.parts for m in moe_layers(part) for p in m.parameters()]
         self.step = 0
+        # the LR schedule's length and the run's total: train.steps for a new run, a checkpoint's record on resume
+        self.horizon = Horizon(t.steps, t.steps)
+        self.resumed_from: int | None = None
         # called after the optimizer step, before the gradients are freed (runtime/probe/compare.py measures there)
         self.after_update: Callable[[Trainer], None] | None = None
 
@@ -256,7 +249,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
-        lr = lr_at(self.step, self.cfg)
+        lr = lr_at(self.step, self.cfg, self.horizon.schedule_steps)
         for opt in self.optimizers:
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -371,8 +364,10 @@ class Trainer:
             set_optimizer_state_dict(optimizer_module(part, opt), opt, state["optim"], options=opts)
 
     def extras(self) -> dict[str, Any]:
-        """This rank's plain state: the step, the data position and the RNG (the LR follows from the step)."""
-        return {"step": self.step, "loader": self.loader.state_dict(), "rng": torch.get_rng_state()}
+        """This rank's plain state: the step, the data position, the RNG and the schedule's horizon and the run's
+        total (the LR follows from the step and the horizon)."""
+        return {"step": self.step, "loader": self.loader.state_dict(), "rng": torch.get_rng_state(),
+                **self.horizon.extras()}
 
     def load_extras(self, extras: dict[str, Any]) -> None:
         self.step = int(extras["step"])
@@ -389,31 +384,45 @@ class Trainer:
         return CheckpointManager(self._checkpoint_root(), keep=c.keep, async_save=c.async_save,
                                  before_commit=faults.before_commit(self.faults, self.rank, _say), run_id=self.run_id)
 
-    def _resume(self, mgr: CheckpointManager, steps: int) -> None:
+    def _resume(self, mgr: CheckpointManager, steps: int | None, extend: bool) -> int | None:
+        """Load the newest good checkpoint, keep its schedule (runtime/schedule.py) -> the step to stop at (None:
+        no checkpoint, the run starts). A refusal (the run got there already, going past its total without
+        ``extend``) comes before anything is written in the run folder."""
         state = self.state_dict()
         found = mgr.load(state, log=self.log)
         if found is None:
             self.log("no complete checkpoint to resume from: starting at step 0")
-            return
+            return None
         step, extras = found
-        if step >= steps:
-            raise TrainscaleError(f"the run in {mgr.root.parent if self.out else mgr.root} already reached step "
-                                  f"{step} of {steps}; ask for more with --steps, or train into a fresh folder")
+        where = mgr.root.parent if self.out else mgr.root
+        self.horizon, stop = continuation(self.cfg.train, step, recorded(extras, self.cfg.train.steps, str(where)),
+                                          steps, extend, str(where))
         self.load_state_dict(state)
         self.load_extras(extras)
+        self.resumed_from = step
+        h = self.horizon
+        past = f", then at its final learning rate to step {h.total}" if h.total > h.schedule_steps else ""
         self.log(f"resumed from step {step} (the checkpoint at step {step}, {mgr.root / step_dir_name(step)}; "
-                 f"attempt {restart_count()}, requeue {requeue_count()}); steps {step + 1}..{steps} follow")
-        if self.folder is not None:  # the console follower prints this first, then only the new steps
-            self.folder.log({"event": "resumed", "step": step, "wall": time.time(), "attempt": restart_count(),
-                             "requeue": requeue_count()})
+                 f"attempt {restart_count()}, requeue {requeue_count()}); steps {step + 1}..{stop} follow, the "
+                 f"learning-rate schedule laid out for {h.schedule_steps} steps{past}")
+        return stop
 
-    def run(self, steps: int | None = None) -> RunResult:
-        steps = self.cfg.train.steps if steps is None else steps
+    def run(self, steps: int | None = None, extend: bool = False) -> RunResult:
+        """Train to ``steps`` (default: train.steps; resuming, the run's recorded total). ``extend``: a resumed
+        run may go past its recorded total (runtime/schedule.py says how its learning rate continues)."""
+        mgr = self._checkpoints()
+        # before the run folder is touched: a refused resume leaves it as it was
+        stop = self._resume(mgr, steps, extend) if mgr is not None and self.resume else None
+        if stop is None:  # a new run: its schedule is laid out for train.steps
+            stop = self.cfg.train.steps if steps is None else steps
+            self.horizon = Horizon(self.cfg.train.steps, max(stop, self.cfg.train.steps))
+        steps = stop
         if self.folder is not None:
             self.folder.start(self.cfg.to_toml(), self.corpus.tokenizer_path, self._run_info())
-        mgr = self._checkpoints()
-        if mgr is not None and self.resume:  # said first: the console then shows only the steps that follow
-            self._resume(mgr, steps)
+            if self.resumed_from is not None:  # the console follower prints this first, then only the new steps
+                self.folder.log({"event": "resumed", "step": self.resumed_from, "wall": time.time(),
+                                 "attempt": restart_count(), "requeue": requeue_count(),
+                                 **self.horizon.extras()})
         self.log(f"training {self.cfg.model.name} ({param_count(self.cfg.model) / 1e6:.2f}M params) on "
                  f"{self.world} process(es), layout {self.layout}, {steps} steps, "
                  f"{self.cfg.train.global_batch} x {self.cfg.train.seq_len} tokens per step")
@@ -608,18 +617,21 @@ class Trainer:
                 "flops_per_token": self.flops_per_token, "flop_convention": measure.FLOP_CONVENTION,
                 "unigram_entropy": measure.unigram_entropy(self.unigram_counts()),
                 "peak_flops": self.peak, "peak_source": self.peak_source, "micro_batch": self.micro,
-                "microbatches": self.n_micro, "config": self.cfg.model_dump(mode="json", exclude={"model"})}
+                "microbatches": self.n_micro, "config": self.cfg.model_dump(mode="json", exclude={"model"}),
+                "lr_schedule": {"kind": self.cfg.train.schedule, **self.horizon.extras()}}
 
 
 def train(cfg: TrainConfig, layout: Layout | str | None = None, steps: int | None = None,
           out: str | Path | None = None, log: Callable[[str], None] = print, resume: bool = False,
-          inject: str | None = None) -> RunResult:
+          inject: str | None = None, extend: bool = False) -> RunResult:
     """Train under ``layout`` in the current process group (joined or created); -> per-step losses.
-    ``out=None`` writes nothing (tests); otherwise ``out`` (default: the config's run.out) is the run folder."""
+    ``out=None`` writes nothing (tests); otherwise ``out`` (default: the config's run.out) is the run folder.
+    ``resume``: continue from the newest good checkpoint if there is one (else start; the Slurm script always
+    passes it), to ``steps`` (default: the run's recorded total) on the run's own schedule; ``extend``: past it."""
     if layout is None or isinstance(layout, str):
         layout = Layout.parse(layout or cfg.run.layout or "")
     run_dir = Path(out) if out is not None else None
-    return Trainer(cfg, layout, run_dir, log, resume=resume, faults=faults.parse_faults(inject)).run(steps)
+    return Trainer(cfg, layout, run_dir, log, resume=resume, faults=faults.parse_faults(inject)).run(steps, extend)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -628,7 +640,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", default=None, help="e.g. dp2,tp2,pp2 (default: the config's run.layout)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", default=None, help="run folder (default: the config's run.out)")
-    ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint, if any")
+    ap.add_argument("--extend", action="store_true", help="with --resume: go past the run's recorded total steps")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config value (runtime/config.py parse_set)")
     ap.add_argument("--inject", default=None, help="faults, e.g. crash@step=7,rank=1 (runtime/job/faults.py)")
     ap.add_argument("--fallback-layout", default=None, help="the layout to use if an elastic job re-forms with a "
                     "world size the layout's own rule cannot serve (runtime/job/elastic.py)")
@@ -637,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         over = {k: v for k, v in (("steps", args.steps), ("compile", args.compile or None)) if v}
-        cfg = load_config(args.config, {"train": over} if over else None)
+        cfg = load_config(args.config, {"train": over} if over else None, sets=args.set)
         out = args.out or cfg.run.out
         layout = Layout.parse(args.layout or cfg.run.layout or "")
         world = int(os.environ.get("WORLD_SIZE", layout.world_size))
@@ -648,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
             layout, why = layout_for_world(cfg, layout, world, fallback)
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"[elastic] layout {layout}: {why}", flush=True)
-        train(cfg, layout, out=out, log=lambda m: print(m, flush=True), resume=args.resume, inject=args.inject)
+        train(cfg, layout, steps=args.steps, out=out, log=lambda m: print(m, flush=True), resume=args.resume,
+              inject=args.inject, extend=args.extend)
 
     return runfolder.worker_main(body)
 

@@ -59,6 +59,12 @@ def config_hash(cfg: Any) -> str:
             data[section].pop(key, None)
     for section in _VOLATILE_SECTIONS:
         data.pop(section, None)
+    train = data.get("train")
+    if isinstance(train, dict):  # the schedule's fields as they matter: runs from before the choice hash unchanged
+        if train.get("schedule") != "wsd":
+            train.pop("decay_fraction", None)
+        if train.get("schedule") == "cosine":
+            train.pop("schedule", None)
     data.pop("name", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -95,6 +101,26 @@ class RunLock:
         self.fd = fd
         return self
 
+    @staticmethod
+    def check_free(folder: Path) -> None:
+        """Refuse, as ``acquire`` does, a folder another job holds -- without writing anything (a refused
+        ``--resume`` must leave the folder as it was)."""
+        import fcntl
+
+        try:
+            fd = os.open(Path(folder) / LOCK, os.O_RDONLY)
+        except OSError:
+            return  # no lock file: nobody holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                raise TrainscaleError(f"run folder {folder} is in use by another trainscale job (pid {holder}); "
+                                      "wait for it to end or train into another folder") from None
+        finally:
+            os.close(fd)
+
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing drops the flock
@@ -111,6 +137,22 @@ def _has_checkpoints(ckpt_root: Path) -> bool:
     return ckpt_root.is_dir() and any(ckpt_root.glob("step-*"))
 
 
+def _identity(folder: Path) -> dict[str, Any] | None:
+    ident_path = folder / IDENTITY
+    ident = read_json_object(ident_path, "run identity") if ident_path.exists() else None
+    if ident is not None and not (isinstance(ident.get("run_id"), str) and isinstance(ident.get("config_sha256"),
+                                                                                         str)):
+        raise TrainscaleError(f"run identity {ident_path} is malformed; train into a fresh folder")
+    return ident
+
+
+def _same_config(folder: Path, ident: dict[str, Any], cfg: Any) -> None:
+    if ident["config_sha256"] != config_hash(cfg):
+        raise TrainscaleError(f"--resume: run folder {folder} belongs to run {ident['run_id']}, trained with "
+                              "another config (model, data, optimizer or seed differ); resume it with its own "
+                              "config.toml or train into a fresh folder")
+
+
 def claim(folder: Path, ckpt_root: Path, cfg: Any, resume: bool) -> str:
     """Bind ``folder`` to a run -> its run id. A new run never adopts another run's checkpoints: it is
     refused in a folder that holds them; ``--resume`` continues the folder's run only with the same
@@ -118,15 +160,9 @@ def claim(folder: Path, ckpt_root: Path, cfg: Any, resume: bool) -> str:
     folder, ckpt_root = Path(folder), Path(ckpt_root)
     ident_path = folder / IDENTITY
     digest = config_hash(cfg)
-    ident = read_json_object(ident_path, "run identity") if ident_path.exists() else None
-    if ident is not None and not (isinstance(ident.get("run_id"), str) and isinstance(ident.get("config_sha256"),
-                                                                                         str)):
-        raise TrainscaleError(f"run identity {ident_path} is malformed; train into a fresh folder")
+    ident = _identity(folder)
     if resume and ident is not None:
-        if ident["config_sha256"] != digest:
-            raise TrainscaleError(f"--resume: run folder {folder} belongs to run {ident['run_id']}, trained with "
-                                  "another config (model, data, optimizer or seed differ); resume it with its own "
-                                  "config.toml or train into a fresh folder")
+        _same_config(folder, ident, cfg)
         return ident["run_id"]
     if _has_checkpoints(ckpt_root):
         owner = f"run {ident['run_id']}" if ident else "an earlier run"
@@ -137,6 +173,44 @@ def claim(folder: Path, ckpt_root: Path, cfg: Any, resume: bool) -> str:
     atomic_write_json(ident_path, {"run_id": run_id, "config_sha256": digest, "created": time.time()})
     (folder / ERROR).unlink(missing_ok=True)
     return run_id
+
+
+def check_resume(folder: Path, ckpt_root: Path, cfg: Any, steps: int | None, extend: bool) -> int:
+    """``trainscale train --resume``, before anything is written: the folder holds a run of this config with a
+    committed checkpoint (sizes checked; the trainer verifies the checksums) from which ``steps`` (None: the run's
+    recorded total) can be reached on the run's own schedule (runtime/schedule.py) -> the step the run will stop
+    at. Refused in one sentence otherwise; reads only, so a refused --resume leaves the folder as it was."""
+    from trainscale.runtime.job.checkpoint import committed_steps, read_extras, step_dir_name, verify
+    from trainscale.runtime.schedule import continuation, recorded
+
+    folder, ckpt_root = Path(folder), Path(ckpt_root)
+    RunLock.check_free(folder)
+    ident = _identity(folder)
+    if ident is None:
+        raise TrainscaleError(f"--resume: {folder} holds no run to continue (no {IDENTITY}); train without "
+                              "--resume to start one")
+    _same_config(folder, ident, cfg)
+    good = [s for s in (reversed(committed_steps(ckpt_root)) if ckpt_root.is_dir() else ())
+            if verify(ckpt_root / step_dir_name(s), full=False, run_id=ident["run_id"]) is None]
+    if not good:
+        info = _run_json(folder)
+        if info.get("status") == "done" and isinstance(info.get("steps"), int):
+            raise TrainscaleError(f"--resume: the run in {folder} finished at step {info['steps']} and kept no "
+                                  "checkpoint to continue from; to train longer, train again into a fresh folder "
+                                  "with [checkpoint] every_steps set (then --resume --steps N --extend can extend it)")
+        raise TrainscaleError(f"--resume: {ckpt_root} holds no complete checkpoint of run {ident['run_id']} to "
+                              "continue from; train without --resume to start the run over")
+    step = good[0]
+    extras = read_extras(ckpt_root / step_dir_name(step) / "extras-rank00000.json")
+    rec = recorded(extras, cfg.train.steps, str(folder))
+    return continuation(cfg.train, step, rec, steps, extend, str(folder))[1]
+
+
+def _run_json(folder: Path) -> dict[str, Any]:
+    try:
+        return read_json_object(folder / "run.json", "run record") if (folder / "run.json").exists() else {}
+    except TrainscaleError:
+        return {}
 
 
 def check_identity(folder: Path, run_id: str) -> None:
