@@ -46,7 +46,7 @@ from trainscale.runtime.data.loader import TokenLoader, eval_windows, unigram_lo
 from trainscale.runtime.job import faults, runfolder
 from trainscale.runtime.job.checkpoint import CheckpointManager, step_dir_name
 from trainscale.runtime.job.faults import Fault, requeue_count, restart_count
-from trainscale.runtime.job.slurm import SAVE_REQUEST_ENV
+from trainscale.runtime.job.slurm import SAVE_REQUEST_ENV, mark_stopped, stops_for_requeue
 from trainscale.runtime.job.tblog import open_tensorboard
 from trainscale.runtime.model import Transformer, build_model, lm_loss
 from trainscale.runtime.parallel.context import local_positions, shard_sequence
@@ -408,8 +408,8 @@ class Trainer:
         tb = open_tensorboard(self.out, self.step if self.resume else None, self.log) if self.folder else None
         start = time.perf_counter()
         last_save = start
-        losses, rows = [], []
-        while self.step < steps:
+        losses, rows, stop = [], [], False
+        while self.step < steps and not stop:
             faults.at_step(self.faults, self.step + 1, self.rank, _say)
             row = self.train_step()
             row["time"] = time.perf_counter() - start
@@ -432,7 +432,9 @@ class Trainer:
                 due = (c.every_steps and self.step % c.every_steps == 0) or (
                     c.every_seconds and time.perf_counter() - last_save >= c.every_seconds)
                 if self._save_requested():
-                    self.log(f"[signal] checkpoint requested (Slurm's early signal): saving at step {self.step}")
+                    stop = stops_for_requeue(self.step, steps)  # then end this attempt: the job requeues itself
+                    self.log(f"[signal] checkpoint requested (Slurm's early signal): saving at step {self.step}"
+                             + (", then stopping for the requeue" if stop else ""))
                     due = True
                 if due:
                     t0 = time.perf_counter()
@@ -446,7 +448,9 @@ class Trainer:
         if self.folder is not None:
             self.folder.close()
         result = RunResult(losses, self.out, rows, local_params=self.local_params())
-        if self.out is not None:
+        if stop and self.rank == 0:
+            mark_stopped(self.step)
+        if self.out is not None and not stop:
             self._finish(result, time.perf_counter() - start)
             if self.folder is not None:
                 g = self.folder.goodput(self.log)
