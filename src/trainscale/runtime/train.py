@@ -386,6 +386,8 @@ class Trainer:
         found = mgr.load(state, log=self.log)
         if found is None:
             self.log("no complete checkpoint to resume from: starting at step 0")
+            for opt in self.optimizers:  # state_dict() ran a zero-gradient step to make the optimizer's state
+                opt.state.clear()  # (torch DCP's _init_optim_state): a fresh start must not keep its step count
             return
         step, extras = found
         if step >= steps:
