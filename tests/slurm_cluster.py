@@ -78,6 +78,8 @@ class SlurmCluster:
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SchedulerType=sched/backfill",
+            # a requeued job, once eligible, starts at the next scheduling pass: every 5 s, not 60 (main) or 30
+            "SchedulerParameters=bf_interval=5,sched_interval=5",
             "MpiDefault=none", "SwitchType=switch/none", "ReturnToService=2", "JobRequeue=1",
             # the node's CPU count is the test's, not the hardware's
             "SlurmdParameters=config_overrides",

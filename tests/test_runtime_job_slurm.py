@@ -194,41 +194,53 @@ def test_launch_refuses_what_would_break_the_script(tmp_path):
     assert out["processes"] == 16 and out["nodes"] == 2
 
 
-LONG_STEPS = 200  # ~65 s of steps on 2 CPU processes here (0.33 s a step): more than two 1-minute attempts hold
+def _long_run(tmp: Path, steps: int, out: str) -> list[dict]:
+    """tiny.toml with 8x the tokens a step, no periodic checkpoints, trained here (not under Slurm) on dp2."""
+    cfg = tmp / "tiny-long.toml"
+    text = TINY.read_text().replace("global_batch = 8", "global_batch = 64").replace("seq_len = 32", "seq_len = 64")
+    cfg.write_text(text.replace("log_every = 5", "log_every = 10") + "\n[checkpoint]\nevery_steps = 0\n")
+    p = ts("train", "--config", str(cfg), "--layout", "dp2", "--steps", str(steps), "--out", str(tmp / out),
+           timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return _steps(tmp / out)
 
 
 def test_a_job_with_a_one_minute_limit_finishes_a_run_that_needs_several(slurm, tmp_path):
-    """Issue 22: `--time 1`; the signal 20 s before the limit makes the trainer checkpoint and stop, the job
+    """Issue 22: `--time 1`; the signal 5 s before the limit makes the trainer checkpoint and stop, the job
     requeues itself, and after several time limits the run ends with the losses of one uninterrupted run of the
     same config (not under Slurm). Launched in tmp_path with a relative --out, submitted from elsewhere: the
-    run folder lands where launch ran (--chdir)."""
-    cfg = tmp_path / "tiny-long.toml"
-    text = TINY.read_text().replace("global_batch = 8", "global_batch = 64").replace("seq_len = 32", "seq_len = 64")
-    cfg.write_text(text.replace("log_every = 5", "log_every = 10") + "\n[checkpoint]\nevery_steps = 0\n")
+    run folder lands where launch ran (--chdir).
+
+    Slurm checks time limits every 30 s (slurmctld's PERIODIC_TIMEOUT): the signal comes at the first check
+    after limit - 5 s - 30 s, 25 to 55 s into an attempt, and the kill (KillWait) at the first check after the
+    limit, one check later at least: an attempt trains at most ~45 s. The run is sized from this machine's
+    measured step time to need ~110 s of steps, so it cannot finish in two attempts."""
+    calib = _long_run(tmp_path, 12, "calib")
+    step_s = sorted(r["step_time_s"] for r in calib[2:])[len(calib[2:]) // 2]  # the median, warm-up excluded
+    steps = max(100, int(110 / step_s))
     t0 = time.time()
-    ref = ts("train", "--config", str(cfg), "--layout", "dp2", "--steps", str(LONG_STEPS), "--out",
-             str(tmp_path / "ref"), timeout=600)
-    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
+    ref_rows = _long_run(tmp_path, steps, "ref")
     ref_s = time.time() - t0
     script = tmp_path / "long.sbatch"
-    p = ts("launch", "--slurm", "--cpu", "--config", str(cfg), "--layout", "dp2", "--nodes", "1", "--gpus-per-node",
-           "2", "--cpus-per-gpu", "1", "--steps", str(LONG_STEPS), "--time", "1", "--signal-before", "20",
-           "--max-resubmits", "8", "--out", "run", "--script", str(script), cwd=tmp_path)
+    p = ts("launch", "--slurm", "--cpu", "--config", str(tmp_path / "tiny-long.toml"), "--layout", "dp2", "--nodes",
+           "1", "--gpus-per-node", "2", "--cpus-per-gpu", "1", "--steps", str(steps), "--time", "1",
+           "--signal-before", "5", "--max-resubmits", "12", "--out", "run", "--script", str(script), cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     t0 = time.time()
     job = slurm.sbatch(script)  # from the tests' folder, not tmp_path
-    state = slurm.wait(job, timeout=900)
+    state = slurm.wait(job, timeout=1200)
     total = time.time() - t0
     log = _log(script, job)
     assert state == "COMPLETED", log + slurm.logs()
     run = tmp_path / "run"
     rows = _steps(run)
     attempts = sorted({r["requeue"] for r in rows})
-    spans = [(min(r["wall"] for r in rows if r["requeue"] == a), max(r["wall"] for r in rows if r["requeue"] == a))
-             for a in attempts]
-    print(f"\nreference (not Slurm) {ref_s:.0f} s; Slurm job {total:.0f} s in {len(attempts)} attempts; steps per "
-          f"attempt {[sum(r['requeue'] == a for r in rows) for a in attempts]}; each attempt's steps "
-          f"{[round(b - a) for a, b in spans]} s; starts {[round(a - spans[0][0]) for a, _ in spans]} s")
+    spans = [(min(r["wall"] - r["step_time_s"] for r in rows if r["requeue"] == a),
+              max(r["wall"] for r in rows if r["requeue"] == a)) for a in attempts]
+    print(f"\n{steps} steps at {step_s:.3f} s; reference (not Slurm) {ref_s:.0f} s; Slurm job {total:.0f} s from "
+          f"sbatch to COMPLETED in {len(attempts)} attempts; steps per attempt "
+          f"{[sum(r['requeue'] == a for r in rows) for a in attempts]}; each attempt's steps took "
+          f"{[round(b - a) for a, b in spans]} s, starting at {[round(a - spans[0][0]) for a, _ in spans]} s")
     # outlived two time limits: at least three attempts, each within one limit, the whole over two limits
     assert len(attempts) >= 3 and attempts == list(range(len(attempts))) and total > 120
     assert all(b - a < 60 for a, b in spans)
@@ -236,8 +248,7 @@ def test_a_job_with_a_one_minute_limit_finishes_a_run_that_needs_several(slurm, 
     assert log.count(f"[slurm] checkpointed before the time limit: requeueing job {job}") == len(attempts) - 1
     assert "DUE TO TIME LIMIT" not in log and "Traceback" not in log and "SignalException" not in log
     # each step once (the checkpoint is each attempt's last step), the same losses as the uninterrupted run
-    assert [r["step"] for r in rows] == list(range(1, LONG_STEPS + 1))
-    ref_rows = _steps(tmp_path / "ref")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["loss"] for r in rows] == [r["loss"] for r in ref_rows]  # bit for bit
     info = json.loads((run / "run.json").read_text())
     assert info["status"] == "done" and info["restarts"] == len(attempts) - 1 and info["lost_steps"] == 0
