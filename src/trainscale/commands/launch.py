@@ -41,7 +41,8 @@ def launch(
                                           "compute node: $TRAINSCALE_PYTHON, else python3 or python on $PATH; the "
                                           "job checks it imports trainscale); passed as is, like every value but "
                                           "--setup: no $VARIABLE expansion"),
-    env: list[str] = typer.Option(None, "--env", metavar="KEY=VALUE", help="KEY=VALUE exported on the node, repeatable (e.g. "
+    env: list[str] = typer.Option(None, "--env", metavar="KEY=VALUE",
+                                  help="KEY=VALUE exported on the node, repeatable (e.g. "
                                                       "NCCL_IB_HCA=mlx5, NCCL_SOCKET_IFNAME=ib0); the value is passed "
                                                       "as is, never run. Defaults where the environment sets none: "
                                                       "TORCH_NCCL_ASYNC_ERROR_HANDLING=1, NCCL_DEBUG=WARN"),
