@@ -67,7 +67,10 @@ class SlurmCluster:
             f"SlurmctldHost={self.host}(127.0.0.1)",
             f"SlurmctldPort={ctl}", f"SlurmdPort={slurmd}",
             "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", f"AuthInfo=socket={sock}", "CredType=cred/munge",
+            "AuthType=auth/munge", "CredType=cred/munge",
+            # a requeued job waits cred_expire seconds before it may start again (default 120 s); the tests'
+            # jobs requeue themselves, so the wait is short here
+            f"AuthInfo=socket={sock},cred_expire=10",
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
@@ -75,10 +78,14 @@ class SlurmCluster:
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SchedulerType=sched/backfill",
+            # a requeued job, once eligible, starts at the next scheduling pass: every 5 s, not 60 (main) or 30
+            "SchedulerParameters=bf_interval=5,sched_interval=5",
             "MpiDefault=none", "SwitchType=switch/none", "ReturnToService=2", "JobRequeue=1",
             # the node's CPU count is the test's, not the hardware's
             "SlurmdParameters=config_overrides",
             "MinJobAge=600",
+            # a job at its time limit is killed then (no grace minutes), SIGKILL 5 s after SIGTERM (default 30)
+            "OverTimeLimit=0", "KillWait=5",
             f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=8000 State=UNKNOWN",
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
             "",

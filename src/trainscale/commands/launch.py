@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -36,10 +37,19 @@ def launch(
     setup: str = typer.Option(None, help="a shell line run first on the node, e.g. 'source ~/venv/bin/activate'; "
                                          "the one value run as shell, on purpose: it is written as you give it "
                                          "(through eval), so give only a line you would type there yourself"),
-    python: str = typer.Option(None, help="the Python on the cluster that has trainscale (default: this one); "
-                                          "passed as is, like every value but --setup: no $VARIABLE expansion"),
+    python: str = typer.Option(None, help="the Python on the cluster that has trainscale (default: found on the "
+                                          "compute node: $TRAINSCALE_PYTHON, else python3 or python on $PATH; the "
+                                          "job checks it imports trainscale); passed as is, like every value but "
+                                          "--setup: no $VARIABLE expansion"),
+    env: list[str] = typer.Option(None, "--env", metavar="KEY=VALUE",
+                                  help="KEY=VALUE exported on the node, repeatable (e.g. "
+                                                      "NCCL_IB_HCA=mlx5, NCCL_SOCKET_IFNAME=ib0); the value is passed "
+                                                      "as is, never run. Defaults where the environment sets none: "
+                                                      "TORCH_NCCL_ASYNC_ERROR_HANDLING=1, NCCL_DEBUG=WARN"),
     max_restarts: int = typer.Option(3, callback=number(ge=0, le=100),
                                       help="torchrun restarts after a failure inside one allocation"),
+    max_resubmits: int = typer.Option(30, callback=number(ge=0, le=10000),
+                                       help="times the job requeues itself after its checkpoint before the time limit"),
     steps: int = typer.Option(None, callback=number(gt=0, le=1e9), help="optimizer steps (default: the config's)"),
     inject: str = typer.Option(None, help="faults to inject, as for `trainscale train --inject`"),
     out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out); passed as is, "
@@ -51,10 +61,10 @@ def launch(
                                    help="override a config value, e.g. --set train.lr=1e-4 (repeatable); the config "
                                    "with them is written beside --script, as SCRIPT.config.toml, for the job to read"),
 ) -> None:
-    """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous); it is
-    requeueable (always --resume) and checkpoints before the time limit."""
+    """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous) in this folder;
+    it is requeueable (always --resume), checkpoints before the time limit and then requeues itself."""
     from trainscale.runtime.config import check_layout, load_config
-    from trainscale.runtime.job.slurm import SlurmJob, check_script, sbatch_script
+    from trainscale.runtime.job.slurm import SlurmJob, check_script, parse_env, sbatch_script
     from trainscale.specs import Layout
 
     if not slurm:
@@ -82,8 +92,9 @@ def launch(
     job = SlurmJob(config=str(Path(config).resolve()), layout=str(lay), out=str(out or cfg.run.out), nodes=nodes,
                    procs_per_node=gpus_per_node, gpus=not cpu, job_name=job_name, partition=partition,
                    account=account, time_limit=time_limit, cpus_per_proc=cpus_per_gpu, mem=mem, setup=setup,
-                   python=python or sys.executable, steps=steps, inject=inject, max_restarts=max_restarts,
-                   signal_before_s=signal_before, log_dir=log_dir)
+                   python=python, steps=steps, inject=inject, max_restarts=max_restarts,
+                   signal_before_s=signal_before, log_dir=log_dir, workdir=os.getcwd(), env=parse_env(env or ()),
+                   max_resubmits=max_resubmits)
     text = sbatch_script(job)
     if script is not None:
         try:
@@ -95,7 +106,8 @@ def launch(
     if as_json:
         emit_json({"script": text, "path": str(script) if script else None, "layout": str(lay),
                    "processes": lay.world_size, "nodes": nodes, "procs_per_node": gpus_per_node, "gpus": not cpu,
-                   "log": f"{log_dir}/{job_name}-%j.out", "out": job.out})
+                   "log": f"{log_dir}/{job_name}-%j.out", "out": job.out, "chdir": job.workdir,
+                   "max_resubmits": max_resubmits})
         return
     if script is None:
         sys.stdout.write(text)

@@ -49,7 +49,7 @@ from trainscale.runtime.data.loader import TokenLoader, eval_windows, unigram_lo
 from trainscale.runtime.job import faults, runfolder
 from trainscale.runtime.job.checkpoint import CheckpointManager, step_dir_name
 from trainscale.runtime.job.faults import Fault, requeue_count, restart_count
-from trainscale.runtime.job.slurm import SAVE_REQUEST_ENV
+from trainscale.runtime.job.slurm import SAVE_REQUEST_ENV, mark_stopped, stops_for_requeue
 from trainscale.runtime.job.tblog import check_sinks, open_metric_log
 from trainscale.runtime.model import Transformer, build_model, lm_loss
 from trainscale.runtime.parallel.context import local_positions, shard_sequence
@@ -392,6 +392,8 @@ class Trainer:
         found = mgr.load(state, log=self.log)
         if found is None:
             self.log("no complete checkpoint to resume from: starting at step 0")
+            for opt in self.optimizers:  # state_dict() ran a zero-gradient step to make the optimizer's state
+                opt.state.clear()  # (torch DCP's _init_optim_state): a fresh start must not keep its step count
             return None
         step, extras = found
         where = mgr.root.parent if self.out else mgr.root
@@ -432,8 +434,8 @@ class Trainer:
                                  self.cfg.name, self.run_id)
         start = time.perf_counter()
         last_save = start
-        losses, rows = [], []
-        while self.step < steps:
+        losses, rows, stop = [], [], False
+        while self.step < steps and not stop:
             faults.at_step(self.faults, self.step + 1, self.rank, _say)
             self.profiler.before(self.step + 1)
             row = self.train_step()
@@ -464,7 +466,9 @@ class Trainer:
                 due = (c.every_steps and self.step % c.every_steps == 0) or (
                     c.every_seconds and time.perf_counter() - last_save >= c.every_seconds)
                 if self._save_requested():
-                    self.log(f"[signal] checkpoint requested (Slurm's early signal): saving at step {self.step}")
+                    stop = stops_for_requeue(self.step, steps)  # then end this attempt: the job requeues itself
+                    self.log(f"[signal] checkpoint requested (Slurm's early signal): saving at step {self.step}"
+                             + (", then stopping for the requeue" if stop else ""))
                     due = True
                 if due:
                     t0 = time.perf_counter()
@@ -480,7 +484,9 @@ class Trainer:
         if self.folder is not None:
             self.folder.close()
         result = RunResult(losses, self.out, rows, local_params=self.local_params())
-        if self.out is not None:
+        if stop and self.rank == 0:
+            mark_stopped(self.step)
+        if self.out is not None and not stop:
             self._finish(result, time.perf_counter() - start)
             if self.folder is not None:
                 g = self.folder.goodput(self.log)

@@ -8,6 +8,19 @@ What the script guarantees (each point is a failure seen under a real Slurm 22.0
 - the job is requeueable and always starts trainscale with ``--resume``: the first run starts fresh
   (no checkpoint yet), a requeued one continues from the newest good checkpoint and appends to the
   run's metrics; ``SLURM_RESTART_COUNT`` tells the trainer that this start is a restart;
+- the job outlives its time limit: ``--signal=B:USR1@N`` makes the batch shell ask the trainer for a
+  checkpoint; the trainer saves, ends this attempt cleanly (every rank exits 0: no torchrun traceback) and
+  leaves a mark; the shell then requeues its own job (``scontrol requeue $SLURM_JOB_ID``), at most
+  ``--max-resubmits`` times (``SLURM_RESTART_COUNT``). Slurm never requeues a job that reached its limit
+  (TIMEOUT), so the job does it before. Requeue rather than a chained ``sbatch --dependency=afterany``: the job
+  keeps its id, its log (``--open-mode=append``) and its restart count, and needs no path to its own script.
+  Slurm holds a requeued job ``cred_expire`` seconds (slurm.conf AuthInfo, default 120) before it may start;
+- it runs where ``launch`` ran (``--chdir`` and a ``cd`` that fails loudly), so relative paths in the config and
+  ``--out`` keep their meaning;
+- the rendezvous port is the job's own (:func:`rendezvous_port`), so two jobs sharing a node do not collide;
+- the Python is found on the compute node (``--python``, else ``$TRAINSCALE_PYTHON``, else ``python3`` or
+  ``python`` on ``$PATH``) and must import trainscale, else one line in the log and exit 1;
+- NCCL defaults (:data:`NCCL_DEFAULTS`, where the environment sets none) and the user's ``--env KEY=VALUE``;
 - ``srun`` gets ``--cpus-per-task`` itself (Slurm >= 22.05 no longer passes sbatch's value to steps);
 - ``--signal=B:USR1@N``: N seconds before the time limit the batch shell asks the trainer (through a
   request file in the run folder) to write a checkpoint at the next step;
@@ -21,11 +34,11 @@ Imports no torch: ``trainscale launch --slurm`` stays fast.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +47,24 @@ from trainscale.specs import Layout
 
 SAVE_REQUEST = ".save-request"  # the file the batch shell touches on the early signal (runtime/train.py reads it)
 SAVE_REQUEST_ENV = "TRAINSCALE_SAVE_REQUEST"  # where the trainer looks for it; set only by the batch script
+STOPPED = ".stopped-for-requeue"  # the trainer's mark: this attempt ended after the early checkpoint, run unfinished
+STOPPED_ENV = "TRAINSCALE_STOPPED"  # where the trainer leaves it; set only by the batch script
+PYTHON_ENV = "TRAINSCALE_PYTHON"  # the Python on the compute node when --python is not given
+# exit code of a job that checkpointed before its time limit but may not requeue again (--max-resubmits reached):
+# EX_TEMPFAIL of sysexits.h, "a temporary failure ... the user is invited to retry"
+EXIT_NOT_REQUEUED = 75
+# Where the environment sets none (a site's own settings win), and --env overrides. PyTorch's ProcessGroupNCCL
+# (docs: torch_nccl_environment_variables): TORCH_NCCL_ASYNC_ERROR_HANDLING=1 aborts the communicator and ends
+# the process on an NCCL error or a collective timeout (default 3 ends it without the abort), so torchrun sees
+# a failed rank and restarts instead of hanging. NCCL's NCCL_DEBUG=WARN prints NCCL's own warnings and errors
+# (NCCL docs, Environment Variables), which are otherwise silent.
+NCCL_DEFAULTS = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"), ("NCCL_DEBUG", "WARN"))
+# the per-job rendezvous port: 20000 + job id mod 12768 stays in 20000..32767, below Linux's default ephemeral
+# range 32768-60999 (ip_local_port_range, kernel Documentation/networking/ip-sysctl.rst), so no outgoing
+# connection holds it; two jobs on one node collide only when their ids differ by a multiple of 12768
+PORT_BASE, PORT_SPAN = 20000, 12768
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_RESERVED = ("SLURM_", SAVE_REQUEST_ENV, STOPPED_ENV)  # the script reads or sets these itself
 
 # Slurm's own syntaxes: names ([A-Za-z0-9._-]), time limits (minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]),
 # memory (a number with an optional K/M/G/T unit). Anything else is refused before a script is written.
@@ -62,13 +93,15 @@ class SlurmJob:
     cpus_per_proc: int = 8
     mem: str | None = None  # per node, Slurm syntax (e.g. 480G); None: the partition's default
     setup: str | None = None  # a shell line run before training, e.g. "source /shared/venv/bin/activate"
-    python: str = sys.executable
+    python: str | None = None  # None: found on the compute node ($TRAINSCALE_PYTHON, else python3/python on PATH)
     steps: int | None = None
     inject: str | None = None  # faults to inject (runtime/job/faults.py), to prove the job survives them
     max_restarts: int = 3
     signal_before_s: int = 120  # 0: no early signal
     log_dir: str = "."
-    port: int = 29500
+    workdir: str | None = None  # absolute folder the job runs in (launch's own); None: where sbatch ran
+    env: tuple[tuple[str, str], ...] = ()  # the user's --env KEY=VALUE, exported after NCCL_DEFAULTS
+    max_resubmits: int = 30  # self-requeues before the time limit (30: a month of 24 h limits)
 
     def check(self) -> None:
         """One sentence for the first value that Slurm or the shell would misread."""
@@ -91,8 +124,14 @@ class SlurmJob:
             raise TrainscaleError("--cpus-per-gpu must be between 1 and 1024")
         if not 0 <= self.max_restarts <= 100:
             raise TrainscaleError("--max-restarts must be between 0 and 100")
+        if not 0 <= self.max_resubmits <= 10000:
+            raise TrainscaleError("--max-resubmits must be between 0 and 10000")
         if not 0 <= self.signal_before_s <= 86400:
             raise TrainscaleError("--signal-before must be between 0 and 86400 seconds")
+        limit = time_limit_s(self.time_limit)
+        if self.signal_before_s and limit is not None and self.signal_before_s >= limit:
+            raise TrainscaleError(f"--signal-before {self.signal_before_s} s is not below --time {self.time_limit} "
+                                  f"({limit} s): every attempt would checkpoint and requeue as it starts")
         if self.inject:
             from trainscale.runtime.job.faults import parse_faults
 
@@ -100,7 +139,8 @@ class SlurmJob:
         if self.steps is not None and not 0 < self.steps < 10**9:
             raise TrainscaleError("--steps must be a positive number below 1e9")
         for what, val in (("config path", self.config), ("--out", self.out), ("log folder", self.log_dir),
-                          ("python", self.python), ("--setup", self.setup), ("--inject", self.inject)):
+                          ("python", self.python), ("--setup", self.setup), ("--inject", self.inject),
+                          ("the launch folder", self.workdir)):
             if val is not None and any(c in str(val) for c in _LINE_BREAKS):
                 raise TrainscaleError(f"{what} contains a line break; it would add lines to the batch script")
         if any(c in str(self.log_dir) for c in "%"):
@@ -108,7 +148,10 @@ class SlurmJob:
         if not _DIRECTIVE.match(str(self.log_dir)):
             raise TrainscaleError(f"the script's folder {self.log_dir!r} holds a space, quote, '#' or backslash, "
                                   "which sbatch misreads in its #SBATCH --output line; write the script elsewhere")
-        if not self.python or self.python.startswith("-"):
+        if self.workdir is not None and not Path(self.workdir).is_absolute():
+            raise TrainscaleError(f"the job's folder {self.workdir!r} must be an absolute path")
+        check_env(self.env)
+        if self.python is not None and (not self.python or self.python.startswith("-")):
             raise TrainscaleError(f"--python {self.python!r} must be a path or a command name (srun would read a "
                                   "leading '-' as its own option)")
         if not str(self.out):
@@ -117,6 +160,63 @@ class SlurmJob:
             check_setup(self.setup)
 
 
+def time_limit_s(text: str) -> int | None:
+    """A Slurm time limit in seconds (sbatch(1) --time: minutes, minutes:seconds, hours:minutes:seconds,
+    days-hours, days-hours:minutes, days-hours:minutes:seconds); None for UNLIMITED/INFINITE."""
+    if text in ("UNLIMITED", "INFINITE"):
+        return None
+    days, _, rest = text.rpartition("-")
+    parts = [int(x) for x in rest.split(":")]
+    if days:
+        h, m, sec = (parts + [0, 0])[:3]
+        return ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+
+
+def parse_env(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``--env KEY=VALUE`` (repeated) -> ((KEY, VALUE), ...); one sentence for the first that is not one."""
+    out = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise TrainscaleError(f"--env {item!r} is not KEY=VALUE")
+        out.append((key, value))
+    check_env(out)
+    return tuple(out)
+
+
+def check_env(env: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> None:
+    """A variable name (the value is any one line: it is quoted, never run), not one the script relies on."""
+    for key, value in env:
+        if not _ENV_NAME.match(key):
+            raise TrainscaleError(f"--env {key!r} is not an environment variable name (letters, digits, '_')")
+        if key.startswith(_ENV_RESERVED):
+            raise TrainscaleError(f"--env {key} is set by Slurm or the batch script itself; it cannot be overridden")
+        if any(c in value for c in _LINE_BREAKS):
+            raise TrainscaleError(f"--env {key}: the value contains a line break; it would add lines to the script")
+
+
+def rendezvous_port(job_id: int) -> int:
+    """The job's rendezvous port (the script computes the same in bash): see PORT_BASE."""
+    return PORT_BASE + job_id % PORT_SPAN
+
+
+def stops_for_requeue(step: int, steps: int) -> bool:
+    """After the early-signal checkpoint at ``step``: end this attempt, for the batch script to requeue the job?
+    Only under a script that requeues (it sets STOPPED_ENV) and only if steps are left (a finished run must not
+    resubmit)."""
+    return step < steps and bool(os.environ.get(STOPPED_ENV))
+
+
+def mark_stopped(step: int) -> None:
+    """Rank 0, once the checkpoint is committed: tell the batch script that this attempt stopped for a requeue."""
+    path = os.environ.get(STOPPED_ENV)
+    if path:
+        Path(path).write_text(f"{step}\n")
 
 
 @dataclass(frozen=True)
@@ -187,9 +287,9 @@ def check_script(script: str | Path) -> None:
 def _train_command(job: SlurmJob) -> list[object]:
     """torchrun on this node, then the trainer; string values as ``--opt=value`` so none can pass for an option."""
     cmd: list[object] = [
-        job.python, "-m", "torch.distributed.run",
+        Var("py"), "-m", "torch.distributed.run",
         "--nnodes", Var("SLURM_NNODES"), "--nproc-per-node", job.procs_per_node,
-        "--rdzv-id", Var("SLURM_JOB_ID"), "--rdzv-backend", "c10d", "--rdzv-endpoint", Var("head", f":{job.port}"),
+        "--rdzv-id", Var("SLURM_JOB_ID"), "--rdzv-backend", "c10d", "--rdzv-endpoint", Var("endpoint"),
         "--max-restarts", job.max_restarts,
         "-m", "trainscale.runtime.train", f"--config={job.config}", f"--layout={job.layout}", f"--out={job.out}",
         "--resume"]
@@ -202,7 +302,10 @@ def _train_command(job: SlurmJob) -> list[object]:
 
 def _directives(job: SlurmJob, cpus: int) -> list[str]:
     log = f"{job.log_dir.rstrip('/') or '/'}/{job.job_name}-%j.out"
-    lines = ["#!/bin/bash", _directive("job-name", job.job_name), _directive("nodes", job.nodes),
+    lines = ["#!/bin/bash", _directive("job-name", job.job_name)]
+    if job.workdir and _DIRECTIVE.match(job.workdir):  # else only the script's own `cd` (sbatch would misread it)
+        lines.append(_directive("chdir", job.workdir))
+    lines += [_directive("nodes", job.nodes),
              "#SBATCH --ntasks-per-node=1", _directive("cpus-per-task", cpus)]
     if job.gpus:
         lines.append(_directive("gpus-per-node", job.procs_per_node))
@@ -219,6 +322,50 @@ def _directives(job: SlurmJob, cpus: int) -> list[str]:
     return lines
 
 
+def _environment(job: SlurmJob) -> list[str]:
+    """OMP threads and the NCCL defaults (the environment's own values win), then the user's --env (wins)."""
+    lines = ["export " + sh(f"OMP_NUM_THREADS={job.cpus_per_proc}")]
+    lines += [f'export {key}="${{{key}:-{value}}}"' for key, value in NCCL_DEFAULTS]  # constants, not user values
+    lines += ["export " + sh(f"{key}={value}") for key, value in job.env]
+    return lines
+
+
+def _python(job: SlurmJob) -> list[str]:
+    """``py``: --python as given, else found on this node; it must import trainscale (else one line, exit 1)."""
+    if job.python is not None:
+        lines = ["py=" + sh(job.python)]
+    else:
+        lines = [f'py="${{{PYTHON_ENV}:-}}"',
+                 '[ -n "$py" ] || py=$(command -v python3 || command -v python || echo python3)']
+    why = (f"give --python to trainscale launch, set {PYTHON_ENV}, or activate its environment in --setup")
+    return lines + [
+        "if ! \"$py\" -c 'import trainscale' >/dev/null 2>&1; then",
+        f'  echo "[slurm] python $py on $(hostname) cannot import trainscale: {why}" >&2',
+        "  exit 1",
+        "fi",
+    ]
+
+
+def _requeue(job: SlurmJob) -> list[str]:
+    """After srun: the trainer's mark means it checkpointed before the time limit and steps are left."""
+    limit = job.max_resubmits
+    return [
+        'if [ "$rc" = 0 ] && [ -e "$' + STOPPED_ENV + '" ]; then',
+        '  rm -f -- "$' + STOPPED_ENV + '"',
+        f'  if [ "$restarts" -ge {limit} ]; then',
+        f'    echo "[slurm] checkpointed before the time limit; not requeueing: $restarts of --max-resubmits {limit} '
+        'done (sbatch this script again to continue)"',
+        f"    exit {EXIT_NOT_REQUEUED}",
+        "  fi",
+        f'  echo "[slurm] checkpointed before the time limit: requeueing job $SLURM_JOB_ID '
+        f'(resubmit $((restarts + 1)) of {limit})"',
+        '  scontrol requeue "$SLURM_JOB_ID" && exit 0',
+        '  echo "[slurm] scontrol requeue failed: sbatch this script again to continue" >&2',
+        "  exit 1",
+        "fi",
+    ]
+
+
 def sbatch_script(job: SlurmJob) -> str:
     """The batch script as text (bash). Every value goes through :func:`sh` (or :func:`_directive` for the
     ``#SBATCH`` lines, which bash reads as comments); ``--setup`` is the one shell line, run by ``eval``."""
@@ -226,18 +373,27 @@ def sbatch_script(job: SlurmJob) -> str:
     cpus = job.cpus_per_proc * job.procs_per_node
     lines = _directives(job, cpus) + [
         "",
-        "# written by `trainscale launch --slurm`; safe to requeue (scontrol requeue): it always resumes",
+        "# written by `trainscale launch --slurm`; safe to requeue (scontrol requeue): it always resumes, and it",
+        "# requeues itself after the checkpoint before its time limit",
         "set -uo pipefail",
     ]
+    if job.workdir:
+        lines.append("cd -- " + sh(job.workdir) + ' || { echo "[slurm] cannot enter the folder launch ran in" >&2; '
+                     "exit 1; }")
+    lines += _environment(job)
     if job.setup:
         # the user's own shell line (--setup), run in this shell; eval keeps it from joining the lines below
         lines.append(shell_line("eval", job.setup))
-    lines += [
+    lines += _python(job) + [
         shell_line("mkdir", "-p", "--", job.out),
         "export " + sh(f"{SAVE_REQUEST_ENV}={Path(job.out) / SAVE_REQUEST}"),
-        "export " + sh(f"OMP_NUM_THREADS={job.cpus_per_proc}"),
+        "export " + sh(f"{STOPPED_ENV}={Path(job.out) / STOPPED}"),
+        # a request or mark left by an earlier attempt would end this one at its first step
+        f'rm -f -- "${SAVE_REQUEST_ENV}" "${STOPPED_ENV}"',
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        'echo "[slurm] job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, restart ${SLURM_RESTART_COUNT:-0}"',
+        f'endpoint="$head:$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))"  # this job\'s own port (rendezvous_port)',
+        'restarts="${SLURM_RESTART_COUNT:-0}"',
+        'echo "[slurm] job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, restart $restarts, rendezvous $endpoint, python $py"',
         # the early signal reaches this shell only; the trainer polls the request file at each step
         "trap " + sh(f'echo "[slurm] time limit near: asking for a checkpoint"; touch "${SAVE_REQUEST_ENV}"') + " USR1",
         shell_line("srun", "--ntasks-per-node=1", f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1") + " \\",
@@ -246,6 +402,7 @@ def sbatch_script(job: SlurmJob) -> str:
         "# a trapped signal interrupts `wait`: wait again until srun itself has ended",
         'while true; do wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null || break; done',
         'echo "[slurm] training ended with exit code $rc"',
+    ] + _requeue(job) + [
         'exit "$rc"',
         "",
     ]
