@@ -52,6 +52,22 @@ class ModelSpec(_Spec):
     tied_embeddings: bool = False
     bias: bool = False
     norm_eps: float = Field(default=1e-5, gt=0, le=1)
+    # ---- what Hugging Face families add to the Llama block (read by hf.spec_fields; runtime/model.py computes them)
+    family: Literal["", "llama", "mistral", "qwen2", "qwen3"] = Field(
+        default="", description="the Hugging Face model_type the model was read from; export writes it back "
+        "('': Llama)")
+    rope_scaling: Literal["none", "linear", "llama3"] = Field(
+        default="none", description="RoPE frequency scaling (transformers' modeling_rope_utils: linear divides every "
+        "frequency by rope_factor; llama3 divides the low ones, keeps the high ones, blends between)")
+    rope_factor: float = Field(default=1.0, gt=0, le=1e6)
+    rope_low_freq_factor: float = Field(default=1.0, gt=0, le=1e6)
+    rope_high_freq_factor: float = Field(default=4.0, gt=0, le=1e6)
+    rope_original_max_len: int = Field(default=8192, gt=0, le=_SEQ)
+    qkv_bias: bool = Field(default=False, description="biases on Q, K and V only, none on the output or the MLP "
+                           "(Qwen2)")
+    qk_norm: bool = Field(default=False, description="an RMSNorm over each head's query and key before RoPE (Qwen3)")
+    sliding_window: int = Field(default=0, ge=0, le=_SEQ, description="each query sees at most this many keys, "
+                                "itself included (Mistral); 0: no window")
     # ---- mixture of experts (n_experts = 0: a dense model; every field below is then unused)
     # A MoE layer replaces the FFN: a router (a d_model x n_experts linear) picks experts_per_token of the
     # n_experts routed experts per token (top-k, Shazeer et al. 2017, arXiv 1701.06538), each a SwiGLU/GELU
@@ -84,6 +100,9 @@ class ModelSpec(_Spec):
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(f"rope_high_freq_factor ({self.rope_high_freq_factor}) must exceed rope_low_freq_factor "
+                             f"({self.rope_low_freq_factor})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim_override is None and self.d_model % self.n_heads:
