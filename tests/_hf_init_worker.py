@@ -61,7 +61,8 @@ def run_config(path: str, args: argparse.Namespace, out: dict[str, object], many
                 save_model_dir(args.save, state, cfg.model, trainer.corpus.tokenizer_path)
         res = trainer.run(args.steps)
         out[f"{stem}:{text}" if many else text] = {
-            "losses": res.losses, "step0_max_diff": diff, "read": [int(c[0]) for c in every],
+            "losses": res.losses, "grad_norms": [m.get("grad_norm") for m in res.metrics], "step0_max_diff": diff,
+            "read": [int(c[0]) for c in every],
             "local_params": [int(c[1]) for c in every]}
         if many and args.save and i == len(layouts) - 1:  # the trained weights, for export
             state = trainer.full_state_dict()
