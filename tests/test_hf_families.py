@@ -1,6 +1,7 @@
 """Hugging Face families in and out, exactly: for Llama 3.1 (RoPE scaling "llama3"), Llama 3.2 (llama3 scaling and
 tied embeddings), a linearly scaled Llama, Mistral (a sliding window shorter than the sequence, honoured), Qwen2
-(Q/K/V biases) and Qwen3 (per-head Q/K norms, head_dim != d/heads), a random model built by transformers (nothing
+(Q/K/V biases), Qwen3 (per-head Q/K norms, head_dim != d/heads) and Gemma ((1 + w) norms, sqrt(d)-scaled tied
+embeddings, GeGLU), a random model built by transformers (nothing
 downloaded) loads into trainscale's model with transformers' own logits (fp32, 1e-5); trained a few steps under
 dp2, tp2 and pp2 (one torchrun job for every family) its losses equal the single process's; exported back, the
 family's transformers class loads the folder (sharded or not) with our logits. Folders trainscale would compute
@@ -42,8 +43,11 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": 16}, {"family": "mistral", "sliding_window": 16}),
     "qwen2": ("Qwen2Config", {}, {"family": "qwen2", "qkv_bias": True, "bias": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}, {"family": "qwen3", "qk_norm": True, "head_dim": 32}),
+    "gemma": ("GemmaConfig", {"head_dim": 32, "tie_word_embeddings": True},
+              {"family": "gemma", "norm_offset": True, "embed_scale": True, "gate_act": "gelu_tanh", "mlp": "swiglu",
+               "tied_embeddings": True}),
 }
-TRAINED = ["llama31", "llama32", "mistral", "qwen2", "qwen3"]  # the families the torchrun job trains
+TRAINED = ["llama31", "llama32", "mistral", "qwen2", "qwen3", "gemma"]  # the families the torchrun job trains
 LAYOUTS = ["dp2", "tp2", "pp2"]
 
 
@@ -100,14 +104,15 @@ def test_logits_equal_transformers(folders, name):
 
 @pytest.mark.parametrize(("name", "off"), [("llama31", {"rope_scaling": "none"}),
                                            ("llama_linear", {"rope_scaling": "none"}),
-                                           ("mistral", {"sliding_window": 0})])
+                                           ("mistral", {"sliding_window": 0}),
+                                           ("gemma", {"embed_scale": False})])
 def test_the_family_feature_is_what_makes_it_exact(folders, name, off):
     """Without the scaling or the window the same weights give other logits: the parity above tests them."""
     folder, theirs = folders[name]
     assert logit_diff(theirs, ours(folder, **off), batch(1)) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["llama31", "llama32", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", TRAINED)
 def test_export_round_trip(folders, tmp_path, name):
     """HF -> trainscale -> export: the family's own transformers class loads the folder, logits ours; Qwen3's
     export is written in shards (a small max_shard_bytes) and its index read back by transformers."""
@@ -200,6 +205,7 @@ def _folder(tmp_path: Path, source: Path, **config) -> Path:
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling 'dynamic'"),
     ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "RoPE scaling 'longrope'"),
     ({"model_type": "gemma2"}, "holds a 'gemma2' model"),
+    ({"model_type": "gemma", "hidden_act": "silu"}, "is not Gemma's GeGLU"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}, "Qwen's sliding window"),
     ({"model_type": "qwen3", "attention_bias": True}, "biases in attention or the MLP but not both"),
     ({"hidden_act": "gelu_pytorch_tanh"}, "is not Llama's SwiGLU"),
@@ -235,6 +241,7 @@ def test_gguf_refuses_what_llama_cpp_llama_would_drop(folders, tmp_path):
     from trainscale.infer.export import check_gguf_plain
 
     for name, what in [("llama31", "RoPE scaling 'llama3'"), ("qwen2", "Q/K/V biases"),
-                       ("qwen3", "per-head Q/K norms"), ("mistral", "a sliding window of 16")]:
+                       ("qwen3", "per-head Q/K norms"), ("mistral", "a sliding window of 16"),
+                       ("gemma", "Gemma's norms")]:
         with pytest.raises(TrainscaleError, match=what):
             check_gguf_plain(hf_folder_spec(folders[name][0]))

@@ -29,7 +29,7 @@ from trainscale.errors import TrainscaleError
 # How each ``model_type`` names the fields a ModelSpec needs (transformers' configuration_*.py); {}: Llama's
 # names (``_LLAMA_KEYS``).
 CONFIG_KEYS: dict[str, dict[str, Any]] = {
-    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {},
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {},
     "deepseek_v2": {}, "deepseek_v3": {},
     "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
              "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
@@ -40,7 +40,8 @@ CONFIG_KEYS: dict[str, dict[str, Any]] = {
 }
 _LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
                "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
-_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2",
+                "deepseek_v3")
 _INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
          "vocab_size", "max_position_embeddings", "head_dim")
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kilobytes
@@ -149,6 +150,8 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
     if missing or "vocab_size" not in cfg:
         raise TrainscaleError(f"model file {path} ({mt}) lacks the fields {', '.join(missing or ['vocab_size'])}")
     act = str(cfg.get("hidden_act") or cfg.get("activation_function") or ("silu" if llama else "gelu"))
+    if mt == "gemma":  # a gated MLP whatever its activation (GeGLU: family_fields)
+        act = "silu"
     heads = cfg[keys["n_heads"]]
     eps_key = keys.get("norm_eps")
     data = {
@@ -169,7 +172,7 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
         "positions": "learned" if mt in ("gpt2", "opt") else "rope",
         # newer configs (transformers 5) keep the base under rope_parameters
         "rope_theta": cfg.get("rope_theta", _sub(cfg, "rope_parameters").get("rope_theta", 10000.0)),
-        "tied_embeddings": bool(cfg.get("tie_word_embeddings", mt in ("gpt2", "bloom", "mpt", "opt"))),
+        "tied_embeddings": bool(cfg.get("tie_word_embeddings", mt in ("gpt2", "bloom", "mpt", "opt", "gemma"))),
         "bias": bool(cfg.get("attention_bias", False)) if llama else not cfg.get("no_bias", False),
         "norm_eps": (cfg.get(eps_key) if eps_key else None) or 1e-5,
     }
@@ -203,9 +206,11 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
     _qwen2 / _qwen3 and modeling_rope_utils): the family, RoPE scaling (linear, llama3; other types change no
     shape, so the planner reads them as unscaled and ``check_loadable`` refuses them), Qwen2's Q/K/V biases,
     Qwen3's per-head Q/K norms, Mistral's sliding window. {} for other model types."""
-    if mt not in ("llama", "mistral", "qwen2", "qwen3"):
+    if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
         return {}
     out: dict[str, Any] = {"family": mt}
+    if mt == "gemma":  # transformers' modeling_gemma: GemmaRMSNorm (1 + w), embeddings x sqrt(d), GeGLU (tanh)
+        out.update(norm_offset=True, embed_scale=True, gate_act="gelu_tanh")
     rope = rope_settings(cfg)
     if rope["rope_type"] in ("linear", "llama3"):
         out.update(rope_scaling=rope["rope_type"], rope_factor=_number(rope, "factor", 1.0, path))
@@ -304,6 +309,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("mistral", "MistralForCausalLM", _LLAMA_NAMES, loads=True),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", _LLAMA_NAMES, loads=True),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", _QWEN3_NAMES, loads=True),
+    "gemma": Family("gemma", "GemmaForCausalLM", _LLAMA_NAMES, loads=True),
     # the published Mixtral checkpoints' layout; Mixtral names its experts' gate, up, down w1, w3, w2, as we do
     "mixtral": Family("mixtral", "MixtralForCausalLM",
                       {**_LLAMA_NAMES, "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"},
@@ -409,7 +415,11 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     if kind not in LOADED_TYPES:
         raise TrainscaleError(f"[model] init {path} holds a {kind!r} model; only Llama-family folders "
                               f"(model_type {', '.join(LOADED_TYPES)}) can be loaded")
-    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+    if kind == "gemma":  # transformers reads Gemma's legacy "gelu" as the tanh approximation it was trained with
+        if cfg.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu"):
+            raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Gemma's GeGLU "
+                                  "(gelu_pytorch_tanh)")
+    elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Llama's SwiGLU (silu)")
     rope = rope_settings(cfg).get("rope_type")
     if rope not in ("default", "linear", "llama3"):
@@ -422,7 +432,7 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     if bool(cfg.get("mlp_bias", cfg.get("attention_bias", False))) != bool(cfg.get("attention_bias", False)):
         raise TrainscaleError(f"[model] init {path} has biases in attention or the MLP but not both; trainscale's "
                               "bias setting covers both")
-    if kind in ("qwen2", "qwen3") and cfg.get("attention_bias") and not cfg.get("mlp_bias"):
+    if kind in ("qwen2", "qwen3", "gemma") and cfg.get("attention_bias") and not cfg.get("mlp_bias"):
         raise TrainscaleError(f"[model] init {path}: {kind} with attention_bias has no bias in its MLP, which "
                               "trainscale's bias setting (attention and MLP together) does not express")
     return FAMILIES[kind]
@@ -462,7 +472,7 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
         "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta,
         "rope_parameters": rope,
-        "hidden_act": "silu",
+        "hidden_act": "gelu_pytorch_tanh" if getattr(spec, "gate_act", "silu") == "gelu_tanh" else "silu",
         "tie_word_embeddings": spec.tied_embeddings,
         "attention_bias": spec.bias,
         "mlp_bias": spec.bias,
@@ -480,7 +490,8 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
         cfg["sliding_window"] = spec.sliding_window or None
     if family.model_type in ("qwen2", "qwen3"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.n_layers)
-    if family.model_type in ("mistral", "qwen2"):  # no bias keys: Mistral has none, Qwen2 always on Q/K/V
+    if family.model_type in ("mistral", "qwen2", "gemma"):  # no bias keys: none in Mistral, Qwen2's on Q/K/V always
+        # (Gemma's attention_bias would leave its MLP without; check_loadable refuses it)
         cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}
     if not spec.is_moe:
         return cfg
@@ -502,6 +513,12 @@ def check_exportable(spec: ModelShape) -> None:
         bad.append("per-head Q/K norms (Qwen3's)")
     if getattr(spec, "sliding_window", 0) and fam != "mistral":
         bad.append("a sliding window (Mistral's)")
+    gemma = [getattr(spec, "norm_offset", False), getattr(spec, "embed_scale", False),
+             getattr(spec, "gate_act", "silu") != "silu", spec.tied_embeddings]
+    if any(gemma[:3]) and fam != "gemma":
+        bad.append("Gemma's (1 + w) norms, sqrt(d)-scaled embeddings or GeGLU")
+    if fam == "gemma" and not all(gemma):
+        bad.append("a model without all of Gemma's (1 + w) norms, scaled tied embeddings and GeGLU")
     if spec.bias and fam not in ("llama",):
         bad.append("biases in attention and the MLP (Llama's attention_bias + mlp_bias)")
     if bad:

@@ -53,7 +53,7 @@ class ModelSpec(_Spec):
     bias: bool = False
     norm_eps: float = Field(default=1e-5, gt=0, le=1)
     # ---- what Hugging Face families add to the Llama block (read by hf.spec_fields; runtime/model.py computes them)
-    family: Literal["", "llama", "mistral", "qwen2", "qwen3"] = Field(
+    family: Literal["", "llama", "mistral", "qwen2", "qwen3", "gemma"] = Field(
         default="", description="the Hugging Face model_type the model was read from; export writes it back "
         "('': Llama)")
     rope_scaling: Literal["none", "linear", "llama3"] = Field(
@@ -68,6 +68,10 @@ class ModelSpec(_Spec):
     qk_norm: bool = Field(default=False, description="an RMSNorm over each head's query and key before RoPE (Qwen3)")
     sliding_window: int = Field(default=0, ge=0, le=_SEQ, description="each query sees at most this many keys, "
                                 "itself included (Mistral); 0: no window")
+    norm_offset: bool = Field(default=False, description="the RMSNorm gain is 1 + weight, applied in fp32 (Gemma)")
+    embed_scale: bool = Field(default=False, description="embeddings multiplied by sqrt(d_model) (Gemma)")
+    gate_act: Literal["silu", "gelu_tanh"] = Field(default="silu", description="the gated MLP's activation: SiLU "
+                                                   "(SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)")
     # ---- mixture of experts (n_experts = 0: a dense model; every field below is then unused)
     # A MoE layer replaces the FFN: a router (a d_model x n_experts linear) picks experts_per_token of the
     # n_experts routed experts per token (top-k, Shazeer et al. 2017, arXiv 1701.06538), each a SwiGLU/GELU

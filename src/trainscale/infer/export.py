@@ -88,7 +88,8 @@ def check_gguf_plain(spec: ModelSpec) -> None:
     per-head Q/K norms or sliding window (which it would drop silently); one sentence otherwise."""
     bad = [what for what, on in (
         (f"RoPE scaling {spec.rope_scaling!r}", spec.rope_scaling != "none"), ("Q/K/V biases", spec.qkv_bias),
-        ("per-head Q/K norms", spec.qk_norm), (f"a sliding window of {spec.sliding_window}", spec.sliding_window))
+        ("per-head Q/K norms", spec.qk_norm), (f"a sliding window of {spec.sliding_window}", spec.sliding_window),
+        ("Gemma's norms, scaled embeddings and GeGLU", spec.norm_offset or spec.embed_scale or spec.gate_act != "silu"))
         if on]
     if bad:
         raise TrainscaleError(f"GGUF export writes llama.cpp's plain llama architecture, without {', '.join(bad)}; "

@@ -37,21 +37,26 @@ from trainscale.specs import ModelSpec
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019, arXiv 1910.07467)."""
+    """x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019, arXiv 1910.07467). ``offset``: the gain is 1 + g,
+    applied in fp32 before the cast (Gemma's GemmaRMSNorm in transformers)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        return normed.type_as(x) * self.weight
 
 
 def make_norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "rmsnorm":
-        return RMSNorm(spec.d_model, spec.norm_eps)
+        return RMSNorm(spec.d_model, spec.norm_eps, spec.norm_offset)
     return nn.LayerNorm(spec.d_model, eps=spec.norm_eps)
 
 
@@ -163,8 +168,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d, spec.kv_dim, bias=qkv_b)
         self.wo = nn.Linear(spec.q_dim, d, bias=b)
         if spec.qk_norm:  # Qwen3: an RMSNorm over each head's query and key, before RoPE
-            self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
+            self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset)
         self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
             functools.partial(causal_attention, window=spec.sliding_window) if spec.sliding_window
             else causal_attention)
@@ -188,10 +193,17 @@ class Attention(nn.Module):
 
 
 class FeedForward(FFN):
-    """The dense feed-forward of width d_ff (SwiGLU or GELU, runtime/moe.py's FFN)."""
+    """The dense feed-forward of width d_ff (SwiGLU or GELU, runtime/moe.py's FFN; GeGLU, Gemma's
+    w2(gelu_tanh(w1 x) * w3 x), Shazeer 2020, arXiv 2002.05202, with ``gate_act`` "gelu_tanh")."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(spec, spec.d_ff)
+        self.geglu = self.gated and spec.gate_act == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.geglu:
+            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+        return super().forward(x)
 
 
 class Block(nn.Module):
@@ -250,7 +262,7 @@ class Transformer(nn.Module):
                 if name.endswith("bias"):
                     p.zero_()
                 elif p.ndim == 1:
-                    p.fill_(1.0)
+                    p.fill_(0.0 if self.spec.norm_offset else 1.0)  # a gain of 1 either way
                 else:
                     s = resid if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
                     if isinstance(p, DTensor):  # built on meta and sharded: DTensor's RNG fills each shard
@@ -290,6 +302,8 @@ class Transformer(nn.Module):
             positions = self.positions if self.positions is not None else torch.arange(tokens.shape[1])
         positions = positions.to(tokens.device)
         h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens
+        if self.embeds_tokens and self.spec.embed_scale:  # Gemma: sqrt(d) as an fp32 scalar cast to h's dtype
+            h = h * torch.tensor(self.spec.d_model ** 0.5).to(h.dtype).item()
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions[None])
         cos, sin = rope_angles(positions, self.spec.head_dim, self.spec.rope_theta,
