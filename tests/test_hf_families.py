@@ -188,6 +188,38 @@ def test_families_train_under_dp_tp_pp_like_one_process_and_export(folders, tmp_
         assert logit_diff(back, model.eval(), batch(3)) < 1e-5, name
 
 
+def test_tied_embedding_under_deeper_pipelines_and_with_tp_fsdp_zero1(tmp_path):
+    """Llama 3.2's shape (tied, llama3 RoPE) with 4 layers on 4 processes: pp4 (an embedding group of stages 0 and 3
+    made with new_group), pp2 with tp2, with FSDP and with zero1 (whose gradient norm runs over its own shards, the
+    copy's counted once) train as one process does: losses to 1e-4 and gradient norms to 1e-5 (relative)."""
+    folder = tmp_path / "tied4"
+    cls, fields, _ = FAMILIES["llama32"]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(getattr(transformers, cls)(**{**BASE, **fields, "num_hidden_layers": 4}))
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+    model.save_pretrained(str(folder))
+    config = _config(folder, tmp_path / "tied4.toml")
+    layouts = ["pp4,mb1", "pp2,tp2", "pp2,fsdp2", "pp2,dp2,zero1"]
+    got = {}
+    for world, lays in ((1, ["dp1"]), (4, layouts)):
+        result = tmp_path / f"r{world}.json"
+        cmd = [sys.executable, str(WORKER)] if world == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(WORKER)]
+        proc = run_job(cmd + ["--config", str(config), "--layouts", ";".join(lays), "--steps", "4",
+                              "--result", str(result)])
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        got.update(json.loads(result.read_text()))
+    ref = got["dp1"]
+    for layout in layouts:
+        r = got[layout]
+        worst = max(abs(a - b) / b for a, b in zip(r["losses"], ref["losses"], strict=True))
+        worst_norm = max(abs(a - b) / b for a, b in zip(r["grad_norms"], ref["grad_norms"], strict=True))
+        print(f"tied {layout}: worst relative difference: losses {worst:.1e}, gradient norms {worst_norm:.1e}")
+        assert worst < 1e-4 and worst_norm < 1e-5, layout
+
+
 # ------------------------------------------------------------------------------------ refused, in one sentence
 
 

@@ -97,6 +97,8 @@ class TiedEmbedding:
         with torch.no_grad():
             if not holders[0].embeds_tokens:  # the last stage's copy: made equal to the first stage's table
                 self.weight.tied_copy = True
+                if getattr(self.weight, "zero1_shard", None) is not None:  # zero1: the norm runs over its shards
+                    self.weight.zero1_shard.tied_copy = True
                 local.zero_()
             dist.all_reduce(local, group=self.group)
 
