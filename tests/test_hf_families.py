@@ -1,7 +1,8 @@
 """Hugging Face families in and out, exactly: for Llama 3.1 (RoPE scaling "llama3"), Llama 3.2 (llama3 scaling and
 tied embeddings), a linearly scaled Llama, Mistral (a sliding window shorter than the sequence, honoured), Qwen2
-(Q/K/V biases), Qwen3 (per-head Q/K norms, head_dim != d/heads) and Gemma ((1 + w) norms, sqrt(d)-scaled tied
-embeddings, GeGLU), a random model built by transformers (nothing
+(Q/K/V biases), Qwen3 (per-head Q/K norms, head_dim != d/heads), Gemma ((1 + w) norms, sqrt(d)-scaled tied
+embeddings, GeGLU) and Gemma 2 (with output norms, soft-capped scores and logits, query_pre_attn_scalar, a sliding
+window on alternate layers), a random model built by transformers (nothing
 downloaded) loads into trainscale's model with transformers' own logits (fp32, 1e-5); trained a few steps under
 dp2, tp2 and pp2 (one torchrun job for every family) its losses equal the single process's; exported back, the
 family's transformers class loads the folder (sharded or not) with our logits. Folders trainscale would compute
@@ -46,8 +47,14 @@ FAMILIES = {
     "gemma": ("GemmaConfig", {"head_dim": 32, "tie_word_embeddings": True},
               {"family": "gemma", "norm_offset": True, "embed_scale": True, "gate_act": "gelu_tanh", "mlp": "swiglu",
                "tied_embeddings": True}),
+    # Gemma 2: window 16 < the sequence on layers 0 and 2 (of 3), soft-capping small enough to bite
+    "gemma2": ("Gemma2Config", {"head_dim": 32, "tie_word_embeddings": True, "num_hidden_layers": 3,
+                                "sliding_window": 16, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+                                "final_logit_softcapping": 3.0},
+               {"family": "gemma2", "sandwich_norms": True, "window_layers": (0, 2), "sliding_window": 16,
+                "attn_softcap": 2.0, "final_softcap": 3.0, "query_scale": 24.0}),
 }
-TRAINED = ["llama31", "llama32", "mistral", "qwen2", "qwen3", "gemma"]  # the families the torchrun job trains
+TRAINED = ["llama31", "llama32", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]  # what the torchrun job trains
 LAYOUTS = ["dp2", "tp2", "pp2"]
 
 
@@ -105,7 +112,9 @@ def test_logits_equal_transformers(folders, name):
 @pytest.mark.parametrize(("name", "off"), [("llama31", {"rope_scaling": "none"}),
                                            ("llama_linear", {"rope_scaling": "none"}),
                                            ("mistral", {"sliding_window": 0}),
-                                           ("gemma", {"embed_scale": False})])
+                                           ("gemma", {"embed_scale": False}),
+                                           ("gemma2", {"attn_softcap": 0.0}), ("gemma2", {"final_softcap": 0.0}),
+                                           ("gemma2", {"window_layers": None}), ("gemma2", {"query_scale": 0.0})])
 def test_the_family_feature_is_what_makes_it_exact(folders, name, off):
     """Without the scaling or the window the same weights give other logits: the parity above tests them."""
     folder, theirs = folders[name]
@@ -236,7 +245,7 @@ def _folder(tmp_path: Path, source: Path, **config) -> Path:
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling 'yarn'"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling 'dynamic'"),
     ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "RoPE scaling 'longrope'"),
-    ({"model_type": "gemma2"}, "holds a 'gemma2' model"),
+    ({"model_type": "phi3"}, "holds a 'phi3' model"),
     ({"model_type": "gemma", "hidden_act": "silu"}, "is not Gemma's GeGLU"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}, "Qwen's sliding window"),
     ({"model_type": "qwen3", "attention_bias": True}, "biases in attention or the MLP but not both"),

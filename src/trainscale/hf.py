@@ -29,7 +29,8 @@ from trainscale.errors import TrainscaleError
 # How each ``model_type`` names the fields a ModelSpec needs (transformers' configuration_*.py); {}: Llama's
 # names (``_LLAMA_KEYS``).
 CONFIG_KEYS: dict[str, dict[str, Any]] = {
-    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {},
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "gemma2": {}, "mixtral": {}, "qwen2_moe": {},
+    "qwen3_moe": {},
     "deepseek_v2": {}, "deepseek_v3": {},
     "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
              "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
@@ -40,8 +41,8 @@ CONFIG_KEYS: dict[str, dict[str, Any]] = {
 }
 _LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
                "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
-_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2",
-                "deepseek_v3")
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
+                "deepseek_v2", "deepseek_v3")
 _INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
          "vocab_size", "max_position_embeddings", "head_dim")
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kilobytes
@@ -150,7 +151,7 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
     if missing or "vocab_size" not in cfg:
         raise TrainscaleError(f"model file {path} ({mt}) lacks the fields {', '.join(missing or ['vocab_size'])}")
     act = str(cfg.get("hidden_act") or cfg.get("activation_function") or ("silu" if llama else "gelu"))
-    if mt == "gemma":  # a gated MLP whatever its activation (GeGLU: family_fields)
+    if mt in ("gemma", "gemma2"):  # a gated MLP whatever its activation (GeGLU: family_fields)
         act = "silu"
     heads = cfg[keys["n_heads"]]
     eps_key = keys.get("norm_eps")
@@ -172,7 +173,8 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
         "positions": "learned" if mt in ("gpt2", "opt") else "rope",
         # newer configs (transformers 5) keep the base under rope_parameters
         "rope_theta": cfg.get("rope_theta", _sub(cfg, "rope_parameters").get("rope_theta", 10000.0)),
-        "tied_embeddings": bool(cfg.get("tie_word_embeddings", mt in ("gpt2", "bloom", "mpt", "opt", "gemma"))),
+        "tied_embeddings": bool(cfg.get("tie_word_embeddings",
+                                        mt in ("gpt2", "bloom", "mpt", "opt", "gemma", "gemma2"))),
         "bias": bool(cfg.get("attention_bias", False)) if llama else not cfg.get("no_bias", False),
         "norm_eps": (cfg.get(eps_key) if eps_key else None) or 1e-5,
     }
@@ -201,16 +203,33 @@ def _number(cfg: dict[str, Any], key: str, default: float, path: str | Path) -> 
     return float(v)
 
 
+def gemma2_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """Gemma 2 (transformers' configuration_gemma2 and its defaults): output norms, soft-capped attention scores
+    and logits, scores scaled by query_pre_attn_scalar^-0.5, the sliding window on the layers ``layer_types``
+    names "sliding_attention" (by default the even ones: 0, 2, ...)."""
+    n = config_int(cfg, "num_hidden_layers", path, 0)
+    types = cfg.get("layer_types")
+    if not isinstance(types, list):
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    return {"sandwich_norms": True, "attn_softcap": _number(cfg, "attn_logit_softcapping", 0.0, path),
+            "final_softcap": _number(cfg, "final_logit_softcapping", 0.0, path),
+            "query_scale": _number(cfg, "query_pre_attn_scalar", 256.0, path),
+            "sliding_window": config_int(cfg, "sliding_window", path, 0, least=0),
+            "window_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention")}
+
+
 def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, Any]:
     """What a Llama-family config adds to the Llama block (transformers' configuration_llama / _mistral /
     _qwen2 / _qwen3 and modeling_rope_utils): the family, RoPE scaling (linear, llama3; other types change no
     shape, so the planner reads them as unscaled and ``check_loadable`` refuses them), Qwen2's Q/K/V biases,
     Qwen3's per-head Q/K norms, Mistral's sliding window. {} for other model types."""
-    if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
+    if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"):
         return {}
     out: dict[str, Any] = {"family": mt}
-    if mt == "gemma":  # transformers' modeling_gemma: GemmaRMSNorm (1 + w), embeddings x sqrt(d), GeGLU (tanh)
+    if mt in ("gemma", "gemma2"):  # transformers' modeling_gemma: GemmaRMSNorm (1 + w), embeddings x sqrt(d), GeGLU
         out.update(norm_offset=True, embed_scale=True, gate_act="gelu_tanh")
+    if mt == "gemma2":
+        out.update(gemma2_fields(cfg, path))
     rope = rope_settings(cfg)
     if rope["rope_type"] in ("linear", "llama3"):
         out.update(rope_scaling=rope["rope_type"], rope_factor=_number(rope, "factor", 1.0, path))
@@ -223,7 +242,7 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
     if mt == "qwen3":
         out["qk_norm"] = True
     window = config_int(cfg, "sliding_window", path, 0, least=0)
-    if mt == "mistral" or cfg.get("use_sliding_window"):
+    if mt == "mistral" or (mt != "gemma2" and cfg.get("use_sliding_window")):
         out["sliding_window"] = window
     return out
 
@@ -304,12 +323,17 @@ _LLAMA_NAMES = {
 }
 _QWEN3_NAMES = {**_LLAMA_NAMES, "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
                 "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight"}
+_GEMMA2_NAMES = {**_LLAMA_NAMES,  # four norms a layer: input, post-attention, pre- and post-feed-forward
+                 "layers.{i}.attention_post_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+                 "layers.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+                 "layers.{i}.ffn_post_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"}
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", _LLAMA_NAMES, loads=True),
     "mistral": Family("mistral", "MistralForCausalLM", _LLAMA_NAMES, loads=True),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", _LLAMA_NAMES, loads=True),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", _QWEN3_NAMES, loads=True),
     "gemma": Family("gemma", "GemmaForCausalLM", _LLAMA_NAMES, loads=True),
+    "gemma2": Family("gemma2", "Gemma2ForCausalLM", _GEMMA2_NAMES, loads=True),
     # the published Mixtral checkpoints' layout; Mixtral names its experts' gate, up, down w1, w3, w2, as we do
     "mixtral": Family("mixtral", "MixtralForCausalLM",
                       {**_LLAMA_NAMES, "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"},
@@ -415,7 +439,10 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     if kind not in LOADED_TYPES:
         raise TrainscaleError(f"[model] init {path} holds a {kind!r} model; only Llama-family folders "
                               f"(model_type {', '.join(LOADED_TYPES)}) can be loaded")
-    if kind == "gemma":  # transformers reads Gemma's legacy "gelu" as the tanh approximation it was trained with
+    if kind == "gemma2" and cfg.get("use_bidirectional_attention"):
+        raise TrainscaleError(f"[model] init {path}: use_bidirectional_attention is not a causal language model's "
+                              "attention, which trainscale trains")
+    if kind in ("gemma", "gemma2"):  # transformers reads Gemma's legacy "gelu" as the tanh approximation
         if cfg.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu"):
             raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Gemma's GeGLU "
                                   "(gelu_pytorch_tanh)")
@@ -432,7 +459,7 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     if bool(cfg.get("mlp_bias", cfg.get("attention_bias", False))) != bool(cfg.get("attention_bias", False)):
         raise TrainscaleError(f"[model] init {path} has biases in attention or the MLP but not both; trainscale's "
                               "bias setting covers both")
-    if kind in ("qwen2", "qwen3", "gemma") and cfg.get("attention_bias") and not cfg.get("mlp_bias"):
+    if kind in ("qwen2", "qwen3", "gemma", "gemma2") and cfg.get("attention_bias") and not cfg.get("mlp_bias"):
         raise TrainscaleError(f"[model] init {path}: {kind} with attention_bias has no bias in its MLP, which "
                               "trainscale's bias setting (attention and MLP together) does not express")
     return FAMILIES[kind]
@@ -490,7 +517,14 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
         cfg["sliding_window"] = spec.sliding_window or None
     if family.model_type in ("qwen2", "qwen3"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.n_layers)
-    if family.model_type in ("mistral", "qwen2", "gemma"):  # no bias keys: none in Mistral, Qwen2's on Q/K/V always
+    if family.model_type == "gemma2":
+        window = [i in spec.window_layers if spec.window_layers is not None else True for i in range(spec.n_layers)]
+        scalar = spec.query_scale or spec.head_dim  # an int in Gemma2Config
+        cfg.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                   attn_logit_softcapping=spec.attn_softcap or None, final_logit_softcapping=spec.final_softcap or None,
+                   sliding_window=spec.sliding_window or None, hidden_activation="gelu_pytorch_tanh",
+                   layer_types=["sliding_attention" if w and spec.sliding_window else "full_attention" for w in window])
+    if family.model_type in ("mistral", "qwen2", "gemma", "gemma2"):  # no bias keys: none in Mistral, Qwen2's Q/K/V
         # (Gemma's attention_bias would leave its MLP without; check_loadable refuses it)
         cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}
     if not spec.is_moe:
@@ -511,14 +545,21 @@ def check_exportable(spec: ModelShape) -> None:
         bad.append("biases on Q/K/V only (Qwen2's)")
     if getattr(spec, "qk_norm", False) and fam != "qwen3":
         bad.append("per-head Q/K norms (Qwen3's)")
-    if getattr(spec, "sliding_window", 0) and fam != "mistral":
+    if getattr(spec, "sliding_window", 0) and fam not in ("mistral", "gemma2"):
         bad.append("a sliding window (Mistral's)")
     gemma = [getattr(spec, "norm_offset", False), getattr(spec, "embed_scale", False),
              getattr(spec, "gate_act", "silu") != "silu", spec.tied_embeddings]
-    if any(gemma[:3]) and fam != "gemma":
+    if any(gemma[:3]) and fam not in ("gemma", "gemma2"):
         bad.append("Gemma's (1 + w) norms, sqrt(d)-scaled embeddings or GeGLU")
-    if fam == "gemma" and not all(gemma):
+    if fam in ("gemma", "gemma2") and not all(gemma):
         bad.append("a model without all of Gemma's (1 + w) norms, scaled tied embeddings and GeGLU")
+    gemma2 = [getattr(spec, k, 0) for k in ("sandwich_norms", "attn_softcap", "final_softcap", "query_scale")]
+    if any(gemma2) and fam != "gemma2":
+        bad.append("Gemma 2's output norms, soft-capping or query_pre_attn_scalar")
+    if fam == "gemma2" and not gemma2[0]:
+        bad.append("a model without Gemma 2's output norms")
+    if getattr(spec, "window_layers", None) is not None and fam != "gemma2":
+        bad.append("a sliding window on some layers only (Gemma 2's)")
     if spec.bias and fam not in ("llama",):
         bad.append("biases in attention and the MLP (Llama's attention_bias + mlp_bias)")
     if bad:

@@ -89,7 +89,9 @@ def check_gguf_plain(spec: ModelSpec) -> None:
     bad = [what for what, on in (
         (f"RoPE scaling {spec.rope_scaling!r}", spec.rope_scaling != "none"), ("Q/K/V biases", spec.qkv_bias),
         ("per-head Q/K norms", spec.qk_norm), (f"a sliding window of {spec.sliding_window}", spec.sliding_window),
-        ("Gemma's norms, scaled embeddings and GeGLU", spec.norm_offset or spec.embed_scale or spec.gate_act != "silu"))
+        ("Gemma's norms, scaled embeddings and GeGLU", spec.norm_offset or spec.embed_scale or spec.gate_act != "silu"),
+        ("Gemma 2's output norms and soft-capping", spec.sandwich_norms or spec.attn_softcap or spec.final_softcap
+         or spec.query_scale))
         if on]
     if bad:
         raise TrainscaleError(f"GGUF export writes llama.cpp's plain llama architecture, without {', '.join(bad)}; "

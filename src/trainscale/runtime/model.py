@@ -123,6 +123,35 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, scale: float | None = None,
+                    softcap: float = 0.0) -> torch.Tensor:
+    """``causal_attention`` with the scores written out, for what SDPA does not do: scores scaled by ``scale``
+    and soft-capped, s -> c tanh(s / c), before the mask and an fp32 softmax (Gemma 2; transformers'
+    modeling_gemma2.eager_attention_forward)."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s, t = q.shape[2], k.shape[2]
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    i = torch.arange(t - s, t, device=q.device)[:, None]
+    j = torch.arange(t, device=q.device)[None, :]
+    seen = (j <= i) & (j > i - window) if window else j <= i
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def attention_core(spec: ModelSpec, layer: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Layer ``layer``'s attention kernel: SDPA (``causal_attention``) with the sliding window where it applies
+    (``window_layers``), or ``eager_attention`` for soft-capped or rescaled scores."""
+    window = spec.sliding_window if spec.window_layers is None or layer in spec.window_layers else 0
+    if spec.attn_softcap or spec.query_scale:
+        return functools.partial(eager_attention, window=window, softcap=spec.attn_softcap,
+                                 scale=spec.query_scale ** -0.5 if spec.query_scale else None)
+    return functools.partial(causal_attention, window=window) if window else causal_attention
+
+
 class KVCache:
     """Keys and values of every layer for the positions so far, preallocated for ``capacity`` positions of
     ``batch`` sequences: [L, batch, n_kv_heads, capacity, head_dim] each, so its bytes are exactly
@@ -157,7 +186,7 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: int = 0) -> None:
         super().__init__()
         d, b = spec.d_model, spec.bias
         qkv_b = b or spec.qkv_bias  # Qwen2: biases on Q, K, V only
@@ -170,9 +199,7 @@ class Attention(nn.Module):
         if spec.qk_norm:  # Qwen3: an RMSNorm over each head's query and key, before RoPE
             self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset)
             self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset)
-        self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
-            functools.partial(causal_attention, window=spec.sliding_window) if spec.sliding_window
-            else causal_attention)
+        self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = attention_core(spec, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
@@ -213,8 +240,11 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = make_norm(spec)
-        self.attention = Attention(spec)
+        self.attention = Attention(spec, layer)
         self.ffn_norm = make_norm(spec)
+        if spec.sandwich_norms:  # Gemma 2: the sub-layers' outputs normed too
+            self.attention_post_norm = make_norm(spec)
+            self.ffn_post_norm = make_norm(spec)
         if spec.is_moe_layer(layer):
             self.moe = MoE(spec)
         else:
@@ -223,9 +253,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
         # the cache as keywords: tensor parallelism prepares the positional inputs (x, cos, sin) only
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache=cache, layer=layer)
+        a = self.attention(self.attention_norm(x), cos, sin, cache=cache, layer=layer)
+        x = x + (self.attention_post_norm(a) if hasattr(self, "attention_post_norm") else a)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        return x + ffn(self.ffn_norm(x))
+        f = ffn(self.ffn_norm(x))
+        return x + (self.ffn_post_norm(f) if hasattr(self, "ffn_post_norm") else f)
 
 
 class Transformer(nn.Module):
@@ -316,9 +348,10 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if not self.has_head:
             return h
-        if self.output is not None:
-            return self.output(h)
-        return tied_head(h, self.tok_embeddings.weight)
+        logits = self.output(h) if self.output is not None else tied_head(h, self.tok_embeddings.weight)
+        if self.spec.final_softcap:  # Gemma 2: z -> c tanh(z / c)
+            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return logits
 
 
 def tied_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,9 @@ def apply_tensor_parallel(model: Transformer, mesh: ParallelMesh, sp: bool) -> N
         if _has(block, "attention.q_norm"):  # Qwen3's per-head norms: on this rank's heads (dim 2), gains whole
             parallelize_module(block, tp, {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
                                            for n in ("q_norm", "k_norm")})
+        if sp and _has(block, "attention_post_norm"):  # Gemma 2's output norms: on this rank's seq/tp tokens
+            parallelize_module(block, tp, {n: SequenceParallel(use_local_output=True)
+                                           for n in ("attention_post_norm", "ffn_post_norm")})
         if sp and _has(block, "moe"):  # the MoE takes this rank's seq/tp tokens as a plain tensor (see below)
             parallelize_module(block, tp, {"moe": PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)})
@@ -368,6 +371,9 @@ def parallelize(model: Transformer, mesh: ParallelMesh, layout: Layout, seq_len:
     if layout.cp > 1 and 0 < model.spec.sliding_window < seq_len:
         raise TrainscaleError(f"context parallelism does not apply the model's sliding window of "
                               f"{model.spec.sliding_window} tokens, shorter than the sequence ({seq_len}); use cp1")
+    if layout.cp > 1 and (model.spec.attn_softcap or model.spec.query_scale):
+        raise TrainscaleError("context parallelism's attention does not soft-cap or rescale the attention scores "
+                              "as this model's do (Gemma 2); use cp1")
     if layout.cp > 1:
         context.apply_context_parallel(model, mesh.group("cp"), positions, layout.cp, seq_len)
     apply_activation_checkpointing(model, layout.recompute)
