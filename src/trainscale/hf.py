@@ -8,7 +8,16 @@ Readers: ``specs.load_model`` (a config.json for the planner; every ``model_type
 This module sits beside ``specs.py`` and below it (specs reads config.json through it), so it imports neither
 specs nor torch: it returns field dicts, takes a ModelSpec as anything with its attributes (``ModelShape``),
 and permutes rows of a torch tensor or a numpy array alike. A new family is data: one ``CONFIG_KEYS`` entry
-for its config.json, one ``FAMILIES`` entry for its tensor names.
+for its config.json, one ``FAMILIES`` entry for its tensor names, and what it adds to the Llama block as
+ModelSpec fields (``family_fields``; runtime/model.py computes them).
+
+Families the runtime loads and export writes back, each computed as transformers computes it (fp32 logits
+equal to 1e-5, tests/test_hf_families.py): Llama 1-3.x (RoPE unscaled, "linear" or "llama3"; tied embeddings),
+Mistral (its sliding window), Qwen2/2.5 (Q/K/V biases), Qwen3 (per-head Q/K RMSNorm), Gemma ((1 + w) RMSNorm,
+sqrt(d)-scaled tied embeddings, GeGLU) and Gemma 2 (with output norms, soft-capped scores and logits,
+query_pre_attn_scalar, the window on alternate layers). Refused in one sentence (``check_loadable``): other
+model types (Phi-3's fused qkv_proj / gate_up_proj among them), RoPE "dynamic" / "yarn" / "longrope", Qwen's
+per-layer sliding window, biases that trainscale's one ``bias`` switch does not express.
 
 RoPE. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head, as Meta's original Llama code does;
 Hugging Face's Llama-family models rotate (x[i], x[i + d/2]) (``rotate_half`` in transformers'
