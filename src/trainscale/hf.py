@@ -8,7 +8,16 @@ Readers: ``specs.load_model`` (a config.json for the planner; every ``model_type
 This module sits beside ``specs.py`` and below it (specs reads config.json through it), so it imports neither
 specs nor torch: it returns field dicts, takes a ModelSpec as anything with its attributes (``ModelShape``),
 and permutes rows of a torch tensor or a numpy array alike. A new family is data: one ``CONFIG_KEYS`` entry
-for its config.json, one ``FAMILIES`` entry for its tensor names.
+for its config.json, one ``FAMILIES`` entry for its tensor names, and what it adds to the Llama block as
+ModelSpec fields (``family_fields``; runtime/model.py computes them).
+
+Families the runtime loads and export writes back, each computed as transformers computes it (fp32 logits
+equal to 1e-5, tests/test_hf_families.py): Llama 1-3.x (RoPE unscaled, "linear" or "llama3"; tied embeddings),
+Mistral (its sliding window), Qwen2/2.5 (Q/K/V biases), Qwen3 (per-head Q/K RMSNorm), Gemma ((1 + w) RMSNorm,
+sqrt(d)-scaled tied embeddings, GeGLU) and Gemma 2 (with output norms, soft-capped scores and logits,
+query_pre_attn_scalar, the window on alternate layers). Refused in one sentence (``check_loadable``): other
+model types (Phi-3's fused qkv_proj / gate_up_proj among them), RoPE "dynamic" / "yarn" / "longrope", Qwen's
+per-layer sliding window, biases that trainscale's one ``bias`` switch does not express.
 
 RoPE. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head, as Meta's original Llama code does;
 Hugging Face's Llama-family models rotate (x[i], x[i + d/2]) (``rotate_half`` in transformers'
@@ -29,7 +38,8 @@ from trainscale.errors import TrainscaleError
 # How each ``model_type`` names the fields a ModelSpec needs (transformers' configuration_*.py); {}: Llama's
 # names (``_LLAMA_KEYS``).
 CONFIG_KEYS: dict[str, dict[str, Any]] = {
-    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {},
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "gemma2": {}, "mixtral": {}, "qwen2_moe": {},
+    "qwen3_moe": {},
     "deepseek_v2": {}, "deepseek_v3": {},
     "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
              "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
@@ -40,21 +50,76 @@ CONFIG_KEYS: dict[str, dict[str, Any]] = {
 }
 _LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
                "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
-_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
+                "deepseek_v2", "deepseek_v3")
 _INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
          "vocab_size", "max_position_embeddings", "head_dim")
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kilobytes
+MAX_JSON_DEPTH = 32  # a config.json nests 3 deep (rope_scaling, quantization_config...); Python's json recurses
+
+
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of a JSON text nest (brackets inside strings do not count), read without
+    recursion: a file of 100,000 '[' is a number here, not a RecursionError in ``json.loads``."""
+    import itertools
+    import re
+
+    brackets = re.sub(r'[^\[\]{}]', "", re.sub(r'"(?:[^"\\]|\\.)*"', "", text))
+    steps = (1 if c in "[{" else -1 for c in brackets)
+    return max(itertools.accumulate(steps), default=0)
+
+
+def read_json_bounded(path: str | Path, what: str, limit: int) -> dict[str, Any]:
+    """The JSON object in ``path`` (safeio's checks: a small regular UTF-8 file holding an object), its nesting
+    bounded by ``MAX_JSON_DEPTH``: one sentence otherwise."""
+    import json
+
+    from trainscale.safeio import read_text
+
+    text = read_text(path, what, limit)
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise TrainscaleError(f"{what} {path} nests {depth} levels deep; trainscale reads at most {MAX_JSON_DEPTH}")
+    try:
+        got = json.loads(text)
+    except ValueError as e:
+        raise TrainscaleError(f"{what} {path} is not valid JSON ({e})") from None
+    if not isinstance(got, dict):
+        raise TrainscaleError(f"{what} {path} is not a JSON object (it holds a {type(got).__name__})")
+    return got
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """A config.json, checked at the edge: a regular file (a FIFO would block), UTF-8 JSON, an object whose size
-    fields, where given, are positive integers (a 0 or a string would divide by zero or fail deep inside)."""
-    from trainscale.safeio import read_json_object
-
-    cfg = read_json_object(path, "model file", limit=MAX_CONFIG_BYTES)
+    """A config.json, checked at the edge: a regular file (a FIFO would block), UTF-8 JSON nested at most
+    ``MAX_JSON_DEPTH`` deep, an object whose size fields, where given, are positive integers (a 0 or a string
+    would divide by zero or fail deep inside)."""
+    cfg = read_json_bounded(path, "model file", MAX_CONFIG_BYTES)
     for key in _INTS:
         config_int(cfg, key, path)
     return cfg
+
+
+MAX_INDEX_BYTES = 64 << 20  # a 405B model's index names ~2,000 tensors in ~100 kB
+
+
+def read_index(path: str | Path) -> dict[str, str]:
+    """A sharded folder's ``model.safetensors.index.json``: its ``weight_map``, tensor name -> the name of a
+    ``.safetensors`` file in the same folder (no folder part, so no path leads outside it); one sentence
+    otherwise."""
+    got = read_json_bounded(path, "safetensors index", MAX_INDEX_BYTES).get("weight_map")
+    if not isinstance(got, dict):
+        raise TrainscaleError(f"{path} is not a safetensors index (no weight_map object)")
+    for name, file in got.items():
+        if not isinstance(file, str) or not _plain_file_name(file):
+            raise TrainscaleError(f"{path}: the tensor {name!r} is mapped to {file!r}, which is not the name of a "
+                                  ".safetensors file in the folder")
+    return dict(got)
+
+
+def _plain_file_name(name: str) -> bool:
+    """A file name alone (no '/', '\\', '..', NUL or leading '.') ending in .safetensors."""
+    return (name.endswith(".safetensors") and Path(name).name == name and "\\" not in name and "\0" not in name
+            and not name.startswith(".") and len(name) <= 255)
 
 
 def config_int(cfg: dict[str, Any], key: str, path: str | Path, default: Any = None, least: int = 1) -> Any:
@@ -95,6 +160,8 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
     if missing or "vocab_size" not in cfg:
         raise TrainscaleError(f"model file {path} ({mt}) lacks the fields {', '.join(missing or ['vocab_size'])}")
     act = str(cfg.get("hidden_act") or cfg.get("activation_function") or ("silu" if llama else "gelu"))
+    if mt in ("gemma", "gemma2"):  # a gated MLP whatever its activation (GeGLU: family_fields)
+        act = "silu"
     heads = cfg[keys["n_heads"]]
     eps_key = keys.get("norm_eps")
     data = {
@@ -115,14 +182,78 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
         "positions": "learned" if mt in ("gpt2", "opt") else "rope",
         # newer configs (transformers 5) keep the base under rope_parameters
         "rope_theta": cfg.get("rope_theta", _sub(cfg, "rope_parameters").get("rope_theta", 10000.0)),
-        "tied_embeddings": bool(cfg.get("tie_word_embeddings", mt in ("gpt2", "bloom", "mpt", "opt"))),
+        "tied_embeddings": bool(cfg.get("tie_word_embeddings",
+                                        mt in ("gpt2", "bloom", "mpt", "opt", "gemma", "gemma2"))),
         "bias": bool(cfg.get("attention_bias", False)) if llama else not cfg.get("no_bias", False),
         "norm_eps": (cfg.get(eps_key) if eps_key else None) or 1e-5,
     }
     if llama and cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // heads:
         data["head_dim"] = cfg["head_dim"]
     data.update(moe_fields(cfg, mt, path))
+    data.update(family_fields(cfg, mt, path))
     return data
+
+
+def rope_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE scaling object of a config: ``rope_scaling`` (transformers 4) or ``rope_parameters``
+    (transformers 5), with its type under ``rope_type`` (or the older ``type``); {"rope_type": "default"} when
+    neither scales."""
+    got = _sub(cfg, "rope_scaling") or _sub(cfg, "rope_parameters")
+    kind = got.get("rope_type", got.get("type")) or "default"
+    return {**got, "rope_type": kind}
+
+
+def _number(cfg: dict[str, Any], key: str, default: float, path: str | Path) -> float:
+    v = cfg.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise TrainscaleError(f"model file {path}: rope scaling's {key} must be a number, not {v!r}")
+    return float(v)
+
+
+def gemma2_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """Gemma 2 (transformers' configuration_gemma2 and its defaults): output norms, soft-capped attention scores
+    and logits, scores scaled by query_pre_attn_scalar^-0.5, the sliding window on the layers ``layer_types``
+    names "sliding_attention" (by default the even ones: 0, 2, ...)."""
+    n = config_int(cfg, "num_hidden_layers", path, 0)
+    types = cfg.get("layer_types")
+    if not isinstance(types, list):
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    return {"sandwich_norms": True, "attn_softcap": _number(cfg, "attn_logit_softcapping", 0.0, path),
+            "final_softcap": _number(cfg, "final_logit_softcapping", 0.0, path),
+            "query_scale": _number(cfg, "query_pre_attn_scalar", 256.0, path),
+            "sliding_window": config_int(cfg, "sliding_window", path, 0, least=0),
+            "window_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention")}
+
+
+def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, Any]:
+    """What a Llama-family config adds to the Llama block (transformers' configuration_llama / _mistral /
+    _qwen2 / _qwen3 and modeling_rope_utils): the family, RoPE scaling (linear, llama3; other types change no
+    shape, so the planner reads them as unscaled and ``check_loadable`` refuses them), Qwen2's Q/K/V biases,
+    Qwen3's per-head Q/K norms, Mistral's sliding window. {} for other model types."""
+    if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"):
+        return {}
+    out: dict[str, Any] = {"family": mt}
+    if mt in ("gemma", "gemma2"):  # transformers' modeling_gemma: GemmaRMSNorm (1 + w), embeddings x sqrt(d), GeGLU
+        out.update(norm_offset=True, embed_scale=True, gate_act="gelu_tanh")
+    if mt == "gemma2":
+        out.update(gemma2_fields(cfg, path))
+    rope = rope_settings(cfg)
+    if rope["rope_type"] in ("linear", "llama3"):
+        out.update(rope_scaling=rope["rope_type"], rope_factor=_number(rope, "factor", 1.0, path))
+    if rope["rope_type"] == "llama3":
+        out.update(rope_low_freq_factor=_number(rope, "low_freq_factor", 1.0, path),
+                   rope_high_freq_factor=_number(rope, "high_freq_factor", 4.0, path),
+                   rope_original_max_len=config_int(rope, "original_max_position_embeddings", path, 8192))
+    if mt == "qwen2":  # Qwen2Attention: q/k/v_proj with bias=True, o_proj without; no attention_bias key
+        out["qkv_bias"] = True
+    if mt == "qwen3":
+        out["qk_norm"] = True
+    window = config_int(cfg, "sliding_window", path, 0, least=0)
+    if mt == "mistral" or (mt != "gemma2" and cfg.get("use_sliding_window")):
+        out["sliding_window"] = window
+    return out
 
 
 def moe_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, Any]:
@@ -199,8 +330,19 @@ _LLAMA_NAMES = {
     **{f"layers.{{i}}.{ours}.{leaf}": f"model.layers.{{i}}.{theirs}.{leaf}"
        for ours, theirs in _LINEARS.items() for leaf in ("weight", "bias")},
 }
+_QWEN3_NAMES = {**_LLAMA_NAMES, "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+                "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight"}
+_GEMMA2_NAMES = {**_LLAMA_NAMES,  # four norms a layer: input, post-attention, pre- and post-feed-forward
+                 "layers.{i}.attention_post_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+                 "layers.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+                 "layers.{i}.ffn_post_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"}
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", _LLAMA_NAMES, loads=True),
+    "mistral": Family("mistral", "MistralForCausalLM", _LLAMA_NAMES, loads=True),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", _LLAMA_NAMES, loads=True),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", _QWEN3_NAMES, loads=True),
+    "gemma": Family("gemma", "GemmaForCausalLM", _LLAMA_NAMES, loads=True),
+    "gemma2": Family("gemma2", "Gemma2ForCausalLM", _GEMMA2_NAMES, loads=True),
     # the published Mixtral checkpoints' layout; Mixtral names its experts' gate, up, down w1, w3, w2, as we do
     "mixtral": Family("mixtral", "MixtralForCausalLM",
                       {**_LLAMA_NAMES, "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"},
@@ -239,8 +381,11 @@ class ModelShape(Protocol):
 
 
 def export_family(spec: ModelShape) -> Family:
-    """The family our model is written as: Llama, or Mixtral for a mixture of experts."""
-    return FAMILIES["mixtral" if spec.is_moe else "llama"]
+    """The family our model is written as: the one it was read from (``spec.family``), else Llama, or Mixtral
+    for a mixture of experts."""
+    if spec.is_moe:
+        return FAMILIES["mixtral"]
+    return FAMILIES[getattr(spec, "family", "") or "llama"]
 
 
 def _pattern(name: str) -> tuple[str, str]:
@@ -274,6 +419,8 @@ def rope_permuted_heads(name: str, spec: ModelShape) -> int | None:
         return spec.n_heads
     if ".attention.wk." in name:
         return spec.n_kv_heads
+    if name.endswith((".attention.q_norm.weight", ".attention.k_norm.weight")):
+        return 1  # Qwen3's per-head norm gain: one head's dims, in the same order as the rows it scales
     return None
 
 
@@ -295,31 +442,58 @@ def rope_half_to_interleaved(w: Any, n_heads: int, head_dim: int) -> Any:
 
 def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     """The family of a config.json whose model trainscale's runtime computes exactly as transformers does (a
-    family with ``loads``, SwiGLU, unscaled RoPE, biases everywhere or nowhere); one sentence otherwise."""
+    family with ``loads``, SwiGLU, RoPE unscaled or scaled linear / llama3, biases as the family has them);
+    one sentence otherwise."""
     kind = cfg.get("model_type")
     if kind not in LOADED_TYPES:
         raise TrainscaleError(f"[model] init {path} holds a {kind!r} model; only Llama-family folders "
                               f"(model_type {', '.join(LOADED_TYPES)}) can be loaded")
-    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+    if kind == "gemma2" and cfg.get("use_bidirectional_attention"):
+        raise TrainscaleError(f"[model] init {path}: use_bidirectional_attention is not a causal language model's "
+                              "attention, which trainscale trains")
+    if kind in ("gemma", "gemma2"):  # transformers reads Gemma's legacy "gelu" as the tanh approximation
+        if cfg.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu"):
+            raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Gemma's GeGLU "
+                                  "(gelu_pytorch_tanh)")
+    elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Llama's SwiGLU (silu)")
-    scaling, params = _sub(cfg, "rope_scaling"), _sub(cfg, "rope_parameters")
-    kind_rope = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type", "default")
-    if kind_rope != "default":
-        raise TrainscaleError(f"[model] init {path} uses RoPE scaling {kind_rope!r}, which trainscale's RoPE "
-                              "does not implement")
+    rope = rope_settings(cfg).get("rope_type")
+    if rope not in ("default", "linear", "llama3"):
+        raise TrainscaleError(f"[model] init {path} uses RoPE scaling {rope!r}, which trainscale's RoPE does not "
+                              "implement (it computes default, linear and llama3 exactly)")
+    layer_types = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else []
+    if kind in ("qwen2", "qwen3") and (cfg.get("use_sliding_window") or "sliding_attention" in layer_types):
+        raise TrainscaleError(f"[model] init {path} uses Qwen's sliding window on some layers (use_sliding_window), "
+                              "which trainscale's attention does not implement")
     if bool(cfg.get("mlp_bias", cfg.get("attention_bias", False))) != bool(cfg.get("attention_bias", False)):
         raise TrainscaleError(f"[model] init {path} has biases in attention or the MLP but not both; trainscale's "
                               "bias setting covers both")
+    if kind in ("qwen2", "qwen3", "gemma", "gemma2") and cfg.get("attention_bias") and not cfg.get("mlp_bias"):
+        raise TrainscaleError(f"[model] init {path}: {kind} with attention_bias has no bias in its MLP, which "
+                              "trainscale's bias setting (attention and MLP together) does not express")
     return FAMILIES[kind]
 
 
 # ------------------------------------------------------------------------------------ fields -> config.json
 
 
+def hf_rope(spec: ModelShape) -> dict[str, Any]:
+    """The model's RoPE as transformers' ``rope_parameters`` (modeling_rope_utils' keys)."""
+    kind = getattr(spec, "rope_scaling", "none")
+    rope: dict[str, Any] = {"rope_type": "default" if kind == "none" else kind, "rope_theta": spec.rope_theta}
+    if kind != "none":
+        rope["factor"] = spec.rope_factor
+    if kind == "llama3":
+        rope.update(low_freq_factor=spec.rope_low_freq_factor, high_freq_factor=spec.rope_high_freq_factor,
+                    original_max_position_embeddings=spec.rope_original_max_len)
+    return rope
+
+
 def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]:
-    """The config.json of our model written as its ``export_family`` (transformers' LlamaConfig /
-    MixtralConfig keys); ``token``: the bos / eos id."""
+    """The config.json of our model written as its ``export_family`` (transformers' LlamaConfig, MistralConfig,
+    Qwen2Config, Qwen3Config or MixtralConfig keys); ``token``: the bos / eos id."""
     family = export_family(spec)
+    rope = hf_rope(spec)
     cfg = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
@@ -333,8 +507,8 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
         "max_position_embeddings": spec.max_seq_len,
         "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "hidden_act": "silu",
+        "rope_parameters": rope,
+        "hidden_act": "gelu_pytorch_tanh" if getattr(spec, "gate_act", "silu") == "gelu_tanh" else "silu",
         "tie_word_embeddings": spec.tied_embeddings,
         "attention_bias": spec.bias,
         "mlp_bias": spec.bias,
@@ -346,9 +520,57 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
         "dtype": dtype,
         "use_cache": True,
     }
+    if rope["rope_type"] != "default":  # transformers 4 reads the scaling from rope_scaling
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if family.model_type == "mistral":
+        cfg["sliding_window"] = spec.sliding_window or None
+    if family.model_type in ("qwen2", "qwen3"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.n_layers)
+    if family.model_type == "gemma2":
+        window = [i in spec.window_layers if spec.window_layers is not None else True for i in range(spec.n_layers)]
+        scalar = spec.query_scale or spec.head_dim  # an int in Gemma2Config
+        cfg.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                   attn_logit_softcapping=spec.attn_softcap or None, final_logit_softcapping=spec.final_softcap or None,
+                   sliding_window=spec.sliding_window or None, hidden_activation="gelu_pytorch_tanh",
+                   layer_types=["sliding_attention" if w and spec.sliding_window else "full_attention" for w in window])
+    if family.model_type in ("mistral", "qwen2", "gemma", "gemma2"):  # no bias keys: none in Mistral, Qwen2's Q/K/V
+        # (Gemma's attention_bias would leave its MLP without; check_loadable refuses it)
+        cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}
     if not spec.is_moe:
         return cfg
     cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}  # Mixtral has no biases
     return {**cfg, "num_local_experts": spec.n_experts, "num_experts_per_tok": spec.experts_per_token,
             "router_aux_loss_coef": spec.aux_loss_coef, "output_router_logits": False, "router_jitter_noise": 0.0,
             "sliding_window": None}
+
+
+def check_exportable(spec: ModelShape) -> None:
+    """The model has a form in its ``export_family``: Q/K/V-only biases only in Qwen2, per-head Q/K norms only in
+    Qwen3, a sliding window only in Mistral, biases everywhere only in Llama (attention_bias with mlp_bias);
+    one sentence otherwise."""
+    fam = export_family(spec).model_type
+    bad = []
+    if getattr(spec, "qkv_bias", False) and fam != "qwen2":
+        bad.append("biases on Q/K/V only (Qwen2's)")
+    if getattr(spec, "qk_norm", False) and fam != "qwen3":
+        bad.append("per-head Q/K norms (Qwen3's)")
+    if getattr(spec, "sliding_window", 0) and fam not in ("mistral", "gemma2"):
+        bad.append("a sliding window (Mistral's)")
+    gemma = [getattr(spec, "norm_offset", False), getattr(spec, "embed_scale", False),
+             getattr(spec, "gate_act", "silu") != "silu", spec.tied_embeddings]
+    if any(gemma[:3]) and fam not in ("gemma", "gemma2"):
+        bad.append("Gemma's (1 + w) norms, sqrt(d)-scaled embeddings or GeGLU")
+    if fam in ("gemma", "gemma2") and not all(gemma):
+        bad.append("a model without all of Gemma's (1 + w) norms, scaled tied embeddings and GeGLU")
+    gemma2 = [getattr(spec, k, 0) for k in ("sandwich_norms", "attn_softcap", "final_softcap", "query_scale")]
+    if any(gemma2) and fam != "gemma2":
+        bad.append("Gemma 2's output norms, soft-capping or query_pre_attn_scalar")
+    if fam == "gemma2" and not gemma2[0]:
+        bad.append("a model without Gemma 2's output norms")
+    if getattr(spec, "window_layers", None) is not None and fam != "gemma2":
+        bad.append("a sliding window on some layers only (Gemma 2's)")
+    if spec.bias and fam not in ("llama",):
+        bad.append("biases in attention and the MLP (Llama's attention_bias + mlp_bias)")
+    if bad:
+        raise TrainscaleError(f"a Hugging Face {export_family(spec).architecture} folder cannot hold "
+                              f"{', '.join(bad)}")

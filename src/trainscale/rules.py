@@ -323,11 +323,6 @@ _RULES = (
                     f"count that is a multiple of pp{r.pp}"),
          "torch's ScheduleInterleaved1F1B: number_of_rounds = max(1, m // pp) must divide m "
          "(torch/distributed/pipelining/schedules.py)"),
-    Rule("tied", ("tp", "pp", "model"), lambda c: ~np.asarray(c.model.tied_embeddings) | ((c.tp == 1) & (c.pp == 1)),
-         lambda r: (f"model {r.model.name} ties its embeddings to its head, which the runtime trains without "
-                    "tensor or pipeline parallelism only"),
-         "the runtime shares one weight between embedding and head; under TP they are sharded on different dims, "
-         "under PP they live on different stages (Megatron all-reduces a copy's gradients over an embedding group)"),
 )
 RULES: dict[str, Rule] = {r.name: r for r in _RULES}
 
@@ -335,7 +330,7 @@ LAYOUT = ("hsdp_divides", "hsdp_sharded", "ep_divides", "v_interleaved", "schedu
 FRAMEWORK = ("world", *LAYOUT, "experts_dense", "experts", "heads", "kv_heads", "ffn", "stages", "uneven_cut", "seq",
              "batch")
 SEARCH = ("cut", "interleave_fill")
-RUNTIME = ("ep_in_dp", "mla", "capacity", "mtp", "vocab", "sp_split", "one_f_one_b_fill", "interleave_rounds", "tied",
+RUNTIME = ("ep_in_dp", "mla", "capacity", "mtp", "vocab", "sp_split", "one_f_one_b_fill", "interleave_rounds",
            "runtime_cut")
 PLANNED = FRAMEWORK + SEARCH
 RUNNABLE = PLANNED + RUNTIME

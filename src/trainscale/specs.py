@@ -64,6 +64,36 @@ class ModelSpec(_Spec):
     tied_embeddings: bool = False
     bias: bool = False
     norm_eps: float = Field(default=1e-5, gt=0, le=1)
+    # ---- what Hugging Face families add to the Llama block (read by hf.spec_fields; runtime/model.py computes them)
+    family: Literal["", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"] = Field(
+        default="", description="the Hugging Face model_type the model was read from; export writes it back "
+        "('': Llama)")
+    rope_scaling: Literal["none", "linear", "llama3"] = Field(
+        default="none", description="RoPE frequency scaling (transformers' modeling_rope_utils: linear divides every "
+        "frequency by rope_factor; llama3 divides the low ones, keeps the high ones, blends between)")
+    rope_factor: float = Field(default=1.0, gt=0, le=1e6)
+    rope_low_freq_factor: float = Field(default=1.0, gt=0, le=1e6)
+    rope_high_freq_factor: float = Field(default=4.0, gt=0, le=1e6)
+    rope_original_max_len: int = Field(default=8192, gt=0, le=_SEQ)
+    qkv_bias: bool = Field(default=False, description="biases on Q, K and V only, none on the output or the MLP "
+                           "(Qwen2)")
+    qk_norm: bool = Field(default=False, description="an RMSNorm over each head's query and key before RoPE (Qwen3)")
+    sliding_window: int = Field(default=0, ge=0, le=_SEQ, description="each query sees at most this many keys, "
+                                "itself included (Mistral); 0: no window")
+    norm_offset: bool = Field(default=False, description="the RMSNorm gain is 1 + weight, applied in fp32 (Gemma)")
+    embed_scale: bool = Field(default=False, description="embeddings multiplied by sqrt(d_model) (Gemma)")
+    gate_act: Literal["silu", "gelu_tanh"] = Field(default="silu", description="the gated MLP's activation: SiLU "
+                                                   "(SwiGLU) or tanh-approximated GELU (GeGLU, Gemma)")
+    window_layers: tuple[int, ...] | None = Field(default=None, description="the layers the sliding window applies "
+                                                  "to (Gemma 2: every other one); None: all")
+    sandwich_norms: bool = Field(default=False, description="an RMSNorm on the attention's and the MLP's outputs too, "
+                                 "before the residual add (Gemma 2)")
+    attn_softcap: float = Field(default=0.0, ge=0, le=1e6, description="attention scores s -> c tanh(s / c) "
+                                "(Gemma 2's attn_logit_softcapping); 0: none")
+    final_softcap: float = Field(default=0.0, ge=0, le=1e6, description="logits z -> c tanh(z / c) (Gemma 2's "
+                                 "final_logit_softcapping); 0: none")
+    query_scale: float = Field(default=0.0, ge=0, le=1e9, description="scores scaled by query_scale^-0.5 instead of "
+                               "head_dim^-0.5 (Gemma 2's query_pre_attn_scalar); 0: head_dim")
     # ---- mixture of experts (n_experts = 0: a dense model; every field below is then unused)
     # A MoE layer replaces the FFN: a router (a d_model x n_experts linear) picks experts_per_token of the
     # n_experts routed experts per token (top-k, Shazeer et al. 2017, arXiv 1701.06538), each a SwiGLU/GELU
@@ -102,6 +132,11 @@ class ModelSpec(_Spec):
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
+        if self.window_layers is not None and any(not 0 <= i < self.n_layers for i in self.window_layers):
+            raise ValueError(f"window_layers {list(self.window_layers)} must be layers 0..{self.n_layers - 1}")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(f"rope_high_freq_factor ({self.rope_high_freq_factor}) must exceed rope_low_freq_factor "
+                             f"({self.rope_low_freq_factor})")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim_override is None and self.d_model % self.n_heads:

@@ -1,4 +1,5 @@
-"""Export a trainscale model to a Hugging Face Llama folder and to a llama.cpp GGUF file.
+"""Export a trainscale model to a Hugging Face folder of its family (Llama, Mistral, Qwen2, Qwen3, Mixtral) and to a
+llama.cpp GGUF file.
 
 RoPE layouts. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head; llama.cpp's "llama"
 architecture (rope type NORM) rotates the same pairs, so GGUF gets wq / wk unchanged. Hugging Face's Llama
@@ -82,6 +83,21 @@ def check_mixtral(spec: ModelSpec, target: str) -> None:
                               f"weights renormalised); this one has {', '.join(bad)}")
 
 
+def check_gguf_plain(spec: ModelSpec) -> None:
+    """The GGUF writer here writes llama.cpp's plain "llama" architecture: no RoPE scaling, Q/K/V-only biases,
+    per-head Q/K norms or sliding window (which it would drop silently); one sentence otherwise."""
+    bad = [what for what, on in (
+        (f"RoPE scaling {spec.rope_scaling!r}", spec.rope_scaling != "none"), ("Q/K/V biases", spec.qkv_bias),
+        ("per-head Q/K norms", spec.qk_norm), (f"a sliding window of {spec.sliding_window}", spec.sliding_window),
+        ("Gemma's norms, scaled embeddings and GeGLU", spec.norm_offset or spec.embed_scale or spec.gate_act != "silu"),
+        ("Gemma 2's output norms and soft-capping", spec.sandwich_norms or spec.attn_softcap or spec.final_softcap
+         or spec.query_scale))
+        if on]
+    if bad:
+        raise TrainscaleError(f"GGUF export writes llama.cpp's plain llama architecture, without {', '.join(bad)}; "
+                              "export --to hf keeps them")
+
+
 # ------------------------------------------------------------------------------------ Hugging Face
 
 
@@ -107,22 +123,64 @@ def special_token_ids(tokenizer) -> dict[str, Any]:
     return {"token": "<|endoftext|>" if tid is not None else None, "id": tid}
 
 
-def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32") -> dict[str, Any]:
-    """Write OUT/{config.json, generation_config.json, model.safetensors, tokenizer.json,
-    tokenizer_config.json, special_tokens_map.json} for transformers' LlamaForCausalLM (a MoE:
-    MixtralForCausalLM)."""
+# transformers 4's save_pretrained default (max_shard_size="5GB"): folders other tools expect in this shape
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def shard_tensors(sd: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """The tensors cut, in order, into files of at most ``max_bytes`` each (a larger tensor alone in its file),
+    as transformers' save_pretrained shards them."""
+    files: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in sd.items():
+        n = t.numel() * t.element_size()
+        if files[-1] and size + n > max_bytes:
+            files.append({})
+            size = 0
+        files[-1][name] = t
+        size += n
+    return files
+
+
+def write_safetensors(out: Path, sd: dict[str, torch.Tensor], max_bytes: int = MAX_SHARD_BYTES) -> dict[str, int]:
+    """OUT/model.safetensors, or, above ``max_bytes``, OUT/model-0000i-of-0000N.safetensors and
+    model.safetensors.index.json (``metadata.total_size``, ``weight_map`` tensor -> file: the layout
+    transformers' save_pretrained writes and ``runtime/hf_init.py`` reads). -> the bytes written."""
+    meta = {"format": "pt", "producer": "trainscale"}
+    files = shard_tensors(sd, max_bytes)
+    for stale in ("model.safetensors", "model.safetensors.index.json"):  # a folder exported before, other shape
+        (out / stale).unlink(missing_ok=True)
+    if len(files) == 1:
+        atomic_write(out / "model.safetensors", lambda tmp: save_file(sd, str(tmp), metadata=meta))
+        return safetensors_layout(out / "model.safetensors")
+    weight_map, total = {}, {"file_bytes": 0, "header_bytes": 0, "tensor_bytes": 0}
+    for i, part in enumerate(files, 1):
+        name = f"model-{i:05d}-of-{len(files):05d}.safetensors"
+        atomic_write(out / name, lambda tmp, part=part: save_file(part, str(tmp), metadata=meta))
+        weight_map.update(dict.fromkeys(part, name))
+        total = {k: v + safetensors_layout(out / name)[k] for k, v in total.items()}
+    index = {"metadata": {"total_size": total["tensor_bytes"]}, "weight_map": weight_map}
+    atomic_write_json(out / "model.safetensors.index.json", index)
+    return {**total, "files": len(files)}
+
+
+def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32",
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> dict[str, Any]:
+    """Write OUT/{config.json, generation_config.json, model.safetensors (or shards and their index),
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json} for transformers' class of the model's
+    family (``hf.export_family``: Llama, Mistral, Qwen2, Qwen3; a MoE: MixtralForCausalLM)."""
     if dtype not in HF_DTYPES:
         raise TrainscaleError(f"HF export dtype must be one of {', '.join(HF_DTYPES)}, not {dtype!r}")
     model, spec, src = load_for_inference(model_dir)
     check_llama(spec, "Hugging Face", allow_bias=not spec.is_moe)
     check_mixtral(spec, "Hugging Face")
+    hf.check_exportable(spec)
     tok = load_tokenizer_for(src)
     special = special_token_ids(tok)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sd = hf_state_dict(model.state_dict(), spec, HF_DTYPES[dtype])
-    atomic_write(out / "model.safetensors",
-                 lambda tmp: save_file(sd, str(tmp), metadata={"format": "pt", "producer": "trainscale"}))
+    layout = write_safetensors(out, sd, max_shard_bytes)
     atomic_write_json(out / "config.json", hf.hf_config(spec, dtype, special["id"]))
     gen = {"bos_token_id": special["id"], "eos_token_id": special["id"], "do_sample": True, "temperature": 0.8}
     atomic_write_json(out / "generation_config.json", gen)
@@ -132,8 +190,7 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32") ->
     tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.max_seq_len,
             "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False, **st}
     atomic_write_json(out / "tokenizer_config.json", tcfg)
-    return {"out": str(out), "source": str(src), "dtype": dtype, "tensors": len(sd),
-            **safetensors_layout(out / "model.safetensors")}
+    return {"out": str(out), "source": str(src), "dtype": dtype, "tensors": len(sd), **layout}
 
 
 # ------------------------------------------------------------------------------------ GGUF
@@ -171,6 +228,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, ftype: str = "f16") -> d
     model, spec, src = load_for_inference(model_dir)
     check_llama(spec, "GGUF")
     check_mixtral(spec, "GGUF")
+    check_gguf_plain(spec)
     tok_path = src / "tokenizer.json"
     if not tok_path.exists():
         raise TrainscaleError(f"{src} has no tokenizer.json; GGUF files carry their tokenizer")

@@ -1,4 +1,4 @@
-"""Start training from a Hugging Face Llama folder: ``[model] init = "PATH"``.
+"""Start training from a Hugging Face folder: ``[model] init = "PATH"`` (Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3).
 
 The folder holds ``config.json`` (the model: ``hf.spec_fields``) and the weights, one
 ``model.safetensors`` or several shards named by ``model.safetensors.index.json``. The model is built
@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 from trainscale import hf
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.model import build_model
-from trainscale.safeio import read_json_object
 from trainscale.specs import ModelSpec, load_model
 
 INDEX = "model.safetensors.index.json"
@@ -91,11 +90,8 @@ class HFWeights:
 
 
 def _weight_map(index: Path) -> dict[str, str]:
-    """A sharded folder's index: tensor name -> the file holding it."""
-    got = read_json_object(index, "safetensors index").get("weight_map")
-    if not isinstance(got, dict):
-        raise TrainscaleError(f"{index} is not a safetensors index (no weight_map object)")
-    return {str(k): str(v) for k, v in got.items()}
+    """A sharded folder's index: tensor name -> the file holding it (``hf.read_index``: a file name in the folder)."""
+    return hf.read_index(index)
 
 
 def expected_tensors(spec: ModelSpec, family: hf.Family) -> dict[str, tuple[int, ...]]:

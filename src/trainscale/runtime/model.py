@@ -20,13 +20,15 @@ shard that holds n_heads / tp heads runs unchanged.
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from trainscale.errors import TrainscaleError
 from trainscale.rules import check_model
@@ -35,28 +37,59 @@ from trainscale.specs import ModelSpec
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019, arXiv 1910.07467)."""
+    """x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019, arXiv 1910.07467). ``offset``: the gain is 1 + g,
+    applied in fp32 before the cast (Gemma's GemmaRMSNorm in transformers)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        return normed.type_as(x) * self.weight
 
 
 def make_norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "rmsnorm":
-        return RMSNorm(spec.d_model, spec.norm_eps)
+        return RMSNorm(spec.d_model, spec.norm_eps, spec.norm_offset)
     return nn.LayerNorm(spec.d_model, eps=spec.norm_eps)
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of RoPE's rotation angles pos * theta^(-2i/d) (Su et al. 2021, arXiv 2104.09864)."""
-    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    ang = positions.float()[:, None] * inv[None, :]
+def rope_frequencies(spec: ModelSpec, device: torch.device | str | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies theta^(-2i/d) (Su et al. 2021, arXiv 2104.09864), computed as transformers'
+    modeling_rope_utils does (1 / theta^(2i/d) in fp32), then scaled by ``spec.rope_scaling``: "linear" divides
+    each by rope_factor (_compute_linear_scaling_rope_parameters); "llama3" (Meta's Llama 3.1
+    apply_scaling, _compute_llama3_parameters) divides those of wavelength above L/low_freq_factor by the factor,
+    keeps those below L/high_freq_factor and blends in between (L: rope_original_max_len)."""
+    hd = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    if spec.rope_scaling == "linear":
+        return inv / spec.rope_factor
+    if spec.rope_scaling != "llama3":
+        return inv
+    factor, lo, hi, old = (spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor,
+                           spec.rope_original_max_len)
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float,
+                inv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE's rotation angles pos * inv_freq: ``inv`` (``rope_frequencies``), else unscaled
+    theta^(-2i/d) for ``head_dim``."""
+    if inv is None:
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+                               / head_dim))
+    ang = positions.float()[:, None] * inv.to(positions.device)[None, :]
     return ang.cos(), ang.sin()
 
 
@@ -69,19 +102,54 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
     """softmax(QK^T / sqrt(d) + causal mask) V on [b, h, s, d]; K/V heads repeated for GQA. With a KV
-    cache K/V hold t >= s positions and the queries are the last s of them: query j sees keys 0..t-s+j."""
+    cache K/V hold t >= s positions and the queries are the last s of them: query j sees keys 0..t-s+j.
+    ``window`` > 0: a query sees only the last ``window`` keys, itself included (Mistral's sliding window,
+    transformers' masking_utils.sliding_window_overlay: kv_idx > q_idx - window)."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     s, t = q.shape[2], k.shape[2]
+    if window and window < t:
+        i = torch.arange(t - s, t, device=q.device)[:, None]
+        j = torch.arange(t, device=q.device)[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - window))
     if s == t:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if s == 1:  # one new token sees every cached key
         return F.scaled_dot_product_attention(q, k, v)
     mask = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - s, t, device=q.device)[:, None]  # [s, t]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, scale: float | None = None,
+                    softcap: float = 0.0) -> torch.Tensor:
+    """``causal_attention`` with the scores written out, for what SDPA does not do: scores scaled by ``scale``
+    and soft-capped, s -> c tanh(s / c), before the mask and an fp32 softmax (Gemma 2; transformers'
+    modeling_gemma2.eager_attention_forward)."""
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s, t = q.shape[2], k.shape[2]
+    scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    i = torch.arange(t - s, t, device=q.device)[:, None]
+    j = torch.arange(t, device=q.device)[None, :]
+    seen = (j <= i) & (j > i - window) if window else j <= i
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def attention_core(spec: ModelSpec, layer: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Layer ``layer``'s attention kernel: SDPA (``causal_attention``) with the sliding window where it applies
+    (``window_layers``), or ``eager_attention`` for soft-capped or rescaled scores."""
+    window = spec.sliding_window if spec.window_layers is None or layer in spec.window_layers else 0
+    if spec.attn_softcap or spec.query_scale:
+        return functools.partial(eager_attention, window=window, softcap=spec.attn_softcap,
+                                 scale=spec.query_scale ** -0.5 if spec.query_scale else None)
+    return functools.partial(causal_attention, window=window) if window else causal_attention
 
 
 class KVCache:
@@ -118,16 +186,20 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer: int = 0) -> None:
         super().__init__()
         d, b = spec.d_model, spec.bias
+        qkv_b = b or spec.qkv_bias  # Qwen2: biases on Q, K, V only
         self.head_dim = spec.head_dim
         self.rope = spec.positions == "rope"
-        self.wq = nn.Linear(d, spec.q_dim, bias=b)
-        self.wk = nn.Linear(d, spec.kv_dim, bias=b)
-        self.wv = nn.Linear(d, spec.kv_dim, bias=b)
+        self.wq = nn.Linear(d, spec.q_dim, bias=qkv_b)
+        self.wk = nn.Linear(d, spec.kv_dim, bias=qkv_b)
+        self.wv = nn.Linear(d, spec.kv_dim, bias=qkv_b)
         self.wo = nn.Linear(spec.q_dim, d, bias=b)
-        self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
+        if spec.qk_norm:  # Qwen3: an RMSNorm over each head's query and key, before RoPE
+            self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset)
+        self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = attention_core(spec, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
@@ -136,6 +208,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, head_dim]
@@ -146,10 +220,17 @@ class Attention(nn.Module):
 
 
 class FeedForward(FFN):
-    """The dense feed-forward of width d_ff (SwiGLU or GELU, runtime/moe.py's FFN)."""
+    """The dense feed-forward of width d_ff (SwiGLU or GELU, runtime/moe.py's FFN; GeGLU, Gemma's
+    w2(gelu_tanh(w1 x) * w3 x), Shazeer 2020, arXiv 2002.05202, with ``gate_act`` "gelu_tanh")."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__(spec, spec.d_ff)
+        self.geglu = self.gated and spec.gate_act == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.geglu:
+            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+        return super().forward(x)
 
 
 class Block(nn.Module):
@@ -159,8 +240,11 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = make_norm(spec)
-        self.attention = Attention(spec)
+        self.attention = Attention(spec, layer)
         self.ffn_norm = make_norm(spec)
+        if spec.sandwich_norms:  # Gemma 2: the sub-layers' outputs normed too
+            self.attention_post_norm = make_norm(spec)
+            self.ffn_post_norm = make_norm(spec)
         if spec.is_moe_layer(layer):
             self.moe = MoE(spec)
         else:
@@ -169,9 +253,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
         # the cache as keywords: tensor parallelism prepares the positional inputs (x, cos, sin) only
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache=cache, layer=layer)
+        a = self.attention(self.attention_norm(x), cos, sin, cache=cache, layer=layer)
+        x = x + (self.attention_post_norm(a) if hasattr(self, "attention_post_norm") else a)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        return x + ffn(self.ffn_norm(x))
+        f = ffn(self.ffn_norm(x))
+        return x + (self.ffn_post_norm(f) if hasattr(self, "ffn_post_norm") else f)
 
 
 class Transformer(nn.Module):
@@ -191,6 +277,8 @@ class Transformer(nn.Module):
             None if spec.tied_embeddings else nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         )
         self.has_head = True  # False on pipeline stages that do not end the model
+        # False on a pipeline's last stage holding a tied model's embedding only as its head (``stage``)
+        self.embeds_tokens = True
         # Global positions of the local tokens when the caller does not pass them: set once by
         # runtime/parallel/parallelize.py (context parallel slices; pipeline stages see hidden states, not tokens).
         self.positions: torch.Tensor | None = None
@@ -206,7 +294,7 @@ class Transformer(nn.Module):
                 if name.endswith("bias"):
                     p.zero_()
                 elif p.ndim == 1:
-                    p.fill_(1.0)
+                    p.fill_(0.0 if self.spec.norm_offset else 1.0)  # a gain of 1 either way
                 else:
                     s = resid if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
                     if isinstance(p, DTensor):  # built on meta and sharded: DTensor's RNG fills each shard
@@ -217,11 +305,16 @@ class Transformer(nn.Module):
     def stage(self, layer_ids: list[int], first: bool, last: bool) -> Transformer:
         """A pipeline stage that shares this model's modules: layers ``layer_ids`` (keeping their keys,
         so parameter names are unchanged), the embeddings only if ``first``, the final norm and the head
-        only if ``last``."""
+        only if ``last``. A tied model's last stage (not also the first) holds its own copy of the embedding
+        as its head, under the same name (Megatron's word-embedding copy on the last stage): the pipeline keeps
+        the two equal (runtime/parallel/pipeline.py sums their gradients)."""
         part = Transformer.__new__(Transformer)
         nn.Module.__init__(part)
         part.spec = self.spec
-        part.tok_embeddings = self.tok_embeddings if first else None
+        tied_copy = last and not first and self.spec.tied_embeddings
+        part.tok_embeddings = (self.tok_embeddings if first else
+                               copy.deepcopy(self.tok_embeddings) if tied_copy else None)
+        part.embeds_tokens = first
         part.pos_embeddings = self.pos_embeddings if first else None
         part.layers = nn.ModuleDict({str(i): self.layers[str(i)] for i in layer_ids})
         part.norm = self.norm if last else None
@@ -240,10 +333,13 @@ class Transformer(nn.Module):
         elif positions is None:
             positions = self.positions if self.positions is not None else torch.arange(tokens.shape[1])
         positions = positions.to(tokens.device)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens
+        if self.embeds_tokens and self.spec.embed_scale:  # Gemma: sqrt(d) as an fp32 scalar cast to h's dtype
+            h = h * torch.tensor(self.spec.d_model ** 0.5).to(h.dtype).item()
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions[None])
-        cos, sin = rope_angles(positions, self.spec.head_dim, self.spec.rope_theta)
+        cos, sin = rope_angles(positions, self.spec.head_dim, self.spec.rope_theta,
+                               rope_frequencies(self.spec, positions.device))
         for key, layer in self.layers.items():
             h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache, int(key))
         if cache is not None:
@@ -252,9 +348,22 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if not self.has_head:
             return h
-        if self.output is not None:
-            return self.output(h)
-        return F.linear(h, self.tok_embeddings.weight)  # tied embeddings
+        logits = self.output(h) if self.output is not None else tied_head(h, self.tok_embeddings.weight)
+        if self.spec.final_softcap:  # Gemma 2: z -> c tanh(z / c)
+            logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
+        return logits
+
+
+def tied_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Logits h W_emb^T with the embedding table as the head. Under tensor parallelism the table is
+    vocab-parallel (a DTensor sharded on the vocabulary, dim 0, as the untied head's column-parallel weight
+    is): h, whole or sequence-sharded, is made whole on every tp rank, each rank computes its vocabulary
+    shard's logits and they are gathered, the untied head's ColwiseParallel(output_layouts=Replicate())."""
+    if not isinstance(w, DTensor):
+        return F.linear(h, w)
+    whole = [Replicate()] * w.device_mesh.ndim
+    h = h.redistribute(placements=whole) if isinstance(h, DTensor) else DTensor.from_local(h, w.device_mesh, whole)
+    return F.linear(h, w).full_tensor()
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:

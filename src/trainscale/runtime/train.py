@@ -267,6 +267,8 @@ class Trainer:
             if self.expert_params:  # summed over the ranks holding the same experts, divided by all dp x cp
                 allreduce_gradients(self.expert_params, self.mesh.group("expert_dp"), divide=lo.dp * lo.cp)
         settle_gradient_placements(self.params)  # each rank keeps only its shard of every gradient
+        if self.pipeline is not None:  # a tied embedding: the first and last stages' gradients summed
+            self.pipeline.tied.sum_gradients()
         for opt in self.optimizers:
             if isinstance(opt, Zero1AdamW):  # reduce-scatter: each rank's chunk of the averaged gradients
                 opt.reduce_gradients()

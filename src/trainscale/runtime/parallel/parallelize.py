@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import checkpoint
 
+from trainscale.errors import TrainscaleError
 from trainscale.placement import EMBEDDINGS, tp_plan
 from trainscale.runtime.model import Transformer
 from trainscale.runtime.moe import MoE
@@ -87,6 +88,12 @@ def apply_tensor_parallel(model: Transformer, mesh: ParallelMesh, sp: bool) -> N
         plan = {name: _tp_style(style, name, sp, _GATHER_INPUTS.get(name, 1)) for name, style in block_plan.items()
                 if _has(block, name)}  # w3 only in a gated (SwiGLU) MLP
         parallelize_module(block, tp, plan)
+        if _has(block, "attention.q_norm"):  # Qwen3's per-head norms: on this rank's heads (dim 2), gains whole
+            parallelize_module(block, tp, {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                                           for n in ("q_norm", "k_norm")})
+        if sp and _has(block, "attention_post_norm"):  # Gemma 2's output norms: on this rank's seq/tp tokens
+            parallelize_module(block, tp, {n: SequenceParallel(use_local_output=True)
+                                           for n in ("attention_post_norm", "ffn_post_norm")})
         if sp and _has(block, "moe"):  # the MoE takes this rank's seq/tp tokens as a plain tensor (see below)
             parallelize_module(block, tp, {"moe": PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True)})
@@ -318,8 +325,12 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMe
     lo = mesh.layout
     replicas = lo.dp * lo.cp * lo.tp  # ranks per pipeline stage
     by_copies: dict[int, list[torch.Tensor]] = {}
+    scaled_only: list[torch.Tensor] = []  # a tied embedding's copy on the last pipeline stage: counted on the first
     for p in params:
         if p.grad is None:
+            continue
+        if getattr(p, "tied_copy", False):
+            scaled_only.append(_local(p.grad))
             continue
         g = p.grad
         copies = replicas
@@ -339,8 +350,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMe
     norm = float(total.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for grads in by_copies.values():
-            torch._foreach_mul_(grads, scale)
+        for grads in [*by_copies.values(), scaled_only]:
+            if grads:
+                torch._foreach_mul_(grads, scale)
     return norm
 
 
@@ -356,6 +368,12 @@ def parallelize(model: Transformer, mesh: ParallelMesh, layout: Layout, seq_len:
     apply_expert_parallel(model, mesh, layout)
     positions = context.local_positions(seq_len, layout.cp, mesh.cp_rank)
     model.positions = positions
+    if layout.cp > 1 and 0 < model.spec.sliding_window < seq_len:
+        raise TrainscaleError(f"context parallelism does not apply the model's sliding window of "
+                              f"{model.spec.sliding_window} tokens, shorter than the sequence ({seq_len}); use cp1")
+    if layout.cp > 1 and (model.spec.attn_softcap or model.spec.query_scale):
+        raise TrainscaleError("context parallelism's attention does not soft-cap or rescale the attention scores "
+                              "as this model's do (Gemma 2); use cp1")
     if layout.cp > 1:
         context.apply_context_parallel(model, mesh.group("cp"), positions, layout.cp, seq_len)
     apply_activation_checkpointing(model, layout.recompute)

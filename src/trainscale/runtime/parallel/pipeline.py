@@ -18,9 +18,10 @@ and the schedule divides the accumulated gradients by the number of microbatches
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from trainscale.placement import holds_embedding, holds_head, local_stage_ids, n_stages, stage_layers
+from trainscale.placement import MESH_DIMS, holds_embedding, holds_head, local_stage_ids, n_stages, stage_layers
 from trainscale.runtime.model import Transformer, lm_loss
 from trainscale.runtime.parallel.mesh import ParallelMesh
 from trainscale.specs import Layout
@@ -42,6 +43,7 @@ class Pipeline:
         self.stages = [PipelineStage(mod, idx, n_stages(layout), device, group=group) for idx, mod in parts]
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
+        self.tied = TiedEmbedding(parts, layout, mesh)
         if layout.schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches, loss_fn=lm_loss)
         elif layout.schedule == "gpipe":
@@ -58,3 +60,56 @@ class Pipeline:
             return torch.stack([x.detach() for x in losses]).mean()
         self.schedule.step(*args, return_outputs=False)
         return None
+
+
+def embedding_groups(mesh: ParallelMesh) -> list[list[int]]:
+    """For every pipeline (the ranks with one dp / cp / tp coordinate), its first and its last stage's ranks
+    (Megatron-LM's embedding group, parallel_state.initialize_model_parallel)."""
+    ranks = mesh.world.mesh.movedim(MESH_DIMS.index("pp"), -1).reshape(-1, mesh.layout.pp)
+    return [[int(row[0]), int(row[-1])] for row in ranks]
+
+
+class TiedEmbedding:
+    """A tied model's embedding under a pipeline: the first stage embeds with it, the last stage holds a copy
+    (``Transformer.stage``) as its head. Megatron-LM's scheme (Shoeybi et al. 2019; its
+    ``_allreduce_word_embedding_grads``): the copy starts equal to the first stage's table (an all-reduce in
+    which the copy is zero) and after every backward the two gradients are summed over the embedding group, so
+    both hold the gradient of the one tied weight and their AdamW steps stay equal. Gradient clipping counts
+    the weight once (the copy is marked ``tied_copy``)."""
+
+    def __init__(self, parts: list[tuple[int, Transformer]], layout: Layout, mesh: ParallelMesh) -> None:
+        self.group: dist.ProcessGroup | None = None
+        self.weight: torch.nn.Parameter | None = None
+        if not parts or not parts[0][1].spec.tied_embeddings:
+            return
+        holders = [m for _, m in parts if m.tok_embeddings is not None and (m.embeds_tokens or m.has_head)]
+        if layout.pp == 2:
+            self.group = mesh.group("pp")  # the pipeline's two ranks are its embedding group: no new group
+        else:
+            for ranks in embedding_groups(mesh):  # every rank creates every group, in one order
+                g = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    self.group = g
+        if not holders:
+            return
+        self.weight = holders[0].tok_embeddings.weight
+        local = _local(self.weight)
+        with torch.no_grad():
+            if not holders[0].embeds_tokens:  # the last stage's copy: made equal to the first stage's table
+                self.weight.tied_copy = True
+                if getattr(self.weight, "zero1_shard", None) is not None:  # zero1: the norm runs over its shards
+                    self.weight.zero1_shard.tied_copy = True
+                local.zero_()
+            dist.all_reduce(local, group=self.group)
+
+    def sum_gradients(self) -> None:
+        """Add the first and last stages' gradients of the tied weight (after each stage's own data-parallel
+        reduction, on each rank's shard: both stages shard the table alike)."""
+        if self.weight is not None and self.weight.grad is not None:
+            dist.all_reduce(_local(self.weight.grad), group=self.group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t

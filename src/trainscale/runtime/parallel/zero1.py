@@ -69,6 +69,7 @@ class _Slot:
     def __post_init__(self) -> None:
         self.mesh, self.placements = _shard_spec(self)
         self.shard = nn.Parameter(self.dtensor(self.chunk(self.local)), requires_grad=self.param.requires_grad)
+        self.param.zero1_shard = self.shard  # what the gradient norm sees of it (pipeline.TiedEmbedding marks it)
 
     def dtensor(self, view: torch.Tensor) -> DTensor:
         """``view`` (this rank's chunk of the weight, or of its gradient) as a DTensor of the weight's shape."""
