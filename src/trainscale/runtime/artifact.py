@@ -270,8 +270,9 @@ def _write_cached(places: list[Path], state: dict[str, torch.Tensor], spec: Mode
             dest.parent.mkdir(parents=True, exist_ok=True)
             save_model_dir(tmp, state, spec, tokenizer)
             atomic_write_json(tmp / SOURCE_FILE, source)
-            if dest.is_dir() and not dest.is_symlink() and {q.name for q in dest.iterdir()} <= _OURS:
-                shutil.rmtree(dest)  # a stale copy of an earlier checkpoint of the same step
+            if dest.is_dir() and not dest.is_symlink() and not _cached(dest, source["manifest_sha256"]) \
+                    and {q.name for q in dest.iterdir()} <= _OURS:
+                shutil.rmtree(dest)  # a stale or half copy (never another process's finished one)
             os.rename(tmp, dest)
             return dest
         except OSError as e:
@@ -352,7 +353,7 @@ def held_out_of(folder: Path, max_tokens: int) -> HeldOut:
     if req is None:
         return HeldOut(f"the held-out Shakespeare plays, the held-out split of run {run}", "run-plays")
     prepared = _prepared_folder(cfg, req)
-    if prepared is None or not _same_bytes(prepared / RUN_TOKENIZER, run / RUN_TOKENIZER):
+    if prepared is None or not _same_tokenizer(prepared / RUN_TOKENIZER, run / RUN_TOKENIZER):
         return HeldOut(f"the held-out Shakespeare plays (default: the prepared data of run {run} is not found "
                        "where its config.toml says)", "default-plays")
     from trainscale.runtime.data.shards import ShardCorpus
@@ -377,10 +378,11 @@ def _prepared_folder(cfg, req) -> Path | None:
     return folder if (folder / "index.json").is_file() else None
 
 
-def _same_bytes(a: Path, b: Path) -> bool:
+def _same_tokenizer(a: Path, b: Path) -> bool:
+    """Two tokenizer.json files hold the same tokenizer (the same JSON, however it was formatted)."""
     try:
-        return a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()
-    except OSError:
+        return read_json_object(a, "tokenizer") == read_json_object(b, "tokenizer")
+    except TrainscaleError:
         return False
 
 
@@ -475,3 +477,85 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: torch.dtype = t
     check_finite(p / "model.safetensors", sd)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, assign=True)
     return model.to(device).eval(), spec, p
+
+
+# ------------------------------------------------------------------ [model] init from a trainscale model
+
+
+def is_model_reference(path: str | Path) -> bool:
+    """Whether a ``[model] init`` path names a trainscale model (a model folder, a run folder, a checkpoint or a
+    checkpoint root) rather than a Hugging Face folder (config.json: runtime/hf_init.py reads those)."""
+    p = Path(path).expanduser()
+    try:
+        if (p / "config.json").exists() and not (p / "model.json").exists():
+            return False
+        return (p / "model.json").exists() or (p / "final" / "model.json").exists() or (p / RUN_CONFIG).exists() \
+            or bool(_STEP.match(p.name) or _TMP_STEP.match(p.name)) or (p.is_dir() and _holds_steps(p))
+    except (OSError, ValueError):
+        return False
+
+
+def init_folder(path: str) -> str:
+    """``[model] init`` resolved: a trainscale reference -> its model folder (a checkpoint resharded here, once,
+    before any rank starts), which must hold full weights (model.safetensors); a Hugging Face folder -> itself."""
+    if not is_model_reference(path):
+        return str(Path(path).expanduser().resolve())
+    quiet = os.environ.get("RANK", "0") != "0"  # every rank reads the config: rank 0 says which checkpoint it took
+    folder = find_model_folder(Path(path).expanduser(), log=(lambda _m: None) if quiet else None)
+    if not (folder / "model.safetensors").exists():
+        raise TrainscaleError(f"[model] init {path} names {folder}, which holds no model.safetensors (a quantized or "
+                              "adapter folder: merge or export it first)")
+    return str(folder.resolve())
+
+
+def init_spec_fields(path: str) -> dict | None:
+    """The ModelSpec fields of a resolved ``[model] init`` that is a trainscale model folder; None for a Hugging
+    Face folder."""
+    p = Path(path)
+    return read_spec(p).model_dump(by_alias=True, exclude_none=True) if (p / "model.json").exists() else None
+
+
+def check_init_weights(path: str, spec: ModelSpec) -> None:
+    """The weights of a resolved ``[model] init`` match ``spec`` (headers only, no tensor read)."""
+    if (Path(path) / "model.json").exists():
+        check_model_file(Path(path) / "model.safetensors", spec)
+        return
+    from trainscale.runtime.hf_init import check_hf_weights
+
+    check_hf_weights(path, spec)
+
+
+def _local_box(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(the tensor holding this rank's elements, the box of the global tensor they are)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        return p._local_tensor, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    return p, tuple(slice(0, n) for n in p.shape)
+
+
+def load_folder_into(parts: list[torch.nn.Module], folder: str | Path) -> int:
+    """Fill every parameter of the (parallelized, materialised) parts with its slice of a model folder's
+    model.safetensors, by trainscale name (no renaming, no permutation): -> elements this rank read."""
+    from safetensors import safe_open
+
+    path = Path(folder) / "model.safetensors"
+    read = 0
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f, torch.no_grad():
+            for part in parts:
+                for name, p in part.named_parameters():
+                    local, box = _local_box(p)
+                    if local.numel() == 0:
+                        continue  # an FSDP rank past the end of an unevenly sharded tensor holds nothing of it
+                    t = f.get_slice(name)[box]
+                    local.copy_(t.reshape(local.shape).to(local.dtype))
+                    read += t.numel()
+    except TrainscaleError:
+        raise
+    except Exception as e:  # safetensors raises its own error types
+        raise TrainscaleError(f"[model] init {path} cannot be read: {str(e)[:200]}") from None
+    return read
