@@ -124,7 +124,7 @@ def _held_out_ids(src: Path, tok, eval_text: Path | None, max_tokens: int) -> tu
     """-> (token ids, {kind, what}): --eval-text if given; else the model's own held-out data when its run folder
     has it (runtime/artifact.held_out_of), else the held-out plays."""
     from trainscale.infer.evaluate import eval_ids
-    from trainscale.runtime.artifact import held_out_of
+    from trainscale.infer.load import held_out_of
 
     if eval_text is not None:
         try:

@@ -21,7 +21,6 @@ import shutil
 import sys
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -125,11 +124,9 @@ def _steps_there(p: Path) -> str:
     return f" (the committed checkpoints in {p.parent}: {', '.join(have[-6:])}{more})"
 
 
-def run_config(run: Path):
-    """The TrainConfig a run folder's config.toml records (the model's fields spelled out; ``[model] init``
-    dropped: the weights are the run's own now, and its Hugging Face folder need not exist any more)."""
-    from trainscale.runtime.config import config_from_dict
-
+def run_toml(run: Path) -> dict:
+    """A run folder's config.toml as a dict (runtime/config.py's TrainConfig.to_toml wrote it: every model field
+    spelled out), ``[model] init`` dropped: the weights are the run's own now, and its source need not exist."""
     path = Path(run) / RUN_CONFIG
     try:
         data = tomllib.loads(read_text(path, "run config"))
@@ -137,15 +134,23 @@ def run_config(run: Path):
         raise TrainscaleError(f"run config {path} is not TOML: {e}") from None
     if isinstance(data.get("model"), dict):
         data["model"] = {k: v for k, v in data["model"].items() if k != "init"}
-    return config_from_dict(data, f"run config {path}")
+    return data
+
+
+def run_spec(run: Path) -> ModelSpec:
+    """The ModelSpec a run trained (its config.toml's [model])."""
+    model = run_toml(run).get("model")
+    if not isinstance(model, dict):
+        raise TrainscaleError(f"run config {Path(run) / RUN_CONFIG} has no [model] section")
+    return load_model(model)
 
 
 def _checkpoint_root(run: Path) -> Path:
     """Where a run folder's checkpoints are: [checkpoint] dir of its config, else RUN/checkpoints."""
     if (run / RUN_CONFIG).exists():
-        d = run_config(run).checkpoint.dir
-        if d:
-            return Path(d)
+        section = run_toml(run).get("checkpoint")
+        if isinstance(section, dict) and isinstance(section.get("dir"), str) and section["dir"]:
+            return Path(section["dir"])
     return run / "checkpoints"
 
 
@@ -208,13 +213,12 @@ def model_from_checkpoint(ckpt: str | Path, run: Path | None = None, log: Callab
     manifest = read_manifest(ckpt)
     run = _run_of(ckpt) if run is None else run
     _check_same_run(ckpt, manifest, run)
-    cfg = run_config(run)
-    state = reshard_checkpoint(ckpt, cfg.model)
+    spec = run_spec(run)
+    state = reshard_checkpoint(ckpt, spec)
     tokenizer = run / RUN_TOKENIZER
     source = {"checkpoint": str(ckpt.resolve()), "manifest_sha256": digest, "run": str(run.resolve()),
               "step": manifest["step"], "layout": _run_layout(run)}
-    dest = _write_cached(_cache_places(ckpt, digest), state, cfg.model, tokenizer if tokenizer.exists() else None,
-                         source)
+    dest = _write_cached(_cache_places(ckpt, digest), state, spec, tokenizer if tokenizer.exists() else None, source)
     log(f"{ckpt}: resharded the step-{manifest['step']} checkpoint into one model: {dest}")
     return dest
 
@@ -325,65 +329,6 @@ def beside(folder: Path, suffix: str) -> Path:
     if run is not None and folder.name == CHECKPOINT_MODEL and _STEP.match(folder.parent.name):
         return run / f"{folder.parent.name}{suffix}"
     return folder.with_name(f"{folder.name}{suffix}")
-
-
-@dataclass(frozen=True)
-class HeldOut:
-    """The held-out text a model is evaluated on: token ids (None: tokenise ``text_split`` of the plays), and a
-    sentence saying what it is."""
-
-    what: str
-    kind: str  # "run-prepared", "run-plays" or "default-plays"
-    ids: list[int] | None = None
-
-
-def held_out_of(folder: Path, max_tokens: int) -> HeldOut:
-    """The model's own held-out data when its run folder says what it trained on: the prepared corpus's held-out
-    split (its tokenizer must be the run's, byte for byte), or, for a run on the plays, the held-out plays; else the
-    default, the held-out plays (runtime/data/sources.py)."""
-    run = run_folder_of(folder)
-    if run is None:
-        return HeldOut(f"the held-out Shakespeare plays (default: {folder} is not from a run folder)", "default-plays")
-    try:
-        cfg = run_config(run)
-    except TrainscaleError as e:
-        return HeldOut(f"the held-out Shakespeare plays (default: the run's config is unreadable: {e})",
-                       "default-plays")
-    req = cfg.data.request()
-    if req is None:
-        return HeldOut(f"the held-out Shakespeare plays, the held-out split of run {run}", "run-plays")
-    prepared = _prepared_folder(cfg, req)
-    if prepared is None or not _same_tokenizer(prepared / RUN_TOKENIZER, run / RUN_TOKENIZER):
-        return HeldOut(f"the held-out Shakespeare plays (default: the prepared data of run {run} is not found "
-                       "where its config.toml says)", "default-plays")
-    from trainscale.runtime.data.shards import ShardCorpus
-
-    try:
-        tokens = ShardCorpus(prepared).tokens("val")
-        ids = [int(i) for i in tokens[0:min(len(tokens), max_tokens)]]
-    except (OSError, KeyError, TypeError, ValueError, TrainscaleError):
-        ids = []
-    if len(ids) < 2:
-        return HeldOut(f"the held-out Shakespeare plays (default: the prepared data of run {run} has no held-out "
-                       "split)", "default-plays")
-    return HeldOut(f"the held-out split of run {run}'s prepared data {prepared}", "run-prepared", ids)
-
-
-def _prepared_folder(cfg, req) -> Path | None:
-    from trainscale.runtime.data.corpus import cache_root
-    from trainscale.runtime.data.shards import default_folder
-
-    cache = Path(cfg.data.cache) if cfg.data.cache else cache_root()
-    folder = Path(req.folder).expanduser() if req.folder else default_folder(req, cache)
-    return folder if (folder / "index.json").is_file() else None
-
-
-def _same_tokenizer(a: Path, b: Path) -> bool:
-    """Two tokenizer.json files hold the same tokenizer (the same JSON, however it was formatted)."""
-    try:
-        return read_json_object(a, "tokenizer") == read_json_object(b, "tokenizer")
-    except TrainscaleError:
-        return False
 
 
 def read_spec(folder: Path) -> ModelSpec:
@@ -515,14 +460,13 @@ def init_spec_fields(path: str) -> dict | None:
     return read_spec(p).model_dump(by_alias=True, exclude_none=True) if (p / "model.json").exists() else None
 
 
-def check_init_weights(path: str, spec: ModelSpec) -> None:
-    """The weights of a resolved ``[model] init`` match ``spec`` (headers only, no tensor read)."""
-    if (Path(path) / "model.json").exists():
-        check_model_file(Path(path) / "model.safetensors", spec)
-        return
-    from trainscale.runtime.hf_init import check_hf_weights
-
-    check_hf_weights(path, spec)
+def check_init_weights(path: str, spec: ModelSpec) -> bool:
+    """For a resolved ``[model] init`` that is a trainscale model folder: its weights match ``spec`` (headers only,
+    no tensor read) -> True; False for a Hugging Face folder (runtime/hf_init.check_hf_weights checks those)."""
+    if not (Path(path) / "model.json").exists():
+        return False
+    check_model_file(Path(path) / "model.safetensors", spec)
+    return True
 
 
 def _local_box(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:

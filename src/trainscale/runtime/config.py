@@ -170,8 +170,11 @@ def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
             data["data"] = {**data.get("data", {}), "tokenizer": str(Path(init) / "tokenizer.json")}  # its token ids
     data["model"] = _model_from(data["model"])
     if init is not None:
+        from trainscale.runtime.hf_init import check_hf_weights
+
         data["init"] = init
-        check_init_weights(data["init"], data["model"])
+        if not check_init_weights(init, data["model"]):
+            check_hf_weights(init, data["model"])
     try:
         cfg = TrainConfig(**data)
     except ValidationError as e:
