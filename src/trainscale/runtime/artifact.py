@@ -239,7 +239,7 @@ def reshard_checkpoint(ckpt: Path, spec: ModelSpec) -> dict[str, torch.Tensor]:
 
     saved = saved_tensors(ckpt)
     check_layer_count(ckpt, saved, spec, "its run's model (config.toml)")
-    expected = build_model(spec, "meta").state_dict()
+    expected = build_model(spec, "meta").state_dict()  # tied embeddings: one tensor, no output.weight (model.py)
     header = {k: (shape, ST_DTYPES.get(dtype, str(dtype))) for k, (shape, dtype) in saved.items()}
     check_header(ckpt, header, {k: v.to(saved[k][1]) if k in saved else v for k, v in expected.items()},
                  "its run's model (config.toml)")
