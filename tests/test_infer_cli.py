@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from infer_fixtures import small_model_dir  # noqa: F401  (session fixture)
 
 
@@ -90,3 +91,43 @@ def test_infer_modules_import_each_other_without_a_cycle():
         r = subprocess.run([sys.executable, "-c", f"import trainscale.infer.{name}"], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_quantize_perplexity_is_on_the_runs_own_held_out_split(tmp_path):
+    """A run trained on the user's data (a prepared corpus): quantize's default perplexity text is that corpus's
+    held-out split, token for token (the perplexity equals one computed here on those ids), and it says so; a model
+    folder from no run uses the held-out plays and says that it is the default."""
+    from trainscale.infer.evaluate import perplexity
+    from trainscale.infer.quantize import model_from_state_dict
+    from trainscale.runtime.artifact import load_model_dir, save_model_dir
+    from trainscale.runtime.config import config_from_dict
+    from trainscale.runtime.data.corpus import corpus_for
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.model import build_model
+
+    text = tmp_path / "mine.txt"
+    text.write_text(corpus_text("train", max_chars=120_000)[60_000:], encoding="utf-8")
+    spec = {"name": "held-out", "n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 192,
+            "vocab_size": 512, "max_seq_len": 64}  # untrained: the perplexity only has to be computed on the right ids
+    cfg = config_from_dict({"name": "own", "model": spec, "train": {"seq_len": 64},
+                            "data": {"files": [str(text)], "prepared": str(tmp_path / "prepared"), "workers": 1}})
+    corpus = corpus_for(cfg)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(cfg.to_toml())
+    (run / "tokenizer.json").write_bytes(corpus.tokenizer_path.read_bytes())
+    save_model_dir(run / "final", build_model(cfg.model, seed=1).state_dict(), cfg.model, corpus.tokenizer_path)
+    r = ts("quantize", str(run), "--eval-tokens", "600", "-n", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)["perplexity"]
+    assert p["text_kind"] == "run-prepared" and str(tmp_path / "prepared") in p["text"]
+    val = [int(i) for i in corpus.tokens("val")[0:600]]
+    model, _, _ = load_model_dir(run / "final")
+    assert p["tokens"] == len(val) == 600
+    assert p["source"] == pytest.approx(perplexity(model_from_state_dict(cfg.model, model.state_dict()), val),
+                                        rel=1e-6)
+    plain = save_model_dir(tmp_path / "plain", model.state_dict(), cfg.model, corpus.tokenizer_path)  # from no run
+    human = ts("quantize", str(plain), "--eval-tokens", "256", "-n", "0", "--out", str(tmp_path / "q"))
+    assert human.returncode == 0, human.stderr
+    flat = " ".join(human.stdout.split())
+    assert "perplexity text" in flat and "held-out Shakespeare plays (default:" in flat

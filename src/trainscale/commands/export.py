@@ -17,7 +17,8 @@ def register(app: typer.Typer) -> None:
 
 
 def export(
-    checkpoint: str = typer.Argument(..., help="model folder, run folder, quantized or LoRA folder"),
+    checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint), "
+                                      "checkpoint RUN/checkpoints/step-N, quantized or LoRA folder"),
     out: Path = typer.Argument(..., help="HF: output folder; GGUF: output .gguf file"),
     to: str = typer.Option(..., "--to", help="hf or gguf"),
     ftype: str = typer.Option("f16", "--type", "-t", help="GGUF tensor type: f16, q8_0 or q4_0"),
@@ -27,20 +28,20 @@ def export(
     """Export to Hugging Face (config.json, model.safetensors, tokenizer files) or to GGUF for llama.cpp.
     A mixture of experts exports if it is Mixtral-shaped (every layer MoE, no shared expert, top-k renormalised)."""
     from trainscale.commands._infer import check_table, kv_table, print_tables
-    from trainscale.runtime.artifact import find_model_folder, read_spec
+    from trainscale.runtime.artifact import checkpoint_source, find_model_folder, model_inputs, read_spec
 
     to = to.lower()
     if to not in ("hf", "gguf"):
         raise TrainscaleError(f"--to must be hf or gguf, not {to!r}")
     src = find_model_folder(checkpoint)
-    check_output(out, "the output", folder=to == "hf", inputs=(src, checkpoint))
+    check_output(out, "the output", folder=to == "hf", inputs=model_inputs(src))
     spec = read_spec(src)
     if to == "hf":
         from trainscale.estimate.inference import weights_bytes
         from trainscale.estimate.params import param_count
         from trainscale.infer.export import HF_DTYPES, export_hf
 
-        rep = export_hf(checkpoint, out, dtype)
+        rep = export_hf(src, out, dtype)
         bits = 8 * HF_DTYPES[dtype].itemsize
         predicted = weights_bytes(param_count(spec), bits)
         check = ("tensor bytes (params x bytes)", rep["tensor_bytes"], predicted)
@@ -53,12 +54,14 @@ def export(
             raise TrainscaleError(f"--type must be one of {', '.join(GGUF_TYPES)}, not {ftype!r}")
         if out.suffix.lower() != ".gguf":
             raise TrainscaleError(f"the GGUF output must be a .gguf file, not {out}")
-        rep = export_gguf(checkpoint, out, ftype)
+        rep = export_gguf(src, out, ftype)
         predicted = gguf_tensor_bytes(spec, ftype, llama_cpp_mix=False)
         check = ("tensor bytes (gguf_tensor_bytes)", rep["tensor_bytes"], predicted)
         moe = f", {spec.n_experts} experts, top-{spec.experts_per_token}" if spec.is_moe else ""
         title = f"GGUF {ftype} (llama.cpp, architecture llama{moe})"
     rep = {**rep, "to": to, "predicted_tensor_bytes": predicted, "equal": rep["tensor_bytes"] == predicted}
+    if (origin := checkpoint_source(src)) is not None:
+        rep["from_checkpoint"] = origin
     if as_json:
         emit_json(rep)
         return

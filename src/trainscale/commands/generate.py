@@ -17,7 +17,8 @@ def register(app: typer.Typer) -> None:
 
 
 def generate(
-    checkpoint: str = typer.Argument(..., help="model folder, run folder, quantized or LoRA folder"),
+    checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint), "
+                                      "checkpoint RUN/checkpoints/step-N, quantized or LoRA folder"),
     prompt: str = typer.Option(..., "--prompt", "-p", help="text to continue"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", callback=number(ge=0, le=1 << 20),
                                        help="tokens to generate"),
@@ -38,6 +39,7 @@ def generate(
     from trainscale.estimate.memory import kv_cache_bytes
     from trainscale.infer.generate import Sampling, generate_ids
     from trainscale.infer.load import load_for_inference, load_tokenizer_for
+    from trainscale.runtime.artifact import checkpoint_source
 
     if kv_dtype not in KV_DTYPES:
         raise TrainscaleError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
@@ -61,6 +63,8 @@ def generate(
                      "predicted_bytes": predicted, "equal": g.kv_cache_bytes == predicted,
                      "formula": "2 x n_layers x n_kv_heads x head_dim x bytes x positions"},
     }
+    if (origin := checkpoint_source(folder)) is not None:
+        out["from_checkpoint"] = origin
     if as_json:
         emit_json(out)
         return

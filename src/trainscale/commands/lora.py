@@ -17,7 +17,8 @@ def register(app: typer.Typer) -> None:
 
 
 def lora(
-    checkpoint: str = typer.Argument(..., help="model folder or run folder (the frozen base)"),
+    checkpoint: str = typer.Argument(..., help="the frozen base: model folder, run folder (its final/, else its "
+                                      "newest checkpoint) or checkpoint RUN/checkpoints/step-N"),
     rank: int = typer.Option(8, "--rank", "-r", callback=number(gt=0, le=1 << 16), help="adapter rank r"),
     data: str = typer.Option(..., "--data", help="UTF-8 text file to fine-tune on (or corpus:train / corpus:val)"),
     alpha: float = typer.Option(None, callback=number(gt=0, le=1e6),
@@ -28,7 +29,8 @@ def lora(
     seq_len: int = typer.Option(128, callback=number(gt=0, le=1 << 20), help="tokens per sequence"),
     lr: float = typer.Option(2e-3, callback=number(gt=0, le=10), help="Adam learning rate"),
     seed: int = typer.Option(0, callback=SEED, help="seed for the adapter init and the batches"),
-    out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-lora-rR beside it)"),
+    out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-lora-rR beside it; "
+                             "RUN/step-N-lora-rR for a checkpoint)"),
     merge: bool = typer.Option(False, "--merge", help="also fold the adapters into the weights: a plain model folder"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -41,7 +43,7 @@ def lora(
     from trainscale.infer.evaluate import perplexity
     from trainscale.infer.load import load_for_inference, load_tokenizer_for
     from trainscale.infer.lora import apply_lora, merge_lora, read_data, save_adapter_folder, train_lora
-    from trainscale.runtime.artifact import find_model_folder
+    from trainscale.runtime.artifact import beside, checkpoint_source, find_model_folder, model_inputs
 
     for name, v in (("--rank", rank), ("--steps", steps), ("--batch", batch), ("--seq-len", seq_len)):
         if v <= 0:
@@ -51,10 +53,10 @@ def lora(
     alpha = 2.0 * rank if alpha is None else alpha
     model, spec, src = load_for_inference(checkpoint)
     base = find_model_folder(src)  # where the adapters go is checked before any training
-    out = out or base.resolve().with_name(f"{base.resolve().name}-lora-r{rank}")
+    out = out or beside(base, f"-lora-r{rank}")
     if out.resolve() == base.resolve():
         raise TrainscaleError(f"the adapter folder cannot be the base folder {base}; pick another --out")
-    check_output(out, "--out", folder=True, inputs=(base, checkpoint))
+    check_output(out, "--out", folder=True, inputs=model_inputs(base))
     try:
         names = lora_targets(spec, targets)
     except ValueError as e:
@@ -101,6 +103,8 @@ def lora(
                             "counts": "Adam's fp32 m and v (8 bytes per trainable parameter); adapters train in fp32, "
                                       "so no separate master copy"},
     }
+    if (origin := checkpoint_source(folder)) is not None:
+        report["from_checkpoint"] = origin
     if as_json:
         emit_json(report)
         return

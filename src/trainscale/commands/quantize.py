@@ -18,16 +18,19 @@ def register(app: typer.Typer) -> None:
 
 
 def quantize(
-    checkpoint: str = typer.Argument(..., help="model folder or run folder"),
+    checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint) "
+                                      "or checkpoint RUN/checkpoints/step-N"),
     fmt: str = typer.Option("int4", "--format", "-f", help="int8 or int4"),
     group_size: int = typer.Option(32, "--group-size", "-g", callback=number(gt=0, le=1 << 20),
                                    help="weights per scale: 32, 64 or 128"),
     asymmetric: bool = typer.Option(False, "--asymmetric/--symmetric", help="per-group offset (min) as well"),
-    out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-FORMAT-gGROUP beside it)"),
+    out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-FORMAT-gGROUP beside it; "
+                             "RUN/step-N-FORMAT-gGROUP for a checkpoint)"),
     eval_tokens: int = typer.Option(16384, callback=number(ge=0, le=1e8),
                                     help="held-out tokens for the perplexity check (0: skip it)"),
     eval_text: Path = typer.Option(None, callback=input_file("held-out text"),
-                                   help="held-out text file (default: the corpus's held-out plays)"),
+                                   help="held-out text file (default: the held-out split of the model's own run "
+                                        "when its run folder says where it is, else the held-out plays)"),
     prompt: str = typer.Option("To be, or not to be", "--prompt", "-p", help="prompt for the sample generation"),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", callback=number(ge=0, le=1 << 20),
                                        help="tokens of the sample (0: none)"),
@@ -39,7 +42,7 @@ def quantize(
 
     from trainscale.commands._infer import check_table, kv_table, print_tables
     from trainscale.estimate.inference import quantized_model_bytes
-    from trainscale.infer.evaluate import eval_ids, perplexity
+    from trainscale.infer.evaluate import perplexity
     from trainscale.infer.generate import Sampling, generate_ids
     from trainscale.infer.load import load_for_inference, load_tokenizer_for
     from trainscale.infer.quantize import (
@@ -49,7 +52,7 @@ def quantize(
         save_quantized,
         weight_error,
     )
-    from trainscale.runtime.artifact import find_model_folder
+    from trainscale.runtime.artifact import beside, checkpoint_source, find_model_folder, model_inputs
 
     cfg = QuantConfig(fmt, group_size, asymmetric).check()
     if fmt == "bf16":
@@ -57,8 +60,8 @@ def quantize(
     if eval_tokens < 0:
         raise TrainscaleError(f"--eval-tokens must be >= 0, not {eval_tokens}")
     src = find_model_folder(checkpoint)
-    out = out or src.resolve().with_name(f"{src.resolve().name}-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
-    check_output(out, "--out", folder=True, inputs=(src, checkpoint))
+    out = out or beside(src, f"-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
+    check_output(out, "--out", folder=True, inputs=model_inputs(src))
     t0 = time.perf_counter()
     res = save_quantized(*load_for_inference(src), out, cfg)
     secs = time.perf_counter() - t0
@@ -73,24 +76,22 @@ def quantize(
                  "bf16_tensor_bytes": quantized_model_bytes(spec, "bf16")},
         "weight_error": err,
     }
+    if (origin := checkpoint_source(src)) is not None:
+        report["from_checkpoint"] = origin
     if (res.source / "model.safetensors").exists():
         report["file"]["source_file_bytes"] = safetensors_layout(res.source / "model.safetensors")["file_bytes"]
     tok = load_tokenizer_for(out)
     if eval_tokens:
-        text = None
-        if eval_text is not None:
-            try:
-                text = eval_text.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise TrainscaleError(f"--eval-text {eval_text} cannot be read as UTF-8 text: {e}") from None
-        ids = eval_ids(tok, text, eval_tokens)
+        ids, used = _held_out_ids(src, tok, eval_text, eval_tokens)
         bf16 = {k: v.to(torch.bfloat16) for k, v in res.original.items()}
         with console.status("held-out perplexity ...") if not as_json else nullcontext():
             ppl = {"source": perplexity(model_from_state_dict(spec, res.original), ids),
                    "bf16": perplexity(model_from_state_dict(spec, bf16), ids),
                    fmt: perplexity(model_from_state_dict(spec, res.restored), ids)}
-        report["perplexity"] = {**ppl, "tokens": len(ids), "text": str(eval_text or "corpus:val"),
+        report["perplexity"] = {**ppl, "tokens": len(ids), "text": used["what"], "text_kind": used["kind"],
                                 "change_vs_bf16": ppl[fmt] / ppl["bf16"] - 1}
+    else:
+        report["perplexity"] = {"text": "none (--eval-tokens 0)", "text_kind": "none"}
     if max_new_tokens:
         qmodel, _, _ = load_for_inference(out)  # from the file just written
         g = generate_ids(qmodel, tok.encode(prompt).ids, max_new_tokens, Sampling(0.8, 0, 0.95, seed))
@@ -105,8 +106,9 @@ def quantize(
             "weight error (largest |dW|)": f"{err['max_abs']:.3g}"}
     if "source_file_bytes" in f:
         rows["source file"] = f"{f['source_file_bytes']:,} B"
-    if "perplexity" in report:
-        p = report["perplexity"]
+    p = report["perplexity"]
+    rows["perplexity text"] = p["text"]
+    if "tokens" in p:
         rows[f"held-out perplexity ({p['tokens']:,} tokens)"] = (
             f"source {p['source']:.3f}, bf16 {p['bf16']:.3f}, {fmt} {p[fmt]:.3f} ({p['change_vs_bf16']:+.2%} vs bf16)")
     print_tables(kv_table(rows), check_table("file size vs the estimator (quantized_model_bytes)",
@@ -116,3 +118,20 @@ def quantize(
 
         console.print(Text("\nsample from the quantized model: ") + Text(prompt, style="bold")
                       + Text(report["sample"]["completion"]))
+
+
+def _held_out_ids(src: Path, tok, eval_text: Path | None, max_tokens: int) -> tuple[list[int], dict[str, str]]:
+    """-> (token ids, {kind, what}): --eval-text if given; else the model's own held-out data when its run folder
+    has it (runtime/artifact.held_out_of), else the held-out plays."""
+    from trainscale.infer.evaluate import eval_ids
+    from trainscale.infer.load import held_out_of
+
+    if eval_text is not None:
+        try:
+            text = eval_text.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TrainscaleError(f"--eval-text {eval_text} cannot be read as UTF-8 text: {e}") from None
+        return eval_ids(tok, text, max_tokens), {"kind": "file", "what": f"--eval-text {eval_text}"}
+    held = held_out_of(src, max_tokens)
+    ids = held.ids if held.ids is not None else eval_ids(tok, None, max_tokens)
+    return ids, {"kind": held.kind, "what": held.what}

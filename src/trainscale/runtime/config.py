@@ -191,9 +191,11 @@ class TrainConfig(_Section):
 def _model_from(section: dict[str, Any]) -> ModelSpec:
     section = dict(section)
     if "init" in section:  # a Hugging Face folder: its config.json is the model, the section's fields override
+        from trainscale.runtime.artifact import init_spec_fields  # (or a trainscale model: its model.json)
         from trainscale.runtime.hf_init import hf_folder_spec
 
-        base = hf_folder_spec(section.pop("init")).model_dump(by_alias=True, exclude_none=True)
+        init = section.pop("init")
+        base = init_spec_fields(init) or hf_folder_spec(init).model_dump(by_alias=True, exclude_none=True)
         return load_model({**base, **section})
     name = section.get("name")
     if name is not None and name in catalog_names("models"):
@@ -213,12 +215,21 @@ def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
     init = data["model"].get("init")
     if init is not None and not isinstance(init, str):
         raise TrainscaleError(f"{what}: [model] init must be a folder path (a string), not {init!r}")
+    if init is not None:  # a trainscale model, run or checkpoint -> its model folder (runtime/artifact.py)
+        from trainscale.runtime.artifact import check_init_weights, init_folder
+
+        init = init_folder(init)
+        data["model"] = {**data["model"], "init": init}
+        if (Path(init) / "tokenizer.json").exists() and isinstance(data.get("data", {}), dict) \
+                and (Path(init) / "model.json").exists() and data.get("data", {}).get("tokenizer") is None:
+            data["data"] = {**data.get("data", {}), "tokenizer": str(Path(init) / "tokenizer.json")}  # its token ids
     data["model"] = _model_from(data["model"])
     if init is not None:
         from trainscale.runtime.hf_init import check_hf_weights
 
-        data["init"] = str(Path(init).expanduser().resolve())
-        check_hf_weights(data["init"], data["model"])
+        data["init"] = init
+        if not check_init_weights(init, data["model"]):
+            check_hf_weights(init, data["model"])
     try:
         cfg = TrainConfig(**data)
     except ValidationError as e:

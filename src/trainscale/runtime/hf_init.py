@@ -141,6 +141,10 @@ def load_into(module: nn.Module, weights: HFWeights, spec: ModelSpec) -> None:
 
 def load_hf_init(parts: list[nn.Module], path: str | Path, spec: ModelSpec) -> int:
     """Fill the (already parallelized, materialised) parts from the folder; -> elements this rank read."""
+    if (Path(path) / "model.json").exists():  # a trainscale model folder (runtime/artifact.init_folder)
+        from trainscale.runtime.artifact import load_folder_into
+
+        return load_folder_into(parts, path)
     weights = HFWeights(path)
     for part in parts:
         load_into(part, weights, spec)

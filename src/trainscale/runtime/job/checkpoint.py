@@ -520,3 +520,42 @@ class CheckpointManager:
             raise TrainscaleError(f"checkpoint {folder} cannot be loaded into this model: "
                                   f"{_fail_sentence(e)}") from None
         return step, extras
+
+
+# ------------------------------------------------------------------ one model out of any layout
+
+
+def saved_tensors(folder: Path, prefix: str = "model.") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (global shape, dtype)} of the tensors a checkpoint stores under ``prefix`` (its model weights), from
+    DCP's metadata alone (read by the restricted unpickler): whatever layout wrote them, DCP records each tensor
+    by its fully-qualified name and global shape."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = read_metadata(folder)
+    out = {}
+    for key, meta in md.state_dict_metadata.items():
+        if not (isinstance(key, str) and key.startswith(prefix)):
+            continue
+        if not isinstance(meta, TensorStorageMetadata) or not isinstance(meta.properties.dtype, torch.dtype):
+            raise TrainscaleError(f"checkpoint {folder} is refused: its entry {key[:200]!r} is not a tensor")
+        out[key[len(prefix):]] = (tuple(int(n) for n in meta.size), meta.properties.dtype)
+    return out
+
+
+def read_full_tensors(folder: Path, wanted: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                      prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """The whole (unsharded) tensors ``wanted`` ({name: (shape, dtype)}, as ``saved_tensors`` gives them) from a
+    checkpoint, in this one process, on CPU: DCP reads each tensor's shards, whichever ranks wrote them, into one
+    full tensor (resharding to a world of one). No process group is needed (``no_dist``); the same safety rules as
+    ``CheckpointManager.load``: restricted metadata unpickler, tensors read with ``torch.load(weights_only=True)``."""
+    import warnings
+
+    state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in wanted.items()}
+    nested = {prefix.rstrip("."): state}
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+            dcp.load(nested, storage_reader=_safe_reader(folder), planner=_safe_planner(), no_dist=True)
+    except (Exception, dcp.api.CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise TrainscaleError(f"checkpoint {folder} cannot be read: {_fail_sentence(e)}") from None
+    return nested[prefix.rstrip(".")]
