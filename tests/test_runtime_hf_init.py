@@ -127,3 +127,29 @@ def test_bad_init_folders_are_one_line(hf_dirs, tmp_path):
                            "--dry-run"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "only Llama-family" in proc.stderr
+
+
+def test_init_defaults_to_the_folders_own_tokenizer(tmp_path):
+    """#21: `[model] init` without `[data] tokenizer` takes the folder's tokenizer (its token ids are the ones the
+    embeddings were trained on), not a new BPE; a folder without one leaves the choice to [data]."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from trainscale.runtime.config import load_config
+    from trainscale.runtime.data.tokenizer import load_tokenizer
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                   intermediate_size=64, vocab_size=320, max_position_embeddings=64)
+    folder = tmp_path / "hf"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'name = "t"\n[model]\ninit = "{folder}"\n[train]\nsteps = 1\nseq_len = 16\nglobal_batch = 2\n')
+    assert load_config(toml).data.tokenizer is None  # no tokenizer in the folder: [data] decides
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["to be or not to be"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|end_of_text|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end_of_text|>").save_pretrained(folder)
+    got = load_config(toml).data.tokenizer
+    assert got == str(folder)
+    assert load_tokenizer(got).encode("to be").ids == tok.encode("to be").ids

@@ -221,8 +221,9 @@ def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
         init = init_folder(init)
         data["model"] = {**data["model"], "init": init}
         if (Path(init) / "tokenizer.json").exists() and isinstance(data.get("data", {}), dict) \
-                and (Path(init) / "model.json").exists() and data.get("data", {}).get("tokenizer") is None:
-            data["data"] = {**data.get("data", {}), "tokenizer": str(Path(init) / "tokenizer.json")}  # its token ids
+                and data.get("data", {}).get("tokenizer") is None:  # the weights' own token ids, not a new BPE
+            own = Path(init) / "tokenizer.json" if (Path(init) / "model.json").exists() else Path(init)
+            data["data"] = {**data.get("data", {}), "tokenizer": str(own)}  # an HF folder: with its special tokens
     data["model"] = _model_from(data["model"])
     if init is not None:
         from trainscale.runtime.hf_init import check_hf_weights
