@@ -178,7 +178,9 @@ NUMERIC = {
     # sub-command: (fixed arguments, flags to fuzz); for commands that do real work the fixed arguments hold
     # one bad value that is checked after the flags, so a valid flag ends there instead of training
     "train": (["--config", str(TINY), "--dry-run"], ["--steps", "--nnodes", "--max-restarts"]),
-    "launch": (["--config", str(TINY), "--slurm", "--layout", "dp2"], ["--nodes", "--gpus-per-node", "--steps"]),
+    "launch": (["--config", str(TINY), "--slurm", "--layout", "dp2"], ["--nodes", "--gpus-per-node", "--steps",
+                                                                       "--max-resubmits", "--signal-before",
+                                                                       "--cpus-per-gpu", "--max-restarts"]),
     "calibrate": (["--processes", "0"], ["--seq-len", "--micro-batch"]),
     "explain": ([], ["--tokens", "--gpus", "--mfu", "--gpu-hours"]),
     "generate": (["MODEL", "--prompt", "hi", "--json", "--kv-dtype", "int3"],
@@ -411,6 +413,11 @@ def test_text_fields(tmp):
             host, _, port = text.rpartition(":")
             assert host and port.isdigit() and 0 < int(port) < 65536
         cli("train", "--config", str(TINY), "--layout", "dp2", "--inject", text, "--dry-run")
+        # --env KEY=VALUE, --python and --set reach the script quoted or are refused
+        for extra in (["--env", text], ["--env", f"NCCL_X={text}"], ["--python", text], ["--mem", text],
+                      ["--account", text], ["--set", text], ["--set", f"train.lr={text}"]):
+            cli(*base, *extra, "--script", str(tmp / "fuzz-job.sbatch"))
+        cli("train", "--config", str(TINY), "--set", text, "--dry-run")
 
     case()
     code, _, err = cli("train", "--config", str(TINY), "--inject", "crash@step=-1,rank=99", "--dry-run")
@@ -776,7 +783,7 @@ def _tiny_cfg(tmp: Path, name: str, data: dict | None = None, model: dict | None
 
 FIFO_KINDS = ["config", "software", "planner-profile", "hardware-profile", "runs", "model-toml", "gpu-toml",
               "cluster-toml", "hf-config", "hf-index", "tokenizer", "data-file", "model-json", "model-weights",
-              "model-tokenizer", "metrics", "plan-json"]
+              "model-tokenizer", "metrics", "plan-json", "megatron-idx", "megatron-bin", "npy-tokens"]
 
 
 @pytest.mark.parametrize("kind", FIFO_KINDS)
@@ -819,6 +826,18 @@ def test_fifo_inputs(kind, tmp, model_dir, hf_folder):
                                                                 "tokenizer": _fifo(d / "tokenizer.json")})]
     elif kind == "data-file":
         args = ["prepare-data", "--config", _tiny_cfg(d, "data", {"files": [_fifo(d / "corpus.txt")]})]
+    elif kind in ("megatron-idx", "megatron-bin", "npy-tokens"):
+        import numpy as np
+
+        tok = str(model_dir / "final" / "tokenizer.json")
+        if kind == "npy-tokens":
+            files = [_fifo(d / "tokens.npy")]
+        else:  # a real pair, one half of it a FIFO
+            np.arange(10, dtype=np.uint16).tofile(d / "c.bin")
+            (d / "c.idx").write_bytes(b"MMIDIDX\x00\x00" + bytes(16))
+            _fifo(d / ("c.idx" if kind == "megatron-idx" else "c.bin"))
+            files = [str(d / "c.bin")]
+        args = ["prepare-data", "--config", _tiny_cfg(d, "tok-files", {"files": files, "tokenizer": tok})]
     elif kind.startswith("model-"):
         folder = d / "m"
         shutil.copytree(model_dir / "final", folder)
