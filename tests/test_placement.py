@@ -105,8 +105,8 @@ def test_short_strings_mean_their_printed_form():
     ("pp2,v2,1f1b", "needs the interleaved schedule"),
     ("zero4", "less than or equal to 3"),
     ("dp4,hsdp2", "hsdp needs a sharded"),
-    ("ep4", "ep4 must divide dp1"),
-    ("dp8,zero3,hsdp4,ep4", "must divide dp8 / hsdp4 = 2"),
+    ("ep4", "ep4 must divide tp1 x cp1 x dp1 = 1"),
+    ("dp8,zero3,hsdp4,ep4", "with hsdp4 dividing the 2 ranks that hold the same experts"),
     ("moe4", "not understood"),
 ])
 def test_bad_layouts_are_one_sentence(text, match):

@@ -122,7 +122,7 @@ def test_a_job_that_loses_a_node_finishes_on_the_other(tmp_path):
     assert info["status"] == "done" and info["world_size"] == 2 and info["layout"].startswith("tp1,cp1,pp1,dp2")
     logs = "".join(f.read_text() for f in run.glob("train-*.log"))
     assert "[elastic] layout tp1,cp1,pp1,dp2" in logs and "dp4 -> dp2" in logs
-    assert "checkpoints/step-00000008 at step 8" in logs
+    assert "resumed from step 8 (the checkpoint at step 8, " in logs
     rows = _steps(run)
     assert [r["step"] for r in rows] == list(range(1, 11)) + list(range(9, STEPS + 1))
     resumed = {r["step"]: r["loss"] for r in rows[10:]}

@@ -120,7 +120,7 @@ def test_a_requeued_job_resumes_and_matches_the_uninterrupted_run(slurm, uninter
     assert state == "COMPLETED", log + slurm.logs()
     assert "restart 1" in log and "DUE TO JOB REQUEUE" in log
     after = log.split("restart 1", 1)[1]
-    assert "checkpoints/step-00000008 at step 8" in after and "at step 0" not in after
+    assert "resumed from step 8 (the checkpoint at step 8, " in after and "at step 0" not in after
     rows = _steps(run)
     assert rows[0]["step"] == 1 and rows[0]["requeue"] == 0  # appended to, not overwritten
     assert [r["step"] for r in rows] == list(range(1, 11)) + list(range(9, STEPS + 1))
@@ -155,7 +155,7 @@ def test_the_early_signal_checkpoints_and_the_job_requeues_itself(slurm, uninter
     assert ("[signal] checkpoint requested (Slurm's early signal): saving at step 4, then stopping for the requeue"
             in log)
     assert f"[slurm] checkpointed before the time limit: requeueing job {job} (resubmit 1 of 30)" in log
-    assert "restart 1" in log and "checkpoints/step-00000004 at step 4" in log.split("restart 1", 1)[1]
+    assert "restart 1" in log and "resumed from step 4 (the checkpoint at step 4, " in log.split("restart 1", 1)[1]
     assert "Traceback" not in log and "SignalException" not in log  # the intended stop is a clean exit
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"checkpoint"' in x]
     assert [e["step"] for e in events] == [4]

@@ -156,16 +156,23 @@ def _inside(child: Path, parent: Path) -> bool:
     return child == parent or parent in child.parents
 
 
-def check_output(path: str | Path, what: str, folder: bool, inputs: tuple[str | Path, ...] = ()) -> Path:
+def check_output(path: str | Path, what: str, folder: bool, inputs: tuple[str | Path, ...] = (),
+                 not_at: tuple[str | Path, ...] = ()) -> Path:
     """``path`` can be written as a ``folder`` (or a file): it is not a file where a folder is meant (or the
-    reverse), nor a FIFO or device, its nearest existing parent is a writable folder, and it is not one
-    of ``inputs`` or inside one (an output never overwrites what it is made from)."""
+    reverse), nor a FIFO or device, its nearest existing parent is a writable folder, it is not one
+    of ``inputs`` or inside one (an output never overwrites what it is made from), and it is none of ``not_at``
+    (the reference the user named, e.g. a run folder whose final/ or checkpoint was read: outputs may go beside
+    them inside it, never into it as a whole)."""
     p = Path(path)
     if not str(path).strip() or "\0" in str(path):
         raise TrainscaleError(f"{what} must be a path, not {str(path)!r}")
     if len(os.fsencode(str(p))) > 4000 or any(len(os.fsencode(part)) > 255 for part in p.parts):
         raise TrainscaleError(f"{what} {str(p)[:60]}... is longer than a path can be")
     resolved = p.resolve()
+    for ref in not_at:
+        if resolved == Path(ref).resolve():
+            raise TrainscaleError(f"{what} {p} is inside its own input {ref} (the folder named to read from); "
+                                  "write it somewhere else")
     for src in inputs:
         s = Path(src).resolve()
         if _inside(resolved, s) or (not folder and resolved == s):

@@ -34,7 +34,7 @@ def export(
     if to not in ("hf", "gguf"):
         raise TrainscaleError(f"--to must be hf or gguf, not {to!r}")
     src = find_model_folder(checkpoint)
-    check_output(out, "the output", folder=to == "hf", inputs=model_inputs(src))
+    check_output(out, "the output", folder=to == "hf", inputs=model_inputs(src), not_at=(checkpoint,))
     spec = read_spec(src)
     if to == "hf":
         from trainscale.estimate.inference import weights_bytes

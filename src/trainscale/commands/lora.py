@@ -56,7 +56,7 @@ def lora(
     out = out or beside(base, f"-lora-r{rank}")
     if out.resolve() == base.resolve():
         raise TrainscaleError(f"the adapter folder cannot be the base folder {base}; pick another --out")
-    check_output(out, "--out", folder=True, inputs=model_inputs(base))
+    check_output(out, "--out", folder=True, inputs=model_inputs(base), not_at=(checkpoint,))
     try:
         names = lora_targets(spec, targets)
     except ValueError as e:

@@ -61,7 +61,7 @@ def quantize(
         raise TrainscaleError(f"--eval-tokens must be >= 0, not {eval_tokens}")
     src = find_model_folder(checkpoint)
     out = out or beside(src, f"-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
-    check_output(out, "--out", folder=True, inputs=model_inputs(src))
+    check_output(out, "--out", folder=True, inputs=model_inputs(src), not_at=(checkpoint,))
     t0 = time.perf_counter()
     res = save_quantized(*load_for_inference(src), out, cfg)
     secs = time.perf_counter() - t0

@@ -302,13 +302,10 @@ def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = 
                 sets: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Read a training config TOML; ``sets`` (``--set section.key=value``, ``parse_set``) then ``overrides``
     ({section: {key: value}}, e.g. ``--steps``) replace its values."""
-    from trainscale.safeio import read_text
+    from trainscale.safeio import parse_toml, read_text
 
     path = Path(path)
-    try:
-        data = tomllib.loads(read_text(path, "config file"))
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise TrainscaleError(f"config file {path} cannot be read: {e}") from None
+    data = parse_toml(read_text(path, "config file"), f"config file {path}")
     data.setdefault("name", path.stem)
     data = apply_sets(data, sets)
     for section, values in (overrides or {}).items():

@@ -4,7 +4,6 @@ generation's and the GPU's own constants, a measured profile, and the command li
 
 from __future__ import annotations
 
-import json
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cache
@@ -17,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import comms
 from trainscale.estimate.profile import check_profile, is_hardware_profile
-from trainscale.safeio import read_text
+from trainscale.safeio import parse_json, parse_toml, read_text
 from trainscale.specs import ClusterSpec, GPUSpec, load_gpu
 
 
@@ -208,9 +207,12 @@ def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
         path = Path(profile)
         try:
             text = read_text(path, "profile")
-            extra = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+            extra = parse_json(text, f"profile {path}") if path.suffix == ".json" else \
+                parse_toml(text, f"profile {path}")
         except ValueError as e:
             raise TrainscaleError(f"profile {path} cannot be read: {e}") from None
+        if not isinstance(extra, dict):
+            raise TrainscaleError(f"profile {path} is not a table of planner settings")
         if is_hardware_profile(extra):  # a `trainscale calibrate` hardware profile
             extra = profile_efficiencies(check_profile(extra, path), path, peak_flops, hbm_bandwidth,
                                          scale_up_bandwidth)

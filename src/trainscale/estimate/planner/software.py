@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.memory import ActivationCaching
 from trainscale.estimate.planner.efficiencies import ATTENTION_KERNELS
-from trainscale.safeio import read_text
+from trainscale.safeio import parse_toml, read_text
 from trainscale.specs import Schedule
 
 GEMM_NAMES = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")  # runtime/model.py's Linear names (params.py)
@@ -216,10 +216,7 @@ def load_software(ref: str | Path | Software | None = None) -> Software:
         return _build(str(ref), _catalog()[str(ref)], f"'{ref}'")
     path = Path(ref)
     if path.suffix == ".toml" and path.exists():
-        try:
-            data = tomllib.loads(read_text(path, "software file"))
-        except tomllib.TOMLDecodeError as e:
-            raise TrainscaleError(f"software file {path} cannot be read: {e}") from None
+        data = parse_toml(read_text(path, "software file"), f"software file {path}")
         return _build(path.stem, data, f"file {path}")
     raise TrainscaleError(f"unknown software '{ref}'; known: {', '.join(software_names())} (or a .toml file)")
 

@@ -601,7 +601,7 @@ def _jsonl_texts(raw: bytes, path: str, start: int, field: str) -> list[str]:
             texts = [o[field] for o in objs]
             if len(objs) == len(lines) and all(type(t) is str for t in texts):
                 return texts
-        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, IndexError):
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, IndexError, RecursionError):
             pass
     except Exception:  # noqa: BLE001 (pyarrow.lib.ArrowInvalid and kin): find the line below
         pass
@@ -615,6 +615,8 @@ def _jsonl_texts(raw: bytes, path: str, start: int, field: str) -> list[str]:
             obj = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise TrainscaleError(f"{where} is not JSON") from None
+        except RecursionError:
+            raise TrainscaleError(f"{where} nests arrays or objects too deeply to be a document") from None
         if not isinstance(obj, dict) or field not in obj:
             raise TrainscaleError(f"{where} has no '{field}' field")
         if not isinstance(obj[field], str):
