@@ -166,10 +166,13 @@ def test_validation_set_is_public_sourced_and_predicted():
     # the sustained clock on the GEMMs only, zero2's reduce-scatter under the pipeline's next chunks, full
     # recomputation redoing the attention kernel's forward at its published forward share, 1/3.5 at one rate, not
     # 1/3): mean 9.8% (10.2% with 1/3), worst 25.4% (MPT-1B on 512 H100s, predicted fast; MPT-7B at 65,536 tokens on
-    # 8 H100s was the worst at -26.0%, now -23.7%)
-    assert out["mean_abs_error"] == pytest.approx(0.0983, abs=0.003)
-    assert out["worst_run"] == "foundry-1b-h100-s2048-g512-mb12" and out["worst_abs_error"] == pytest.approx(
-        0.254, abs=0.005)
+    # 8 H100s was the worst at -26.0%, now -23.7%). Since full recomputation stops before each block's w2 as torch's
+    # non-reentrant checkpoint does (software recompute_early_stop, llm-foundry's and torchtitan's presets): mean 8.7%
+    # (the 47 llm-foundry rows with activation checkpointing -14% -> -9%); worst now MPT-30B at 8,192 tokens on 8
+    # A100s, predicted fast (+19.6% -> +27.6%; MPT-1B on 512 H100s, +25.4%, unchanged)
+    assert out["mean_abs_error"] == pytest.approx(0.0871, abs=0.003)
+    assert out["worst_run"] == "foundry-30b-a100-s8192-g8-mb1" and out["worst_abs_error"] == pytest.approx(
+        0.276, abs=0.005)
     by_id = {r["id"]: r for r in out["runs"]}
     # DeepSeek-V3 with its MTP module on the last rank, cut first3,last2 (61 layers + embedding + MTP + loss = 16 x 4
     # units, as Megatron-Core splits DeepSeek-V3; catalog/runs.toml's note): +1.6%. placement's default cut would put

@@ -206,6 +206,7 @@ class LayerTime:
     ew: Any  # the element-wise work, forward + backward
     sel: Any  # the forward of the GEMMs selective recompute redoes
     rc: Any = 0.0  # recomputation in the backward
+    last_f: Any = 0.0  # the forward of its last GEMM (w2), which checkpointing with early stop does not redo
     a2a: Any = 0.0  # the expert all-to-all, forward + backward (+ the recomputed forward)
     a2a_x: Any = 0.0  # the part of it the layer's compute does not hide
 
@@ -238,6 +239,7 @@ class Gemms:
     att_f: Any  # the attention projections alone, forward
     att_b: Any  # ... backward
     att_sel: Any  # ... the selective-recompute ones among them, forward
+    last: Any = 0.0  # the layer's last GEMM (the FFN's w2), forward
 
 
 def dense_gemms(m: ModelSpec, c: Candidates, r: Rates, sw: Software) -> Gemms:
@@ -253,7 +255,9 @@ def dense_gemms(m: ModelSpec, c: Candidates, r: Rates, sw: Software) -> Gemms:
             t_up = t_up + f
         if name == last_att:
             t_att_f, t_att_b, t_sel_att = t_mm_f, t_mm_b, t_sel
-    return Gemms(t_mm_f, t_mm_b, t_sel, t_up, t_att_f, t_att_b, t_sel_att)
+        if name == "w2":
+            t_last = f
+    return Gemms(t_mm_f, t_mm_b, t_sel, t_up, t_att_f, t_att_b, t_sel_att, t_last)
 
 
 def cp_kernel_seq(seq: int, cp: Any) -> Any:
@@ -327,7 +331,7 @@ def dense_layer(m: ModelSpec, c: Candidates, r: Rates, eff: Efficiencies, sw: So
     t_attn, t_attn_f = attention_core(m, c, r, eff, sw, seq)
     ew_f = ACT_BYTES * (sw.elementwise_passes * hidden_tokens(c) * m.d_model + sw.mlp_act_passes * c.tokens
                         * m.d_ff / c.tp * up_projections(m) / 2) / r.hbm
-    return LayerTime(g.f, g.b, t_attn, t_attn_f, ew_f, 3 * ew_f, g.sel)
+    return LayerTime(g.f, g.b, t_attn, t_attn_f, ew_f, 3 * ew_f, g.sel, last_f=g.last)
 
 
 def head_time(m: ModelSpec, c: Candidates, r: Rates) -> Any:
@@ -371,12 +375,13 @@ def tp_cp_exposed(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Effici
 
 def recompute_time(c: Candidates, lay: LayerTime, sw: Software, knobs: Any = None) -> Any:
     """Recomputation (Korthikanti Sec. 5): full redoes the layer forward (its TP/CP traffic is in
-    ``tp_cp_exposed``); selective redoes the attention core and the GEMMs the software names (torchtitan: every
-    second one), and then also the element-wise ops between them (only saved ops are kept). ``knobs``: the
-    software's memory-saving recomputation of a MoE / MLA layer (``recompute_knobs``), None for neither."""
+    ``tp_cp_exposed``), less its last GEMM under ``sw.recompute_early_stop`` (``early_stop_skip``); selective redoes
+    the attention core and the GEMMs the software names (torchtitan: every second one), and then also the
+    element-wise ops between them (only saved ops are kept). ``knobs``: the software's memory-saving recomputation
+    of a MoE / MLA layer (``recompute_knobs``), None for neither."""
     sel_ew = lay.ew_f if sw.selective_gemms else 0.0
-    t = np.select([c.rc == FULL, c.rc == SELECTIVE], [lay.mm_f + lay.attn_f + lay.ew_f, lay.attn_f + lay.sel + sel_ew],
-                  0.0)
+    full = lay.mm_f + lay.attn_f + lay.ew_f - (lay.last_f if sw.recompute_early_stop else 0.0)
+    t = np.select([c.rc == FULL, c.rc == SELECTIVE], [full, lay.attn_f + lay.sel + sel_ew], 0.0)
     return t if knobs is None else t + knobs
 
 

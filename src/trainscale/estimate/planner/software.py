@@ -58,6 +58,8 @@ class Software:
     recompute_norms: bool = False  # RMSNorm outputs recomputed in the backward, not kept
     recompute_mla_up: bool = False  # MLA up-projections (q, k, v) recomputed from the latents in the backward
     recompute_swiglu_output: bool = False  # a MoE SwiGLU's output recomputed from its inputs in the backward
+    recompute_early_stop: bool = False  # full recompute stops before a dense layer's last GEMM (w2): torch's
+    #                                     non-reentrant checkpoint with early stop (catalog/software.toml)
     moe_weighted_combine: bool = True  # the combine weights expert outputs by the gate (keeps them); False: the gate
     #                                    is applied on the expert side and the combine is a plain sum (DeepEP)
     dropout: bool = False  # the layers run dropout (hidden and attention): its masks kept, its kernels run
@@ -84,7 +86,8 @@ _KNOBS = tuple(f.name for f in fields(Software) if f.name not in ("name", "sourc
 _OPTIONAL = {"attention_speed": 1.0, "attention_kernel": "fa2", "precision": "bf16", "moe_node_limit": 0,
              "a2a_overlap": 0.0, "pipeline": "standard", "comm_sms": 0, "linear_act_bytes": 2.0,
              "attn_out_act_bytes": 2.0, "swiglu_in_act_bytes": 2.0, "recompute_norms": False, "recompute_mla_up": False,
-             "recompute_swiglu_output": False, "moe_weighted_combine": True, "dropout": False,
+             "recompute_swiglu_output": False, "recompute_early_stop": False, "moe_weighted_combine": True,
+             "dropout": False,
              "optimizer_state_bytes": 12.0}
 PRECISIONS = ("bf16", "fp8")
 
@@ -136,6 +139,7 @@ class SoftwareKnobs(BaseModel):
     recompute_norms: bool
     recompute_mla_up: bool
     recompute_swiglu_output: bool
+    recompute_early_stop: bool
     moe_weighted_combine: bool
     dropout: bool
     optimizer_state_bytes: Annotated[float, Field(ge=0, le=32)]
@@ -161,7 +165,7 @@ KNOB_ALLOWED: dict[str, str] = {
     "comm_sms": "a whole number of SMs from 0 to 4096",
     "linear_act_bytes": _BYTES, "attn_out_act_bytes": _BYTES, "swiglu_in_act_bytes": _BYTES,
     "recompute_norms": _BOOL, "recompute_mla_up": _BOOL, "recompute_swiglu_output": _BOOL,
-    "moe_weighted_combine": _BOOL, "dropout": _BOOL,
+    "recompute_early_stop": _BOOL, "moe_weighted_combine": _BOOL, "dropout": _BOOL,
     "optimizer_state_bytes": "bytes per parameter of optimizer state, a finite number in [0, 32] (12: fp32 master, "
                              "Adam m and v)",
 }

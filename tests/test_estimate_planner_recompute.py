@@ -1,0 +1,114 @@
+"""Full activation recomputation as torch runs it (issue 20, the activation-checkpointing split): torch's
+non-reentrant checkpoint stops its recomputation early, before a block's last GEMM, and the planner charges that."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from trainscale.estimate.planner import layer
+from trainscale.estimate.planner.candidates import FULL, candidates
+from trainscale.estimate.planner.efficiencies import load_efficiencies
+from trainscale.estimate.planner.software import load_software, with_knobs
+from trainscale.estimate.planner.step import recompute_flops_per_token
+from trainscale.specs import load_gpu, load_model
+
+D = 16
+
+
+class _MPTLikeBlock(nn.Module):
+    """An MPT block's order of ops (llm-foundry blocks.py MPTBlock: x + attn(norm(x)), then x + ffn(norm(x)) with
+    up_proj, GELU, down_proj; no biases)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm_1, self.norm_2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.wqkv, self.out_proj = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
+        self.up_proj, self.down_proj = nn.Linear(D, 4 * D, bias=False), nn.Linear(4 * D, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.wqkv(self.norm_1(x)).chunk(3, dim=-1)
+        x = x + self.out_proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.down_proj(nn.functional.gelu(self.up_proj(self.norm_2(x))))
+
+
+class _GemmLog(TorchDispatchMode):
+    """The (k, n) of every 2-D GEMM the dispatcher runs: x (m, k) @ W^T (k, n)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            a, b = args[-2], args[-1]
+            self.shapes.append((int(a.shape[1]), int(b.shape[1])))
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_gemms(block: nn.Module, x: torch.Tensor, **ckpt: bool) -> list[tuple[int, int]]:
+    y = checkpoint(block, x, use_reentrant=False, **ckpt) if ckpt else block(x)
+    with _GemmLog() as log:
+        y.sum().backward()
+    return log.shapes
+
+
+def test_non_reentrant_checkpoint_recomputes_the_block_but_its_last_gemm() -> None:
+    """torch/utils/checkpoint.py: with early stop (the default, `_enable_checkpoint_early_stop = True` since torch 2.0)
+    the recomputation's pack hook raises _StopRecomputationError once it has re-saved as many tensors as the forward
+    saved; the last saved are the down-projection's inputs, packed before it runs, so it is never recomputed. Counted
+    here on torch itself: 4 forward GEMMs of the block come back in the backward without early stop, 3 with it, and
+    the one missing is down_proj's (k = 4 D, n = D)."""
+    torch.manual_seed(0)
+    block, x = _MPTLikeBlock(), torch.randn(2, 8, D, requires_grad=True)
+    plain = _backward_gemms(block, x)
+    full = _backward_gemms(block, x, early_stop=False)
+    early = _backward_gemms(block, x, early_stop=True)
+    assert len(full) - len(plain) == 4 and len(early) - len(plain) == 3
+    missing = list(full)
+    for s in early:
+        missing.remove(s)
+    assert missing == [(4 * D, D)]
+    assert len(_backward_gemms_default(block, x)) == len(early)
+
+
+def _backward_gemms_default(block: nn.Module, x: torch.Tensor) -> list[tuple[int, int]]:
+    y = checkpoint(block, x, use_reentrant=False)
+    with _GemmLog() as log:
+        y.sum().backward()
+    return log.shapes
+
+
+def test_full_recompute_with_early_stop_charges_the_forward_less_w2() -> None:
+    """llm-foundry (Composer 0.17.2 wraps each MPTBlock with checkpoint_impl NO_REENTRANT, torch 2.1): MPT-7B at
+    mb 16 x 2048 tokens on an H100, full recompute. The planner's recompute of one layer is its forward less the
+    w2 GEMM's forward (2 x 32768 x 16384 x 4096 FLOPs at the layer's GEMM rate); HFU's recomputed FLOPs per token
+    lose 2 x 16384 x 4096 per layer, 32 layers."""
+    m, gpu = load_model("mpt-7b"), load_gpu("h100-sxm")
+    sw = load_software("llm-foundry-triton")
+    assert sw.recompute_early_stop
+    cfg = {"tp": [1], "cp": [1], "pp": [1], "dp": [8], "mb": [16], "v": [1], "schedule": [0], "recompute": [FULL],
+           "zero": [3], "hsdp": [1], "sp": [False]}
+    c = candidates(m, {k: np.asarray(v) for k, v in cfg.items()}, 2048, 128)
+    eff = load_efficiencies(gpu)
+    r = layer.rates(gpu, eff, sw)
+    g = layer.dense_gemms(m, c, r, sw)
+    lay = layer.dense_layer(m, c, r, eff, sw, 2048, g)
+    w2_f, _ = layer.gemm_train_time(16 * 2048, 16384, 4096, r.f_lay, r.hbm, r.sms, r.gap)
+    assert float(g.last[0]) == pytest.approx(float(w2_f))
+    without = float(layer.recompute_time(c, lay, with_knobs(sw, recompute_early_stop=False))[0])
+    assert without == pytest.approx(float((lay.mm_f + lay.attn_f + lay.ew_f)[0]))
+    assert float(layer.recompute_time(c, lay, sw)[0]) == pytest.approx(without - float(w2_f))
+    drop = (float(recompute_flops_per_token(m, c, with_knobs(sw, recompute_early_stop=False), 2048)[0])
+            - float(recompute_flops_per_token(m, c, sw, 2048)[0]))
+    assert drop == pytest.approx(2 * 16384 * 4096 * 32)
+
+
+def test_megatron_recompute_keeps_its_whole_forward() -> None:
+    """Megatron's own CheckpointFunction (reentrant) has no early stop: its presets leave the knob off."""
+    for name in ("megatron-lm-2021", "megatron-core", "nemo"):
+        assert not load_software(name).recompute_early_stop
