@@ -148,6 +148,12 @@ def _document_ids(data: str, tokenizer, text_field: str, folder: Path | None, vo
     from trainscale.runtime.data.sources import Settings, plan_units, resolve_sources, unit_documents
     from trainscale.runtime.data.tokenizer import encode_lengths, eot_of
 
+    if not data.strip():
+        raise TrainscaleError("--data is empty; name a text, JSONL or Parquet file, a folder or a glob")
+    try:  # resolve_sources asks is_dir(), which raises for a name too long
+        Path(data).expanduser().is_dir()
+    except (OSError, ValueError) as e:
+        raise TrainscaleError(f"data file {data[:200]} cannot be read ({getattr(e, 'strerror', None) or e})") from None
     sources = resolve_sources((data,))
     if sum(s.size for s in sources) > MAX_DATA_BYTES:
         raise TrainscaleError(f"data {data} holds more than {MAX_DATA_BYTES >> 30} GiB; LoRA keeps its tokens in "
