@@ -78,6 +78,8 @@ def export(
         return
     console.print(f"[bold]{title}[/bold]: {rep['source']} -> {rep['out']}")
     rows = {"file on disk": f"{rep['file_bytes']:,} B", "header + metadata": f"{rep['header_bytes']:,} B"}
+    if to == "peft":
+        rows["base (peft loads OUT onto it exported --to hf)"] = rep["base"]
     if rep.get("padding_bytes"):
         rows["alignment padding"] = f"{rep['padding_bytes']:,} B"
     print_tables(kv_table(rows), check_table("size vs the estimator", [check]))
