@@ -106,3 +106,32 @@ def test_lora_on_a_mixture_of_experts_adapts_attention_and_merges():
         merged = merge_lora(model)(x)
     assert not any(".lora_" in k for k in model.state_dict())
     assert torch.allclose(adapted, merged, atol=1e-5)
+
+
+def test_lora_data_reads_documents_as_train_does(tmp_path):
+    """``lora --data`` goes through runtime/data/sources.py: a JSONL file's documents are its text fields, a
+    Parquet file's its column, a text file's its paragraphs; each document's tokens, then the end-of-text token."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from trainscale.infer.lora import read_data
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.data.tokenizer import train_bpe
+
+    docs = [p.strip("\n") for p in corpus_text("train", max_chars=20_000).split("\n\n") if p.strip()]
+    tok = train_bpe(docs, 300)
+    eot = tok.token_to_id("<|endoftext|>")
+    (tmp_path / "a.txt").write_text("\n\n".join(docs) + "\n")
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(docs)))
+    pq.write_table(pa.table({"body": docs}), tmp_path / "a.parquet", row_group_size=7)
+    expected = [i for d in docs for i in [*tok.encode(d, add_special_tokens=False).ids, eot]]
+    assert read_data(str(tmp_path / "a.txt"), tok) == expected
+    assert read_data(str(tmp_path / "a.jsonl"), tok, text_field="body") == expected
+    assert read_data(str(tmp_path / "a.parquet"), tok, text_field="body") == expected
+    assert len(expected) > 1000 and "{" not in tok.decode(expected)  # no JSON syntax trained on
+    with pytest.raises(TrainscaleError, match="has no 'text' field"):
+        read_data(str(tmp_path / "a.jsonl"), tok)
+    with pytest.raises(TrainscaleError, match="has no column 'text'"):
+        read_data(str(tmp_path / "a.parquet"), tok)

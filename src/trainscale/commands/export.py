@@ -19,8 +19,10 @@ def register(app: typer.Typer) -> None:
 def export(
     checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint), "
                                       "checkpoint RUN/checkpoints/step-N, quantized or LoRA folder"),
-    out: Path = typer.Argument(..., help="HF: output folder; GGUF: output .gguf file"),
-    to: str = typer.Option(..., "--to", help="hf or gguf"),
+    out: Path = typer.Argument(..., help="HF, PEFT: output folder; GGUF: output .gguf file"),
+    to: str = typer.Option(..., "--to", help="hf, gguf, or peft (a LoRA folder's adapters alone, for peft's "
+                           "PeftModel.from_pretrained on the base exported with --to hf: megabytes, and the base "
+                           "stays shared; hf or gguf of a LoRA folder write the merged model)"),
     ftype: str = typer.Option("f16", "--type", "-t", help="GGUF tensor type: f16, q8_0 or q4_0"),
     dtype: str = typer.Option("float32", help="HF weights dtype: float32, bfloat16 or float16"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -31,12 +33,21 @@ def export(
     from trainscale.runtime.artifact import checkpoint_source, find_model_folder, model_inputs, read_spec
 
     to = to.lower()
-    if to not in ("hf", "gguf"):
-        raise TrainscaleError(f"--to must be hf or gguf, not {to!r}")
+    if to not in ("hf", "gguf", "peft"):
+        raise TrainscaleError(f"--to must be hf, gguf or peft, not {to!r}")
     src = find_model_folder(checkpoint)
-    check_output(out, "the output", folder=to == "hf", inputs=model_inputs(src), not_at=(checkpoint,))
+    check_output(out, "the output", folder=to != "gguf", inputs=model_inputs(src), not_at=(checkpoint,))
     spec = read_spec(src)
-    if to == "hf":
+    if to == "peft":
+        from trainscale.estimate.lora import lora_trainable_params
+        from trainscale.infer.export import HF_DTYPES
+        from trainscale.infer.peft import export_peft
+
+        rep = export_peft(src, out, dtype)
+        predicted = lora_trainable_params(spec, rep["rank"], rep["targets"]) * HF_DTYPES[dtype].itemsize
+        check = ("tensor bytes (trainable params x bytes)", rep["tensor_bytes"], predicted)
+        title = f"PEFT LoRA adapter (r={rep['rank']}, alpha={rep['alpha']:g}, {', '.join(rep['target_modules'])})"
+    elif to == "hf":
         from trainscale.estimate.inference import weights_bytes
         from trainscale.estimate.params import param_count
         from trainscale.infer.export import HF_DTYPES, export_hf
@@ -67,6 +78,8 @@ def export(
         return
     console.print(f"[bold]{title}[/bold]: {rep['source']} -> {rep['out']}")
     rows = {"file on disk": f"{rep['file_bytes']:,} B", "header + metadata": f"{rep['header_bytes']:,} B"}
+    if to == "peft":
+        rows["base (peft loads OUT onto it exported --to hf)"] = rep["base"]
     if rep.get("padding_bytes"):
         rows["alignment padding"] = f"{rep['padding_bytes']:,} B"
     print_tables(kv_table(rows), check_table("size vs the estimator", [check]))

@@ -20,7 +20,9 @@ def lora(
     checkpoint: str = typer.Argument(..., help="the frozen base: model folder, run folder (its final/, else its "
                                       "newest checkpoint) or checkpoint RUN/checkpoints/step-N"),
     rank: int = typer.Option(8, "--rank", "-r", callback=number(gt=0, le=1 << 16), help="adapter rank r"),
-    data: str = typer.Option(..., "--data", help="UTF-8 text file to fine-tune on (or corpus:train / corpus:val)"),
+    data: str = typer.Option(..., "--data", help="data to fine-tune on, read as train reads [data] files: text, "
+                             "JSONL or Parquet (a file, folder or glob), or corpus:train / corpus:val"),
+    text_field: str = typer.Option("text", "--text-field", help="JSONL field / Parquet column holding the text"),
     alpha: float = typer.Option(None, callback=number(gt=0, le=1e6),
                                 help="LoRA alpha; the update is scaled by alpha / r (default: 2 r)"),
     targets: str = typer.Option("all", help="adapted projections: all, attn, mlp, or names wq,wk,wv,wo,w1,w2,w3"),
@@ -62,7 +64,7 @@ def lora(
     except ValueError as e:
         raise TrainscaleError(str(e)) from None
     tok = load_tokenizer_for(src)
-    ids = read_data(data, tok)
+    ids = read_data(data, tok, text_field, src, spec.vocab_size)
     split = int(len(ids) * 0.9)
     train_ids, held_ids = ids[:split], ids[split:]
     before = perplexity(model, held_ids, seq_len) if len(held_ids) > 1 else None

@@ -26,7 +26,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate.lora import lora_targets
 from trainscale.runtime.data.sources import corpus_text
 from trainscale.runtime.model import lm_loss
-from trainscale.safeio import read_json_object, read_text
+from trainscale.safeio import read_json_object
 
 ADAPTER_FILE = "adapter.safetensors"
 
@@ -126,15 +126,52 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
     return {"moments": moments, "step_counters": steps}
 
 
-def read_data(data: str, tokenizer) -> list[int]:
-    """Token ids of ``data``: a text file, or corpus:train / corpus:val (the Shakespeare corpus)."""
+MAX_DATA_BYTES = 1 << 30  # LoRA holds its token ids in memory (a list of ints): a gigabyte of text at most
+
+
+def read_data(data: str, tokenizer, text_field: str = "text", folder: Path | None = None,
+              vocab: int | None = None) -> list[int]:
+    """Token ids of ``data``: corpus:train / corpus:val (the Shakespeare plays), else a file, folder or glob read
+    as ``train`` reads its ``[data] files`` (runtime/data/sources.py: plain text, one document per paragraph;
+    JSONL and Parquet, a document per line / row from ``text_field``; token files), each document's tokens
+    followed by the end-of-text token, as the training shards pack them (runtime/data/shards.py)."""
     if data in ("corpus:train", "corpus:val"):
-        text = corpus_text(data.split(":")[1])
+        ids = tokenizer.encode(corpus_text(data.split(":")[1])).ids
     else:
-        text = read_text(Path(data), "data file", limit=1 << 30)
-    ids = tokenizer.encode(text).ids
+        ids = _document_ids(data, tokenizer, text_field, folder, vocab)
     if len(ids) < 64:
         raise TrainscaleError(f"data {data} has {len(ids)} tokens; LoRA training needs at least 64")
+    return ids
+
+
+def _document_ids(data: str, tokenizer, text_field: str, folder: Path | None, vocab: int | None) -> list[int]:
+    from trainscale.runtime.data.sources import Settings, plan_units, resolve_sources, unit_documents
+    from trainscale.runtime.data.tokenizer import encode_lengths, eot_of
+
+    if not data.strip():
+        raise TrainscaleError("--data is empty; name a text, JSONL or Parquet file, a folder or a glob")
+    try:  # resolve_sources asks is_dir(), which raises for a name too long
+        Path(data).expanduser().is_dir()
+    except (OSError, ValueError) as e:
+        raise TrainscaleError(f"data file {data[:200]} cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    sources = resolve_sources((data,))
+    if sum(s.size for s in sources) > MAX_DATA_BYTES:
+        raise TrainscaleError(f"data {data} holds more than {MAX_DATA_BYTES >> 30} GiB; LoRA keeps its tokens in "
+                              "memory: give it a smaller file")
+    try:
+        eot = tokenizer.token_to_id(eot_of(tokenizer, str(folder) if folder is not None else None, None))
+    except TrainscaleError:
+        raise TrainscaleError(f"the tokenizer of {folder} has no end-of-text token to end the documents of "
+                              f"{data} with") from None
+    settings = Settings(text_field=text_field, held_out=0.0)
+    ids: list[int] = []
+    for unit in plan_units(sources, settings.unit_bytes, settings.documents, eot):
+        docs = unit_documents(sources, unit, settings, eot, vocab)
+        for arr in docs.arrays or ():  # token files: ids as they are, the end-of-text token added where missing
+            ids += arr.tolist() + ([eot] if arr[-1] != eot else [])
+        if docs.texts:
+            arr, _ = encode_lengths(tokenizer, docs.texts, [True] * len(docs.texts), eot, "int64")
+            ids += arr.tolist()
     return ids
 
 
