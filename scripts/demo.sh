@@ -29,7 +29,8 @@ step "3. Failures and checkpoints: the Llama 3-like run"
 $TS reliability --trials 300
 
 step "4. Train the tiny model on 4 processes (dp2 x tp2), checkpoint every 5 steps, one injected crash"
-rm -rf runs/demo runs/demo-int4 runs/own-data runs/demo-report runs/moe-tiny  # a fresh run folder each time (identity)
+rm -rf runs/demo runs/demo-int4 runs/own-data runs/demo-report runs/moe-tiny runs/demo-hf-step25 runs/demo-lora \
+  runs/demo-peft  # a fresh run folder each time (identity)
 $TS train --config configs/demo.toml --layout dp2,tp2 --inject crash@step=12,rank=3 --max-restarts 6
 
 step "4b. Your own data: a JSONL file (made here), tokenised once into shards, trained on for 60 steps"
@@ -52,6 +53,11 @@ $TS train --config configs/moe-tiny.toml --layout dp2,ep2
 step "5. Quantize what it trained to int4 (groups of 32) and generate from it"
 $TS quantize runs/demo --format int4 --group-size 32 --out runs/demo-int4
 $TS generate runs/demo-int4 --prompt "ROMEO:" --max-new-tokens 40 --seed 1
+
+step "5b. A checkpoint is a model; LoRA on the JSONL corpus, exported for peft"
+$TS export runs/demo/checkpoints/step-00000025 runs/demo-hf-step25 --to hf
+$TS lora runs/demo --data runs/own-data/corpus.jsonl --text-field text --rank 4 --steps 20 --out runs/demo-lora
+$TS export runs/demo-lora runs/demo-peft --to peft
 
 step "6. Calibrate this machine, then check the plan against the runtime, rank by rank"
 $TS calibrate --config configs/small.toml --processes 1,2
