@@ -428,8 +428,8 @@ class SearchResult:
         out.append(f"Recompute {rc}: {r['mem_activations'][b] / 1e9:,.1f} GB of activations for "
                    f"{r['t_recompute'][b]:.2f} s of recomputation per step; ZeRO-{int(c['zero'][b])} over "
                    f"{int(c['cp'][b] * c['dp'][b])} replicas leaves {r['t_dp_comm'][b]:.2f} s of DP traffic exposed.")
-        out.append(f"It uses {r['mem_total'][b] / 1e9:,.1f} GB of {p.gpu.memory_bytes / 1e9:,.0f} GB per GPU "
-                   f"({r['headroom'][b] / 1e9:,.1f} GB headroom) at {r['mfu'][b]:.1%} MFU.")
+        out.append(f"It uses {r['mem_total'][b] / 1e9:,.1f} GB of the {memory_capacity(p.gpu, p.eff) / 1e9:,.1f} GB "
+                   f"a GPU offers ({r['headroom'][b] / 1e9:,.1f} GB headroom) at {r['mfu'][b]:.1%} MFU.")
         n_faster = int((r["tokens_per_s"] > r["tokens_per_s"][b]).sum())
         out.append(f"Searched {self.generated:,} candidates: {self.n_valid:,} divide, {self.n_fit:,} fit; "
                    f"{n_faster:,} faster layouts do not fit in memory.")
