@@ -56,7 +56,9 @@ def export(
         bits = 8 * HF_DTYPES[dtype].itemsize
         predicted = weights_bytes(param_count(spec), bits)
         check = ("tensor bytes (params x bytes)", rep["tensor_bytes"], predicted)
-        title = f"Hugging Face {'Mixtral' if spec.is_moe else 'Llama'} folder ({dtype})"
+        from trainscale.hf import export_family
+
+        title = f"Hugging Face {export_family(spec).architecture} folder ({dtype})"
     else:
         from trainscale.estimate.inference import gguf_tensor_bytes
         from trainscale.infer.export import GGUF_TYPES, export_gguf
