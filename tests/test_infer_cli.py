@@ -57,7 +57,7 @@ def test_errors_are_one_line_exit_2(small_model_dir, tmp_path):  # noqa: F811
         (("generate", str(bad), "-p", "hi"), "corrupt"),
         (("quantize", str(small_model_dir), "--format", "int3"), "int8 or int4"),
         (("quantize", str(small_model_dir), "--group-size", "48"), "group size"),
-        (("export", str(small_model_dir), "--to", "onnx", str(tmp_path / "x")), "hf or gguf"),
+        (("export", str(small_model_dir), "--to", "onnx", str(tmp_path / "x")), "hf, gguf or peft"),
     ]
     for args, words in cases:
         r = ts(*args)

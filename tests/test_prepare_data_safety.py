@@ -13,22 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from _tiny import TINY_MODEL
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.data import sources, tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = """
-[model]
-name = "tiny-llama"
-n_layers = 2
-d_model = 64
-n_heads = 4
-n_kv_heads = 2
-d_ff = 192
-vocab_size = 512
-max_seq_len = 64
-
+MODEL = TINY_MODEL + """
 [train]
 steps = 10
 seq_len = 32

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _tiny import TINY_MODEL
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.data import shards
@@ -54,17 +55,7 @@ def test_token_stream_reads_across_shards():
         assert np.array_equal(s[a:b], whole[a:b]), (a, b)
 
 
-CONFIG = """
-[model]
-name = "tiny-llama"
-n_layers = 2
-d_model = 64
-n_heads = 4
-n_kv_heads = 2
-d_ff = 192
-vocab_size = 512
-max_seq_len = 64
-
+CONFIG = TINY_MODEL + """
 [train]
 steps = 8
 lr = 3e-3

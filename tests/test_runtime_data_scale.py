@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _tiny import TINY_MODEL
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.config import load_config
@@ -24,17 +25,7 @@ from trainscale.runtime.data.loader import TokenLoader
 from trainscale.runtime.data.sources import corpus_text
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = """
-[model]
-name = "tiny-llama"
-n_layers = 2
-d_model = 64
-n_heads = 4
-n_kv_heads = 2
-d_ff = 192
-vocab_size = 512
-max_seq_len = 64
-
+MODEL = TINY_MODEL + """
 [train]
 steps = 3
 lr = 3e-3

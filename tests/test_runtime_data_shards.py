@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _tiny import TINY_MODEL
 
 from trainscale.runtime.config import load_config
 from trainscale.runtime.data import shards, sources, tokenizer
@@ -19,17 +20,7 @@ from trainscale.runtime.data.corpus import corpus_for
 from trainscale.runtime.data.sources import corpus_text
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = """
-[model]
-name = "tiny-llama"
-n_layers = 2
-d_model = 64
-n_heads = 4
-n_kv_heads = 2
-d_ff = 192
-vocab_size = 512
-max_seq_len = 64
-
+MODEL = TINY_MODEL + """
 [train]
 steps = {steps}
 lr = 3e-3
