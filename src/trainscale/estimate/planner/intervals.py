@@ -62,6 +62,7 @@ def interval_from_errors(errors: Iterable[float], basis: str, widen: float = 1.0
                     + (f", widened x{widen:g}" if widen != 1.0 else f" ({cover})"))
 
 
+@cache
 def model_fingerprint() -> str:
     """sha256 of everything a validation residual depends on: the catalog's TOML files and the planner's code
     (estimate/, specs, rules, hf). Change any of it and the cached residuals are recomputed."""
