@@ -161,3 +161,19 @@ def test_flops_per_token_is_6n_plus_attention():
     spec = load_model("llama3.1-8b")
     n = param_count(spec) - spec.vocab_size * spec.d_model  # the embedding lookup is not a matmul
     assert flops_per_token(spec, 8192) == pytest.approx(6 * n + 12 * 32 * 32 * 128 * 8192 / 2)
+
+
+@pytest.mark.parametrize("update", [
+    {"qkv_bias": True},  # Qwen2 / Qwen2.5
+    {"qk_norm": True},  # Qwen3
+    {"sandwich_norms": True, "norm_offset": True},  # Gemma 2
+    {"qkv_bias": True, "qk_norm": True, "sandwich_norms": True, "tied_embeddings": True},
+], ids=["qwen2-bias", "qwen3-qk-norm", "gemma2-sandwich", "all"])
+def test_family_features_are_in_the_estimators_inventory(update):
+    """The planner counts what the families add (found missing at stop 25: its counts ignored Qwen2's Q/K/V
+    biases, Qwen3's q/k norms and Gemma 2's post-norms); every tensor the runtime builds, by name and shape."""
+    spec = load_model("llama3.1-8b").model_copy(update=update)
+    model = build_model(spec, "meta")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes == dict(tensor_inventory(spec))
+    assert sum(p.numel() for p in model.parameters()) == param_count(spec)

@@ -69,11 +69,13 @@ def attention_tensors(m: ModelSpec, i: int) -> list[Tensor]:
     out = []
     for name, rows in (("wq", m.q_dim), ("wk", m.kv_dim), ("wv", m.kv_dim)):
         out.append((f"{p}{name}.weight", (rows, d)))
-        if m.bias:
+        if m.bias or m.qkv_bias:  # Qwen2: biases on Q, K and V only
             out.append((f"{p}{name}.bias", (rows,)))
     out.append((p + "wo.weight", (d, m.q_dim)))
     if m.bias:
         out.append((p + "wo.bias", (d,)))
+    if m.qk_norm:  # Qwen3: one RMSNorm gain of head_dim over every query head and one over every key head
+        out += [(p + "q_norm.weight", (m.head_dim,)), (p + "k_norm.weight", (m.head_dim,))]
     return out
 
 
@@ -88,6 +90,8 @@ def layer_tensors(m: ModelSpec, i: int) -> list[Tensor]:
     out.append((p + "ffn_norm.weight", (d,)))
     if m.norm == "layernorm":
         out.append((p + "ffn_norm.bias", (d,)))
+    if m.sandwich_norms:  # Gemma 2: the attention's and the MLP's outputs normed too (RMSNorm gains)
+        out += [(p + "attention_post_norm.weight", (d,)), (p + "ffn_post_norm.weight", (d,))]
     if m.is_moe_layer(i):
         return out + moe_tensors(m, i)
     return out + _ffn_tensors(m, p + "feed_forward.", m.d_ff)
