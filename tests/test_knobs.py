@@ -284,3 +284,26 @@ def test_a_fifo_given_as_a_planner_file_is_refused_not_read(tmp_path: Path, args
     os.mkfifo(fifo)
     msg = refused(*[a.format(fifo=fifo) for a in args])
     assert "not a regular file" in msg
+
+
+def test_fp16_keeps_the_gradients_the_framework_keeps_in_fp16() -> None:
+    """#20 item 2: gradient dtype follows the run's precision. Megatron-LM forces fp32 gradient accumulation and
+    all-reduce for bf16 only (megatron/arguments.py: "bfloat16 requires gradient accumulation and all-reduce to be
+    done in fp32"; --accumulate-allreduce-grads-in-fp32 is off by default), so an fp16 run keeps 2-byte gradients
+    and all-reduces 2 bytes per element; a framework without the knob keeps its grad_bytes in fp16 too."""
+    from trainscale.estimate.planner.plan import problem
+
+    kw = dict(model="gpt3-175b", gpu="a100-sxm-80gb", gpus=1024, seq=2048, global_batch_tokens=1536 * 2048,
+              software="megatron-lm-2021")
+    bf16, fp16 = problem(**kw, precision="bf16"), problem(**kw, precision="fp16")
+    assert (bf16.software.grad_bytes, bf16.software.grad_reduce_bytes) == (4, 4)
+    assert (fp16.software.grad_bytes, fp16.software.grad_reduce_bytes) == (2, 2)
+    assert (fp16.software.state_bytes_per_param, bf16.software.state_bytes_per_param) == (16, 18)  # ZeRO Sec. 3.1
+    titan = problem(**{**kw, "software": "torchtitan"}, precision="fp16").software
+    assert (titan.grad_bytes, titan.grad_reduce_bytes) == (4, 4)  # no fp16_* knobs: as its preset says
+    # the same layout, same GEMM rate: the fp16 run moves half the gradient bytes after the flush (dp_overlap 0)
+    lay = Layout.parse("tp8,pp8,dp16,mb1,rc=full")
+    a, b = bf16.evaluate_layout(lay), fp16.evaluate_layout(lay)
+    assert b["step_time_s"] < a["step_time_s"]
+    with pytest.raises(TrainscaleError, match="fp16_grad_bytes must be 0"):
+        check_knobs({**load_software("megatron-lm-2021").as_dict(), "fp16_grad_bytes": 3}, "'x'")

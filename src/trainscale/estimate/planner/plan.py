@@ -22,7 +22,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.comms import Topology
 from trainscale.estimate.planner.candidates import INTERLEAVED
-from trainscale.estimate.planner.software import PRECISIONS, Software, load_software, with_knobs
+from trainscale.estimate.planner.software import PRECISIONS, Software, load_software, resolve_precision, with_knobs
 from trainscale.estimate.planner.step import (
     RECOMPUTE,
     SCHEDULE,
@@ -545,7 +545,9 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
             forbid: str | tuple[str, ...] | None = None, max_v: int | None = None,
             precision: str | None = None, runnable: bool = False) -> Problem:
     """Build a planning problem from catalog names (or files), with the catalog's default efficiencies.
-    ``precision`` (bf16 | fp8) replaces the software's; ``runnable`` searches only what this runtime trains."""
+    ``precision`` (bf16 | fp16 | fp8) replaces the software's (fp16: the GEMMs at the bf16 rate, which the A100 and
+    H100 datasheets give fp16 too, and the gradients as the software keeps them in fp16); ``runnable`` searches
+    only what this runtime trains."""
     m = load_model(model)
     cl, g = pick_cluster(gpu, gpus, cluster)
     sw = load_software(software)
@@ -553,6 +555,7 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
         if precision not in PRECISIONS:
             raise TrainscaleError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
         sw = with_knobs(sw, precision=precision)
+    sw = resolve_precision(sw)
     if sw.precision == "fp8" and not g.peak_fp8_flops:
         raise TrainscaleError(f"{g.name} has no FP8 tensor cores (catalog/gpus.toml gives it no FP8 peak), so FP8 "
                               "training cannot be planned on it; use --precision bf16")

@@ -46,7 +46,9 @@ class Software:
     max_v: int
     attention_speed: float = 1.0  # a factor on the fused kernel's published rate (catalog/planner.toml)
     attention_kernel: str = "fa2"  # the fused kernel whose published curve the planner uses (planner.toml [attention])
-    precision: str = "bf16"  # "bf16" | "fp8": the layers' GEMMs at the GPU's FP8 peak (master state unchanged)
+    precision: str = "bf16"  # "bf16" | "fp16" | "fp8" (fp8: the layers' GEMMs at the GPU's FP8 peak; fp16 runs as bf16)
+    fp16_grad_bytes: int = 0  # grad_bytes of an fp16 run (0: as grad_bytes); resolve_precision applies it
+    fp16_grad_reduce_bytes: int = 0  # grad_reduce_bytes of an fp16 run (0: as grad_reduce_bytes)
     moe_node_limit: int = 0  # a token's routed experts lie on at most this many nodes (0: no limit)
     a2a_overlap: float = 0.0  # fraction of a MoE layer's compute the expert all-to-all can hide under
     pipeline: str = "standard"  # "standard" (the layout's schedule) | "dualpipe" (DeepSeek-V3 Sec. 3.2.1)
@@ -88,8 +90,8 @@ _OPTIONAL = {"attention_speed": 1.0, "attention_kernel": "fa2", "precision": "bf
              "attn_out_act_bytes": 2.0, "swiglu_in_act_bytes": 2.0, "recompute_norms": False, "recompute_mla_up": False,
              "recompute_swiglu_output": False, "recompute_early_stop": False, "moe_weighted_combine": True,
              "dropout": False,
-             "optimizer_state_bytes": 12.0}
-PRECISIONS = ("bf16", "fp8")
+             "optimizer_state_bytes": 12.0, "fp16_grad_bytes": 0, "fp16_grad_reduce_bytes": 0}
+PRECISIONS = ("bf16", "fp16", "fp8")
 
 
 _Fraction = Annotated[float, Field(ge=0, le=1)]
@@ -105,6 +107,15 @@ def _two_or_four(n: int) -> int:
 
 
 _GradBytes = Annotated[int, AfterValidator(_two_or_four)]  # an int (strict: not 2.0, not true), 2 or 4
+
+
+def _zero_two_or_four(n: int) -> int:
+    if n not in (0, 2, 4):
+        raise ValueError("0, 2 or 4")
+    return n
+
+
+_Fp16GradBytes = Annotated[int, AfterValidator(_zero_two_or_four)]
 
 
 class SoftwareKnobs(BaseModel):
@@ -128,7 +139,9 @@ class SoftwareKnobs(BaseModel):
     max_v: Annotated[int, Field(ge=1, le=1024)]
     attention_speed: Annotated[float, Field(gt=0, le=4)]
     attention_kernel: Literal[ATTENTION_KERNELS]  # type: ignore[valid-type]
-    precision: Literal["bf16", "fp8"]
+    precision: Literal["bf16", "fp16", "fp8"]
+    fp16_grad_bytes: _Fp16GradBytes
+    fp16_grad_reduce_bytes: _Fp16GradBytes
     moe_node_limit: _SMs
     a2a_overlap: _Fraction
     pipeline: Literal["standard", "dualpipe"]
@@ -150,6 +163,7 @@ _BYTES = "bytes per cached element, a finite number in [0.5, 4] (FP8 with scales
 _BOOL = "true or false"
 KNOB_ALLOWED: dict[str, str] = {
     "attention": "flash or unfused", "grad_bytes": "2 or 4", "grad_reduce_bytes": "2 or 4",
+    "fp16_grad_bytes": "0 (as grad_bytes), 2 or 4", "fp16_grad_reduce_bytes": "0 (as grad_reduce_bytes), 2 or 4",
     "dp_overlap": _FRACTION, "tp_overlap": _FRACTION, "a2a_overlap": _FRACTION,
     "selective_gemms": f"a list of GEMM names among {', '.join(GEMM_NAMES)}",
     "elementwise_passes": "HBM passes per token per layer, a finite number in [0, 1000]",
@@ -227,3 +241,13 @@ def load_software(ref: str | Path | Software | None = None) -> Software:
 
 def with_knobs(sw: Software, **kw: Any) -> Software:
     return replace(sw, **kw)
+
+
+def resolve_precision(sw: Software) -> Software:
+    """The software as an fp16 run of it keeps its gradients: a framework that accumulates and reduces in fp32 only
+    when it must (Megatron-LM forces --accumulate-allreduce-grads-in-fp32 for bf16, not for fp16) keeps 2-byte
+    gradients in fp16 (``fp16_grad_bytes`` / ``fp16_grad_reduce_bytes``); bf16 and fp8 runs keep the preset's."""
+    if sw.precision != "fp16":
+        return sw
+    return replace(sw, grad_bytes=sw.fp16_grad_bytes or sw.grad_bytes,
+                   grad_reduce_bytes=sw.fp16_grad_reduce_bytes or sw.grad_reduce_bytes)

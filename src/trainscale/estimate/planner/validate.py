@@ -115,7 +115,7 @@ class Run(BaseModel):
     note: Annotated[str, Field(max_length=4000)] = ""
     published_memory_gib: _POSITIVE | None = None  # peak memory per GPU the source reports, GiB
     tokens: _POSITIVE | None = None  # training tokens, for a gpu_hours figure
-    precision: Literal["bf16", "fp8"] | None = None  # where the run differs from its software preset
+    precision: Literal["bf16", "fp16", "fp8"] | None = None  # where the run differs from its software preset
 
     @field_validator("published", "convention_params", "published_memory_gib", "tokens", mode="before")
     @classmethod
