@@ -83,6 +83,9 @@ def plan(
     max_model: bool = typer.Option(False, "--max-model", help="the largest catalog model of --model's family (e.g. "
                                    "llama3.1-8b/70b/405b) with a layout that fits the GPUs"),
     wide: bool = typer.Option(False, "--wide", help="every layout's figures and breakdowns as wide tables"),
+    explain_step: bool = typer.Option(False, "--explain-step", help="the layout's step kernel by kernel: GEMMs, "
+                                      "attention, element-wise, each collective (exposed and hidden), bubble, "
+                                      "optimizer, per micro-batch and per step"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Find the fastest layout that fits (or evaluate one): memory, step time, MFU, days; or ask backwards."""
@@ -97,6 +100,9 @@ def plan(
                                    ("--max-model", max_model)) if on]
     if len(asked) > 1 or (asked and layout is not None):
         raise TrainscaleError(f"ask one question at a time: {', '.join(asked + (['--layout'] if layout else []))}")
+    if asked and explain_step:
+        raise TrainscaleError(f"--explain-step explains the searched layout or the one --layout gives, not an answer "
+                              f"to {asked[0]}; ask for that answer's layout with --layout")
     lay = parse_layout(layout) if layout is not None else None
     n = gpus if gpus is not None else lay.world_size if lay is not None else 16384
     p = planner.problem(model, gpu, n, seq, int(gbt), train, cluster, profile, _settings(set_), software,
@@ -106,9 +112,9 @@ def plan(
             p = replace(p, n_gpus=p.cluster.gpus)
         _inverse(p, asked[0], days, budget, as_json, wide)
     elif lay is not None:
-        _one_layout(p, lay, as_json, wide)
+        _one_layout(p, lay, as_json, wide, explain_step)
     else:
-        _search(p, top, as_json, wide)
+        _search(p, top, as_json, wide, explain_step)
 
 
 def _with_interval(p: Any, row: dict[str, Any]) -> dict[str, Any]:
@@ -119,12 +125,22 @@ def _with_interval(p: Any, row: dict[str, Any]) -> dict[str, Any]:
     return intervals.annotate(row, p.software.name, p.gpu.generation)
 
 
-def _one_layout(p: Any, lay: Any, as_json: bool, wide: bool) -> None:
+def _explained(p: Any, cfg: Any, i: int, on: bool) -> dict[str, Any]:
+    """{"explain_step": the layout's step kernel by kernel} when asked (estimate/planner/breakdown.py), else {}."""
+    from trainscale.estimate.planner import breakdown
+
+    return {"explain_step": breakdown.explain(p, cfg, i)} if on else {}
+
+
+def _one_layout(p: Any, lay: Any, as_json: bool, wide: bool, explain_step: bool = False) -> None:
+    from trainscale.estimate.planner.plan import _cfg
+
     row = _with_interval(p, p.evaluate_layout(lay))
     row["not_runnable_because"] = p.why_not_runnable(lay)
     sugg = [] if row["fits"] else p.suggestions(lay)
+    ex = _explained(p, _cfg([lay]), 0, explain_step)
     if as_json:
-        emit_json({**row, **_header(p), "suggestions": sugg})
+        emit_json({**row, **_header(p), "suggestions": sugg, **{k: v.as_dict() for k, v in ex.items()}})
         return
     _print_header(p)
     if wide:
@@ -132,6 +148,8 @@ def _one_layout(p: Any, lay: Any, as_json: bool, wide: bool) -> None:
     else:
         _print_winner(row, "Layout")
         _print_details(row)
+    if ex:
+        _print_explained(ex["explain_step"])
     if row["not_runnable_because"]:
         _say(f"trainscale's runtime does not train it: {row['not_runnable_because']}.", "")
     if not row["fits"]:
@@ -145,7 +163,7 @@ def _one_layout(p: Any, lay: Any, as_json: bool, wide: bool) -> None:
             console.print("No nearby layout fits; try more GPUs or rc=full.")
 
 
-def _search(p: Any, top: int, as_json: bool, wide: bool) -> None:
+def _search(p: Any, top: int, as_json: bool, wide: bool, explain_step: bool = False) -> None:
     res = p.search()
     b = res.best()
     if b is None:
@@ -154,8 +172,10 @@ def _search(p: Any, top: int, as_json: bool, wide: bool) -> None:
     runners = res.runners_up()
     why = res.why_best()
     search = {"candidates": res.generated, "valid": res.n_valid, "fit": res.n_fit, "seconds": res.seconds}
+    ex = _explained(p, res.cfg, b, explain_step)
     if as_json:
-        emit_json({**rows[0], **_header(p), "search": search, "why": why, "top": rows, "runners_up": runners})
+        emit_json({**rows[0], **_header(p), "search": search, "why": why, "top": rows, "runners_up": runners,
+                   **{k: v.as_dict() for k, v in ex.items()}})
         return
     _print_header(p)
     if wide:
@@ -167,6 +187,8 @@ def _search(p: Any, top: int, as_json: bool, wide: bool) -> None:
             for k, r in enumerate(rows[1:], 2):
                 _print_brief(k, r, rows[0])
         _print_details(rows[0])
+    if ex:
+        _print_explained(ex["explain_step"])
     console.print("[bold]Why this layout[/bold]")
     for line in why:
         _say(line, "  - ")
@@ -294,6 +316,41 @@ def _print_details(row: dict[str, Any]) -> None:
                                                                ("headroom", row["headroom_bytes"])]
     for name, v in items:
         _lines([f"  {name:<{w}}{v / 1e9:>8,.2f} GB"])
+
+
+EXPLAIN_NAME = 28  # width of an item's name in --explain-step's table (80 columns in all)
+
+
+def _explain_line(name: str, per_micro: str, step: str, exposed: str, hidden: str, gb: str, gbs: str) -> str:
+    return f"  {name:<{EXPLAIN_NAME}}{per_micro:>8} {step:>7} {exposed:>7} {hidden:>7} {gb:>7} {gbs:>6}".rstrip()
+
+
+def explain_lines(bd: Any) -> list[str]:
+    """--explain-step's table, 80 columns: each item with time per micro-batch (ms, on the critical stage) and per
+    step (s), what of it is exposed and hidden, and a collective's bytes per step and bytes over time."""
+    out = [_explain_line("", "ms/mb", "step s", "exposed", "hidden", "GB", "GB/s")]
+    for it in bd.items:
+        if not it.time_s and not it.exposed_s:
+            continue
+        coll = it.kind == "collective"
+        gb = it.bytes
+        out.append(_explain_line(
+            it.name[:EXPLAIN_NAME], "-" if it.per_micro_s is None else f"{it.per_micro_s * 1e3:,.1f}",
+            f"{it.time_s:,.3f}", f"{it.exposed_s:,.3f}", f"{it.hidden_s:,.3f}" if coll else "-",
+            f"{gb / 1e9:,.1f}" if gb else "-", f"{gb / it.time_s / 1e9:,.0f}" if gb and it.time_s > 0 else "-"))
+    out.append(_explain_line("total", "", "", f"{bd.total_s:,.3f}", f"{bd.hidden_s:,.3f}", "", ""))
+    return out
+
+
+def _print_explained(bd: Any) -> None:
+    head = f"{bd.stage_layers} layers" + (f" ({bd.stage_dense} dense, {bd.stage_moe} MoE)" if bd.stage_moe else "") \
+        + (" and the output head" if bd.head_on_stage else "")
+    console.print("[bold]Step, kernel by kernel[/bold], one GPU of the critical stage:")
+    _lines(explain_lines(bd))
+    _say(f"ms/mb: one micro-batch through the critical stage ({head}); step: x {bd.micro_batches:,} micro-batches, or "
+         f"once a step. Exposed times add up to the step time, {bd.step_time_s:,.3f} s; exposed + hidden is a "
+         "collective's whole time. GB: bytes this GPU puts into it per step; GB/s: those bytes over its time "
+         "(NCCL-tests' algbw, latency included).", "")
 
 
 def _print_runners(runners: list[dict[str, Any]]) -> None:

@@ -50,12 +50,17 @@ def n_shard_experts(c: Candidates) -> Any:
 @dataclass(frozen=True)
 class Collectives:
     """One step's DP collectives of the critical stage, each unhidden: reduce-scatter of the gradients,
-    all-gather of the weights, all-reduce over the hsdp replicas, all-reduce of the whole gradients (ZeRO 0)."""
+    all-gather of the weights, all-reduce over the hsdp replicas, all-reduce of the whole gradients (ZeRO 0); and
+    the bytes one call of each moves on this rank (its input: ``comms``' ring formulas take them so)."""
 
     rs: Any
     ag: Any
     ar_rep: Any
     ar: Any
+    rs_bytes: Any = 0.0
+    ag_bytes: Any = 0.0
+    ar_rep_bytes: Any = 0.0
+    ar_bytes: Any = 0.0
 
 
 def collectives(c: Candidates, topo: comms.Topology, sw: Software, s: StageParams) -> Collectives:
@@ -73,7 +78,7 @@ def collectives(c: Candidates, topo: comms.Topology, sw: Software, s: StageParam
     ar_rep = comms.all_reduce_time(gb / ns, hsdp, bw_r, lat_r)
     ar = comms.all_reduce_time(gb, cp * dp, bw_d, lat_d)
     if not s.moe:
-        return Collectives(rs, ag, ar_rep, ar)
+        return Collectives(rs, ag, ar_rep, ar, gb, wb, gb / ns, gb)
     e_crit, ns_e, dp_e = s.e_crit, n_shard_experts(c), n_expert_dp(c)
     gb_e, wb_e = sw.grad_reduce_bytes * e_crit, memory.WEIGHT_BYTES * e_crit
     # the expert-DP ranks sit ep apart (EP ranks are neighbours, moe.py) over the stage's ranks, which pp interleaves
@@ -82,16 +87,47 @@ def collectives(c: Candidates, topo: comms.Topology, sw: Software, s: StageParam
     return Collectives(rs + comms.reduce_scatter_time(gb_e, ns_e, bw_se, lat_se),
                        ag + comms.all_gather_time(wb_e, ns_e, bw_se, lat_se),
                        ar_rep + comms.all_reduce_time(gb_e / ns_e, hsdp, bw_r, lat_r),
-                       ar + comms.all_reduce_time(gb_e, dp_e, bw_de, lat_de))
+                       ar + comms.all_reduce_time(gb_e, dp_e, bw_de, lat_de),
+                       gb + gb_e, wb + wb_e, gb / ns + gb_e / ns_e, gb + gb_e)
+
+
+@dataclass(frozen=True)
+class DPPart:
+    """One DP collective over a step: the time the compute does not hide, its whole time, how many times it runs
+    and the bytes of one call on this rank."""
+
+    exposed: Any
+    total: Any
+    calls: Any
+    bytes: Any
 
 
 def dp_exposed(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, st_rc: Any, sw: Software,
                col: Collectives) -> tuple[Any, Any]:
-    """(exposed, total) DP traffic of a step. A collective overlaps (sw.dp_overlap of) the compute it follows: the
-    weight gathers the critical stage's forward, the gradient reductions its backward and recomputation; one that
-    runs once per step also leaves one layer's bucket exposed (the first gather before any compute, the last
-    reduce after all of it). ZeRO-3's backward gather and reduce-scatter share the same links at once. ZeRO-2's
-    per-micro-batch reduce-scatter hides under ``zero2_window``."""
+    """(exposed, total) DP traffic of a step: the sums of ``dp_parts``."""
+    return dp_sum(dp_parts(c, k, dense, moe, st_rc, sw, col))
+
+
+def dp_sum(parts: dict[str, DPPart]) -> tuple[Any, Any]:
+    """(exposed, total) of the step's DP collectives."""
+    return sum(p.exposed for p in parts.values()), sum(p.total for p in parts.values())
+
+
+def _share(t: Any, a: Any, b: Any) -> Any:
+    """a's part of ``t``, the exposed time of a and b run on the same links at once, in proportion to their times."""
+    return np.where(a + b > 0, t * a / np.where(a + b > 0, a + b, 1.0), 0.0)
+
+
+def dp_parts(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, st_rc: Any, sw: Software,
+             col: Collectives) -> dict[str, DPPart]:
+    """Each DP collective of a step (``rs`` gradient reduce-scatter, ``ag`` weight all-gather, ``ar_rep`` hsdp
+    all-reduce over the replicas, ``ar`` ZeRO-0 gradient all-reduce), exposed and whole. A collective overlaps
+    (sw.dp_overlap of) the compute it follows: the weight gathers the critical stage's forward, the gradient
+    reductions its backward and recomputation; one that runs once per step also leaves one layer's bucket exposed
+    (the first gather before any compute, the last reduce after all of it). ZeRO-3's backward gather and
+    reduce-scatter share the same links at once, as do ZeRO-1's reduce-scatter and hsdp all-reduce: what of the
+    pair stays exposed is split between them in proportion to their times. ZeRO-2's per-micro-batch reduce-scatter
+    hides under ``zero2_window``."""
     win_f = k.n_dense * dense.fwd + k.n_moe * moe.fwd
     win_b = k.n_dense * dense.bwd + k.n_moe * moe.bwd + st_rc
     win_rs2 = zero2_window(c, win_f, win_b)
@@ -99,20 +135,26 @@ def dp_exposed(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, st_
     zero, micro = c.zero, c.micro
     rs, ag, ar_rep, ar = col.rs, col.ag, col.ar_rep, col.ar
 
-    def hidden(t: Any, window: Any, once: bool = False) -> Any:
+    def exposed(t: Any, window: Any, once: bool = False) -> Any:
         floor = t / np.maximum(n_layers, 1) if once else 0.0
         return np.maximum(floor, t - ov * window)
 
-    exposed = np.select(
-        [zero == 0, zero == 1, zero == 2],
-        [hidden(ar, win_b, True),
-         hidden(rs + ar_rep, win_b, True) + hidden(ag, win_f, True),
-         micro * hidden(rs, win_rs2) + rs / np.maximum(n_layers, 1) + hidden(ar_rep, win_b, True)
-         + hidden(ag, win_f, True)],
-        micro * (hidden(ag, win_f) + hidden(ag + rs, win_b)) + hidden(ar_rep, win_b, True))
-    total = np.select([zero == 0, zero == 1, zero == 2], [ar, rs + ag + ar_rep, micro * rs + ag + ar_rep],
-                      micro * (2 * ag + rs) + ar_rep)
-    return exposed, total
+    z = [zero == 0, zero == 1, zero == 2]
+    rs_rep1 = exposed(rs + ar_rep, win_b, True)  # ZeRO-1's reduce-scatter and replica all-reduce together
+    agrs3 = exposed(ag + rs, win_b)  # ZeRO-3's backward gather and reduce-scatter together
+    ag_once = exposed(ag, win_f, True)
+    return {
+        "ar": DPPart(np.where(z[0], exposed(ar, win_b, True), 0.0), np.where(z[0], ar, 0.0), np.where(z[0], 1, 0),
+                     col.ar_bytes),
+        "rs": DPPart(np.select(z, [0.0, _share(rs_rep1, rs, ar_rep), micro * exposed(rs, win_rs2)
+                                   + rs / np.maximum(n_layers, 1)], micro * _share(agrs3, rs, ag)),
+                     np.select(z, [0.0, rs, micro * rs], micro * rs), np.select(z, [0, 1, micro], micro),
+                     col.rs_bytes),
+        "ag": DPPart(np.select(z, [0.0, ag_once, ag_once], micro * (exposed(ag, win_f) + _share(agrs3, ag, rs))),
+                     np.select(z, [0.0, ag, ag], 2 * micro * ag), np.select(z, [0, 1, 1], 2 * micro), col.ag_bytes),
+        "ar_rep": DPPart(np.select(z[:2], [0.0, _share(rs_rep1, ar_rep, rs)], exposed(ar_rep, win_b, True)),
+                         np.where(z[0], 0.0, ar_rep), np.where(z[0] | (c.hsdp <= 1), 0, 1), col.ar_rep_bytes),
+    }
 
 
 def zero2_window(c: Candidates, win_f: Any, win_b: Any) -> Any:

@@ -349,6 +349,11 @@ def layer_bytes(m: ModelSpec, c: Candidates) -> Any:
     return c.tokens * m.d_model * ACT_BYTES
 
 
+def cp_kv_bytes(m: ModelSpec, c: Candidates, seq: int) -> Any:
+    """K and V of a micro-batch's whole sequence on one TP rank (bf16): what a CP all-gather assembles."""
+    return c.mb * seq * 2 * np.maximum(m.n_kv_heads / c.tp, 1) * m.head_dim * ACT_BYTES
+
+
 def tp_cp_exposed(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Efficiencies, sw: Software,
                   seq: int) -> tuple[Any, Any]:
     """(TP, CP) traffic of one layer the compute does not hide, forward + backward (+ the recomputed forward).
@@ -361,7 +366,7 @@ def tp_cp_exposed(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Effici
     tp_one_way = np.where(c.sp, 2 * (comms.all_gather_time(act, c.tp, bw_tp, lat_tp)
                                      + comms.reduce_scatter_time(act, c.tp, bw_tp, lat_tp)),
                           2 * comms.all_reduce_time(act, c.tp, bw_tp, lat_tp))
-    kv_bytes = c.mb * seq * 2 * np.maximum(m.n_kv_heads / c.tp, 1) * m.head_dim * ACT_BYTES
+    kv_bytes = cp_kv_bytes(m, c, seq)
     bw_cp, lat_cp = comms.link(topo, c.cp, c.tp * c.cp)
     cp_ag = comms.all_gather_time(kv_bytes, c.cp, bw_cp, lat_cp)
     cp_fwd, cp_bwd = cp_ag, cp_ag + comms.reduce_scatter_time(kv_bytes, c.cp, bw_cp, lat_cp)

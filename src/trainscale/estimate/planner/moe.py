@@ -91,6 +91,13 @@ def ep_span(c: Candidates) -> Any:
     return c.ep
 
 
+def a2a_bytes(m: ModelSpec, c: Candidates, eff: Efficiencies, sw: Software) -> tuple[Any, Any]:
+    """(dispatch, combine) bytes one all-to-all sends from the busiest rank: its tokens/tp x top-k copies x d_model
+    x imbalance, FP8 dispatch under fp8 (DeepSeek-V3 Sec. 3.3.4), bf16 combine."""
+    copy = c.tokens / c.tp * m.experts_per_token * m.d_model * imbalance(m, eff)
+    return copy * (FP8_BYTES if sw.precision == "fp8" else ACT_BYTES), copy * ACT_BYTES
+
+
 def all_to_all(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Efficiencies, sw: Software) -> Any:
     """A MoE layer's dispatch (FP8 under fp8, DeepSeek-V3 Sec. 3.3.4) and combine (bf16) forward, their transposes
     backward, the dispatch and combine again under full recompute; the busiest rank receives imbalance x the mean.
@@ -104,10 +111,9 @@ def all_to_all(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Efficienc
         # node-limited routing: at most M target nodes per token, one copy each over the network, forwarded
         # inside the node on NVLink (DeepSeek-V3 Sec. 2.1.2, 3.2.2); as a share of the k copies
         off = np.minimum(off, np.minimum(sw.moe_node_limit, nodes) * (nodes - 1) / np.maximum(nodes, 1) / k_top)
-    copy_bytes = c.tokens / c.tp * k_top * m.d_model * imbalance(m, eff)
-    disp = comms.all_to_all_time(copy_bytes * (FP8_BYTES if sw.precision == "fp8" else ACT_BYTES), c.ep, n_local,
-                                 topo, off)
-    comb = comms.all_to_all_time(copy_bytes * ACT_BYTES, c.ep, n_local, topo, off)
+    disp_bytes, comb_bytes = a2a_bytes(m, c, eff, sw)
+    disp = comms.all_to_all_time(disp_bytes, c.ep, n_local, topo, off)
+    comb = comms.all_to_all_time(comb_bytes, c.ep, n_local, topo, off)
     a2a_f, a2a_b = disp + comb, disp + comb
     return a2a_f + a2a_b + c.full * a2a_f
 

@@ -130,10 +130,14 @@ class StageTime:
 def stage_time(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, tp_x: Any, cp_x: Any,
                sw: Software) -> StageTime:
     """Its layers' times on the critical stage; each chunk pass of a micro-batch also pays the software's fixed
-    dispatch cost."""
-    t_fixed = c.ve * sw.microbatch_overhead_s
-    return StageTime(k.n_dense * dense.compute + k.n_moe * moe.compute + k.head + t_fixed,
+    dispatch cost (``fixed_time``)."""
+    return StageTime(k.n_dense * dense.compute + k.n_moe * moe.compute + k.head + fixed_time(c, sw),
                      k.n_dense * dense.rc + k.n_moe * moe.rc, k.layers * tp_x, k.layers * cp_x, k.n_moe * moe.a2a_x)
+
+
+def fixed_time(c: Candidates, sw: Software) -> Any:
+    """The software's fixed dispatch cost of a micro-batch on a stage: one per chunk pass (ve of them)."""
+    return c.ve * sw.microbatch_overhead_s
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -160,9 +164,21 @@ def p2p_exposed(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Efficien
     to fill the pipeline and as many to drain it."""
     # the next stage lies past the smallest block holding whole TP x CP groups and whole EP groups (moe.py)
     bw_pp, lat_pp = comms.link(topo, c.pp, np.lcm(c.tp * c.cp, c.ep) * c.pp, collective=False)
-    t_p2p = comms.p2p_time(layer_bytes(m, c) / c.tp, bw_pp, lat_pp)
-    hops = 2 * (c.pp * c.ve - 1)
-    return np.where(c.pp > 1, (hops + (1 - eff.p2p_overlap) * 2 * c.micro * c.ve) * t_p2p, 0.0)
+    t_p2p = comms.p2p_time(p2p_bytes(m, c), bw_pp, lat_pp)
+    hops, steady = p2p_sends(c)
+    return np.where(c.pp > 1, (hops + (1 - eff.p2p_overlap) * steady) * t_p2p, 0.0)
+
+
+def p2p_bytes(m: ModelSpec, c: Candidates) -> Any:
+    """One pipeline send: a micro-batch's activations at a chunk boundary, sharded over TP."""
+    return layer_bytes(m, c) / c.tp
+
+
+def p2p_sends(c: Candidates) -> tuple[Any, Any]:
+    """(exposed, overlappable) sends on the critical path of a step: the pp x v - 1 chunk boundaries a micro-batch
+    crosses to fill the pipeline and as many to drain it; a send forward and one backward per micro-batch and chunk
+    in the steady state."""
+    return 2 * (c.pp * c.ve - 1), 2 * c.micro * c.ve
 
 
 # ----------------------------------------------------------------------------- parameters per stage

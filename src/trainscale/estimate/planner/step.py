@@ -19,7 +19,7 @@ optimizer), ``stage_memory`` (memory on every stage); utilisation is here.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -116,12 +116,40 @@ def memory_capacity(gpu: GPUSpec, eff: Efficiencies) -> float:
     return gpu.capacity_bytes - eff.memory_reserve_bytes
 
 
-def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies, seq: int, global_seqs: int,
-             cfg: dict[str, Any], sw: Software | None = None) -> dict[str, np.ndarray]:
-    """Step time, memory and utilization of every layout in ``cfg`` (arrays: tp cp pp dp mb v schedule
-    recompute zero hsdp sp, and ep for a MoE; schedule and recompute as indices into SCHEDULE and RECOMPUTE) under
-    software ``sw``. A MoE adds its experts and their all-to-all per MoE layer (``moe``); expert weights and their
-    state split over EP and then over the ranks that share them (ZeRO over dp / (hsdp x ep) x cp, ``dp``)."""
+@dataclass(frozen=True)
+class StepParts:
+    """What ``evaluate`` composes a step from, arrays over the layouts: the candidates and rates, one dense and one
+    MoE layer (with their recomputation), the exposed TP and CP traffic per layer, the output head, the critical
+    stage and its time per micro-batch, the pipeline, the exposed point-to-point and DP traffic (each DP collective
+    apart, ``dp.dp_parts``) and the optimizer. ``breakdown`` reads a step's kernels from it."""
+
+    c: Candidates
+    r: layer.Rates
+    dense: LayerTime
+    moe: LayerTime
+    tp_x: Any
+    cp_x: Any
+    t_head: Any
+    d: stages.DenseLayers
+    k: stages.Critical
+    st: stages.StageTime
+    t_pipe: Any
+    p2p_x: Any
+    params: stages.StageParams
+    dp_parts: dict[str, dp.DPPart]
+    dp_x: Any
+    dp_traffic: Any
+    t_opt: Any
+
+    @property
+    def step(self) -> Any:
+        """m · t_stage · (1 + bubble) + exposed pipeline p2p + exposed DP/ZeRO traffic + optimizer."""
+        return self.t_pipe + self.p2p_x + self.dp_x + self.t_opt
+
+
+def step_parts(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies, seq: int, global_seqs: int,
+               cfg: dict[str, Any], sw: Software | None = None) -> StepParts:
+    """The parts of every layout's step (``StepParts``), as ``evaluate`` adds them up."""
     sw = load_software(sw)
     if sw.precision == "fp8" and not gpu.peak_fp8_flops:
         raise TrainscaleError(f"{gpu.name} has no FP8 tensor cores (catalog/gpus.toml gives it no FP8 peak), so FP8 "
@@ -137,9 +165,22 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
     t_pipe = stages.pipeline_step(c, st.total, sw)
     p2p_x = stages.p2p_exposed(m, c, topo, eff)
     params = stages.stage_params(m, c, d, sw)
-    dp_x, dp_traffic = dp.dp_exposed(c, k, dense, moe_lay, st.rc, sw, dp.collectives(c, topo, sw, params))
-    t_opt = dp.optimizer_time(c, params, eff, sw, r.hbm)
-    step = t_pipe + p2p_x + dp_x + t_opt
+    parts = dp.dp_parts(c, k, dense, moe_lay, st.rc, sw, dp.collectives(c, topo, sw, params))
+    dp_x, dp_traffic = dp.dp_sum(parts)
+    return StepParts(c, r, dense, moe_lay, tp_x, cp_x, t_head, d, k, st, t_pipe, p2p_x, params, parts, dp_x,
+                     dp_traffic, dp.optimizer_time(c, params, eff, sw, r.hbm))
+
+
+def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies, seq: int, global_seqs: int,
+             cfg: dict[str, Any], sw: Software | None = None) -> dict[str, np.ndarray]:
+    """Step time, memory and utilization of every layout in ``cfg`` (arrays: tp cp pp dp mb v schedule
+    recompute zero hsdp sp, and ep for a MoE; schedule and recompute as indices into SCHEDULE and RECOMPUTE) under
+    software ``sw``. A MoE adds its experts and their all-to-all per MoE layer (``moe``); expert weights and their
+    state split over EP and then over the ranks that share them (ZeRO over dp / (hsdp x ep) x cp, ``dp``)."""
+    sw = load_software(sw)
+    sp = step_parts(m, gpu, topo, eff, seq, global_seqs, cfg, sw)
+    c, r, dense, moe_lay, d, k, st, params = sp.c, sp.r, sp.dense, sp.moe, sp.d, sp.k, sp.st, sp.params
+    t_pipe, p2p_x, dp_x, dp_traffic, t_opt, step = sp.t_pipe, sp.p2p_x, sp.dp_x, sp.dp_traffic, sp.t_opt, sp.step
     lm = stage_memory.layer_activations(m, c, eff, sw, seq)
     heavy, first_total, heaviest_stage = stage_memory.heaviest(m, c, sw, lm, stage_memory.buffers(m, c, sw, seq),
                                                                d, params)
@@ -171,5 +212,5 @@ __all__ = [
     "Efficiencies", "attention_gemm_shapes", "attention_rate", "cluster_topology", "evaluate", "ffn_gemm_shapes",
     "gemm_time", "gemm_train_time", "in_flight", "layer_gemm_shapes", "load_efficiencies", "matmul_params",
     "memory_capacity", "planner_catalog", "profile_efficiencies", "recompute_flops_per_token",
-    "utilisation", "with_overrides",
+    "StepParts", "step_parts", "utilisation", "with_overrides",
 ]
