@@ -71,8 +71,9 @@ def plan(
     fix: str = typer.Option(None, help="search only layouts with these choices, e.g. tp=8,pp=16"),
     forbid: str = typer.Option(None, help="search without these, e.g. cp,zero3,interleaved,rc=full"),
     max_v: int = typer.Option(None, "--max-v", help="at most this many virtual stages per GPU"),
-    precision: str = typer.Option(None, help="bf16 | fp8: the layers' GEMMs at the GPU's FP8 peak (default: the "
-                                  "software's); weights, gradients and Adam state as the software keeps them"),
+    precision: str = typer.Option(None, help="bf16 | fp16 | fp8 (fp8: the layers' GEMMs at the GPU's FP8 peak; "
+                                  "default: the software's); weights, gradients and Adam state as the software keeps "
+                                  "them in that precision"),
     runnable: bool = typer.Option(False, "--runnable", help="search only the layouts trainscale's own runtime "
                                   "trains (rules.RUNNABLE; `train --plan` searches these)"),
     days: float = typer.Option(None, "--days", callback=number(gt=0, le=1e6),
