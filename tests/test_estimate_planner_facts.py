@@ -169,3 +169,52 @@ def test_recomputed_attention_forward_is_the_kernels_published_forward_share() -
     assert float(forward_share(attention_curve("fa2", "hopper"), 512, 64)) == pytest.approx(141 / (3.5 * 180))
     assert float(forward_share(attention_curve("fa-triton", "hopper"), 16384, 128)) == pytest.approx(1 / 3.5)
     assert float(forward_share(None, 2048, 128)) == pytest.approx(1 / 3.5)
+
+
+def _gemm_shapes():  # type: ignore[no-untyped-def]
+    """benchmarks/gemm_shapes.py, the candidate per-GEMM shape model and the device check's shape lists."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gemm_shapes.py"
+    spec = importlib.util.spec_from_file_location("gemm_shapes", path)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_candidate_gemm_shape_model_counts_tiles_waves_and_the_mamf_ceiling_by_hand():
+    gs = _gemm_shapes()
+    h100, a100 = load_gpu("h100-sxm"), load_gpu("a100-sxm-80gb")
+    c = gs.candidate(h100)
+    # the MAMF best shape 6144 x 17920 x 2816 in 128 x 256 tiles: 48 x 70 = 3,360 tiles, 26 waves of 132 = 3,432
+    assert c.q_mamf == pytest.approx(3360 / 3432)
+    # MPT-1B's q/k/v projection at micro-batch 12 x 2048: 192 x 8 = 1,536 tiles (either orientation), 12 waves
+    # of 132 = 1,584 slots: 0.96970 of the SMs' work, over the MAMF shape's 0.97902 = 0.99048 of MAMF
+    eff = gs.shape_factor(24576.0, 2048.0, 2048.0, c) / c.q_mamf
+    assert eff == pytest.approx((1536 / 1584) / (3360 / 3432)) and eff == pytest.approx(0.99048, abs=1e-5)
+    # a large GEMM quantized no worse than the MAMF shape runs exactly at MAMF (16384^3: 8,192 tiles in 63 waves)
+    f_mm = h100.peak_bf16_flops * load_efficiencies("h100-sxm").matmul_efficiency
+    t = gs.candidate_time(16384, 16384, 16384, f_mm, h100.hbm_bandwidth * 0.8, c)
+    assert 2.0 * 16384**3 / t == f_mm
+    # an A100 dW GEMM of MPT-125M (768 x 768 output, 81,920 tokens of K): 3 x 6 = 18 tiles of 256 x 128 would leave
+    # 90 of 108 SMs idle; split-K cuts K into 108 / 18 = 6 pieces and fills them. A short K cannot be split.
+    a = gs.candidate(a100)
+    assert a.q_mamf == 1.0  # 6912 x 16384 in 256 x 128 tiles: 27 x 128 = 3,456 = 32 waves of 108
+    assert gs.shape_factor(768.0, 81920.0, 768.0, a) == 1.0
+    assert gs.shape_factor(768.0, 256.0, 768.0, a) == pytest.approx(18 / 108)
+
+
+def test_gemm_shape_lists_are_the_planners_sharded_gemms():
+    gs = _gemm_shapes()
+    rows = gs.row_gemms(load_model("llama3.1-405b"), 8192, 8)
+    shapes = {name: (m, k, n) for name, m, k, n in rows}
+    assert len(set(shapes.values())) == len(rows)  # each shape once, named by its first GEMM
+    # Llama 3.1 405B at tp8: d 16384, 128 query heads of 128 -> 2048 per rank, 8 KV heads -> 1 per rank (128),
+    # SwiGLU 53,248 / 8 = 6,656, vocabulary 128,256 / 8 = 16,032
+    assert shapes["wq.fwd"] == (8192, 16384, 2048) and shapes["wk.fwd"] == (8192, 16384, 128)
+    assert shapes["w1.fwd"] == (8192, 16384, 6656) and shapes["w1.dX"] == (8192, 6656, 16384)  # = w2's forward
+    assert shapes["w1.dW"] == (16384, 8192, 6656) and shapes["head.fwd"] == (8192, 16384, 16032)
