@@ -323,7 +323,10 @@ def test_cli_validate_json_and_bad_input(tmp_path):
     res = CliRunner().invoke(app, ["validate", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert {"runs", "mean_abs_error", "worst_abs_error", "fitted"} <= set(out)
+    assert {"runs", "mean_abs_error", "worst_abs_error", "fitted", "loo"} <= set(out)  # the catalog's: with its LOO
+    res = CliRunner().invoke(app, ["validate"])  # #20: a FITTED constant is never shown without its LOO figure
+    assert res.exit_code == 0 and "leave-one-out (fit without the row): mean |error|" in res.output
+    assert "Fitted: sustained_clock_fraction" in res.output and "LOO" not in res.output  # no per-row columns
     res = CliRunner().invoke(app, ["validate", "--loo", "--runs", str(_runs_file(tmp_path, FEW[:3]))])
     assert res.exit_code == 0, res.output
     assert "leave-one-out (fit without the row): mean |error|" in res.output and "LOO" in res.output

@@ -25,7 +25,10 @@ def validate(
     from trainscale.estimate.planner.validate import CONVENTION_LABELS, CONVENTIONS
     from trainscale.estimate.planner.validate import validate as run_validation
 
-    out = run_validation(runs, _settings(set_) or None, loo=loo)
+    # the catalog's own claim always comes with its leave-one-out figures (a constant marked FITTED is judged on rows
+    # it was not fitted to); another runs file or --set adds them with --loo (per-row columns only then)
+    summary = loo or (runs is None and not set_)
+    out = run_validation(runs, _settings(set_) or None, loo=summary)
     if as_json:
         emit_json(out)
         return
@@ -45,7 +48,7 @@ def validate(
     console.print(t)
     console.print(f"mean |error| {out['mean_abs_error']:.1%}, worst {out['worst_abs_error']:.1%} "
                   f"({out['worst_run']}); {len(out['runs'])} runs.")
-    if loo:
+    if summary:
         _print_loo(out)
     mem = [r for r in out["runs"] if r["memory_error"] is not None]
     if mem:
