@@ -200,3 +200,40 @@ def test_the_breakdown_costs_nothing_unless_asked(monkeypatch):
     assert not calls
     run("--gpus", "64", "--model", "llama3.1-8b", "--explain-step")
     assert calls == [1]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["allreduce", "sequence-parallel"])
+def test_megatron_hides_each_column_parallel_input_gradient_reduction_under_its_weight_gradient(sp):
+    """#20 item 2 (Megatron 2022's linear layers overlap the backward TP collectives): megatron/core/tensor_parallel/
+    layers.py LinearWithGradAccumulationAndAsyncCommunication.backward launches the input-gradient all-reduce (or
+    reduce-scatter under SP) with async_op=True after the dgrad GEMM and waits after the wgrad GEMM. Per layer and
+    micro-batch the backward hides min(collective, dW of Q/K/V) + min(collective, dW of w1/w3), counted here by hand
+    from the planner's own GEMM and ring-collective prices; the forward and the other backward collectives stay."""
+    from trainscale.estimate.planner import layer
+
+    lay = "tp8,cp1,pp1,dp8,mb2,zero1" + ("" if sp else ",nosp")
+    on, row_on, bd_on = _explain("llama3.1-8b", 64, 8192, "megatron-core", lay)
+    assert on.software.tp_wgrad_overlap
+    off = planner.problem("llama3.1-8b", "h100-sxm", 64, 8192, 2**24,
+                          software=with_knobs(load_software("megatron-core"), tp_wgrad_overlap=False))
+    row_off, bd_off = off.evaluate_layout(Layout.parse(lay)), breakdown.explain_layout(off, Layout.parse(lay))
+    r = layer.rates(on.gpu, on.eff, on.software)
+    tokens, d, t = 2 * 8192, 4096, on.topo
+    bw, lat = t.scale_up_bandwidth * t.scale_up_efficiency, t.scale_up_latency_s
+    act = tokens * d * 2
+    one = float(comms.reduce_scatter_time(act, 8, bw, lat) if sp else comms.all_reduce_time(act, 8, bw, lat))
+
+    def dw(k_in: float, n_out: float) -> float:  # dW = X^T dY: (k_in x tokens) @ (tokens x n_out)
+        return float(layer.gemm_time(k_in, tokens, n_out, r.f_lay, r.hbm, r.sms, r.gap))
+
+    qkv = dw(d, 4096 / 8) + 2 * dw(d, 128)  # Q sharded 8 ways; 8 K/V heads of 128: one per rank
+    up = 2 * dw(d, 14336 / 8)  # w1 and w3
+    hidden = min(one, qkv) + min(one, up)
+    assert 0 < hidden <= 2 * one
+    name = "TP reduce-scatter (SP)" if sp else "TP all-reduce"
+    micro_layers = row_on["micro_batches"] * 32
+    assert bd_on.item(name).hidden_s == pytest.approx(hidden * micro_layers, rel=1e-9)
+    assert bd_off.item(name).hidden_s == pytest.approx(0.0, abs=1e-12)
+    assert bd_on.item(name).time_s == pytest.approx(bd_off.item(name).time_s, rel=1e-12)  # the same traffic
+    assert row_off["step_time_s"] - row_on["step_time_s"] == pytest.approx(hidden * micro_layers, rel=1e-9)
+    assert bd_on.total_s == pytest.approx(row_on["step_time_s"], rel=1e-9)

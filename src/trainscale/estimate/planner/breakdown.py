@@ -144,7 +144,7 @@ def stage_collectives(p: Problem, s: StepParts) -> list[Item]:
     """TP, CP and EP traffic per micro-batch on the critical stage: whole (overlap 0) and exposed."""
     c, k, sw, micro = s.c, s.k, p.software, _f(s.c.micro)
     tp_all, cp_all = layer.tp_cp_exposed(p.model, c, p.topo, replace(p.eff, cp_overlap=0.0),
-                                         replace(sw, tp_overlap=0.0), p.seq)
+                                         replace(sw, tp_overlap=0.0, tp_wgrad_overlap=False), p.seq)
     n, n_moe = _f(k.layers), _f(k.n_moe)
     ways = 2 + _f(c.full)  # forward, backward, and the forward again under full recompute (layer.tp_cp_exposed)
     act, kv = _f(layer.layer_bytes(p.model, c)), _f(layer.cp_kv_bytes(p.model, c, p.seq))
@@ -155,8 +155,9 @@ def stage_collectives(p: Problem, s: StepParts) -> list[Item]:
 
     tp_w, tp_x = n * _f(tp_all), n * _f(s.tp_x)
     if _f(c.tp) > 1 and bool(np.asarray(c.sp).reshape(-1)[0]):  # 2 all-gathers + 2 reduce-scatters each way
-        add("TP all-gather (SP)", tp_w / 2, tp_x / 2, 2 * ways * n, act, "sequence parallel, Korthikanti Sec. 4.2.2")
-        add("TP reduce-scatter (SP)", tp_w / 2, tp_x / 2, 2 * ways * n, act)
+        ag_x = tp_w / 2 * (1 - sw.tp_overlap)  # what weight gradients hide (tp_wgrad_overlap) is reduce-scatter
+        add("TP all-gather (SP)", tp_w / 2, ag_x, 2 * ways * n, act, "sequence parallel, Korthikanti Sec. 4.2.2")
+        add("TP reduce-scatter (SP)", tp_w / 2, tp_x - ag_x, 2 * ways * n, act)
     elif _f(c.tp) > 1:  # 2 all-reduces each way (Megatron's f and g operators, Shoeybi et al. 2019 Sec. 3)
         add("TP all-reduce", tp_w, tp_x, 2 * ways * n, act, "Megatron f/g operators, Shoeybi 2019 Sec. 3")
     if _f(c.cp) > 1:

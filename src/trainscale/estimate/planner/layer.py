@@ -354,13 +354,32 @@ def cp_kv_bytes(m: ModelSpec, c: Candidates, seq: int) -> Any:
     return c.mb * seq * 2 * np.maximum(m.n_kv_heads / c.tp, 1) * m.head_dim * ACT_BYTES
 
 
+def wgrad_hidden_tp(m: ModelSpec, c: Candidates, r: Rates, one: Any) -> Any:
+    """TP traffic of one layer's backward hidden under weight gradients (software knob ``tp_wgrad_overlap``).
+
+    Megatron's column-parallel linear (megatron/core/tensor_parallel/layers.py,
+    LinearWithGradAccumulationAndAsyncCommunication.backward; since Megatron-LM v3.0, 2022) launches the reduction
+    of its input gradient (the all-reduce, or the reduce-scatter under sequence parallelism) asynchronously right
+    after the dgrad GEMM and waits for it after the weight-gradient GEMM dW = X^T dY: each of the layer's two
+    column-parallel blocks (the Q/K/V projections; the FFN's w1/w3) hides min(its collective, its dW GEMMs).
+    ``one``: one such collective's time. The FFN side only for dense layers (a MoE layer's experts are not
+    Megatron linears), the attention side for MLA's up-projections."""
+    shapes = layer_gemm_shapes(m, c.tp)
+    dw = {name: gemm_time(k_in, c.tokens, n_out, r.f_lay, r.hbm, r.sms, r.gap)
+          for name, (k_in, n_out) in shapes.items()}
+    att = sum((dw[n] for n in ("wq", "wk", "wv", "wq_b", "wkv_b") if n in dw), start=0.0)
+    ffn = 0.0 if m.is_moe else sum((dw[n] for n in ("w1", "w3") if n in dw), start=0.0)
+    return np.minimum(one, att) + (np.minimum(one, ffn) if not m.is_moe else 0.0)
+
+
 def tp_cp_exposed(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Efficiencies, sw: Software,
-                  seq: int) -> tuple[Any, Any]:
+                  seq: int, r: Rates | None = None) -> tuple[Any, Any]:
     """(TP, CP) traffic of one layer the compute does not hide, forward + backward (+ the recomputed forward).
 
     Tensor (+ sequence) parallel: 2 all-gathers + 2 reduce-scatters (or 2 all-reduces) per layer each way
-    (Korthikanti et al. 2022 Sec. 4.2.2). Context parallel (Llama 3, arXiv 2407.21783 Sec. 3.3.2): all-gather K
-    and V forward; again + reduce-scatter dK, dV backward."""
+    (Korthikanti et al. 2022 Sec. 4.2.2), less what the backward hides under weight gradients when the software
+    does (``wgrad_hidden_tp``; needs the GEMM ``r``ates). Context parallel (Llama 3, arXiv 2407.21783 Sec. 3.3.2):
+    all-gather K and V forward; again + reduce-scatter dK, dV backward."""
     act = layer_bytes(m, c)
     bw_tp, lat_tp = comms.link(topo, c.tp, c.tp)
     tp_one_way = np.where(c.sp, 2 * (comms.all_gather_time(act, c.tp, bw_tp, lat_tp)
@@ -370,7 +389,12 @@ def tp_cp_exposed(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Effici
     bw_cp, lat_cp = comms.link(topo, c.cp, c.tp * c.cp)
     cp_ag = comms.all_gather_time(kv_bytes, c.cp, bw_cp, lat_cp)
     cp_fwd, cp_bwd = cp_ag, cp_ag + comms.reduce_scatter_time(kv_bytes, c.cp, bw_cp, lat_cp)
-    tp_x = (1 - sw.tp_overlap) * (2 + c.full) * tp_one_way
+    hidden = 0.0
+    if sw.tp_wgrad_overlap and r is not None:  # the backward reduction of each column-parallel block's input grad
+        one = np.where(c.sp, comms.reduce_scatter_time(act, c.tp, bw_tp, lat_tp),
+                       comms.all_reduce_time(act, c.tp, bw_tp, lat_tp))
+        hidden = np.where(c.tp > 1, wgrad_hidden_tp(m, c, r, one), 0.0)
+    tp_x = (1 - sw.tp_overlap) * ((2 + c.full) * tp_one_way - hidden)
     cp_x = (1 - eff.cp_overlap) * (cp_fwd + cp_bwd + c.full * cp_fwd)
     return tp_x, cp_x
 

@@ -70,7 +70,7 @@ def layer_times(m: ModelSpec, c: Candidates, r: layer.Rates, topo: comms.Topolog
     its recomputation."""
     g = layer.dense_gemms(m, c, r, sw)
     dense = layer.dense_layer(m, c, r, eff, sw, seq, g)
-    tp_x, cp_x = layer.tp_cp_exposed(m, c, topo, eff, sw, seq)
+    tp_x, cp_x = layer.tp_cp_exposed(m, c, topo, eff, sw, seq, r)
     if not (m.is_moe or m.attention == "mla"):
         return replace(dense, rc=layer.recompute_time(c, dense, sw)), layer.NO_LAYER, tp_x, cp_x
     knobs = layer.recompute_knobs(m, c, r, sw, g)
