@@ -222,6 +222,7 @@ def test_layout_strings(tmp):
     @given(layout=LAYOUTS)
     def case(layout):
         cli("plan", "--layout", layout, "--json")
+        cli("plan", "--layout", layout, "--explain-step")  # the per-kernel table of any layout the planner takes
         cli("train", "--config", str(TINY), "--layout", layout, "--dry-run", "--json")
         cli("train", "--config", str(TINY), "--layout", layout, "--compare-plan", "--profile", str(tmp / "missing"))
         cli("launch", "--slurm", "--config", str(TINY), "--layout", layout, "--nodes", "1")
@@ -513,7 +514,8 @@ def test_planner_set_fix_forbid(tmp):
                                                   NUMBERS).map(lambda t: f"{t[0]}={t[1]}"), max_size=3).map(",".join))
 
     @FUZZ
-    @given(key=keys, value=NUMBERS, fix=fixes, forbid=fixes, max_v=NUMBERS, precision=st.text(max_size=6))
+    @given(key=keys, value=NUMBERS, fix=fixes, forbid=fixes, max_v=NUMBERS,
+           precision=st.one_of(st.text(max_size=6), st.sampled_from(["fp16", "bf16", "fp8", "FP16", "fp32"])))
     def case(key, value, fix, forbid, max_v, precision):
         code, _, _ = cli("plan", "--set", f"{key}={value}", "--layout", "tp8,pp16,dp128", "--json")
         if key in KNOB_RANGES and _is_bad_number(value):
@@ -525,6 +527,7 @@ def test_planner_set_fix_forbid(tmp):
         cli("plan", "--model", "llama3.1-8b", "--gpus", "16", "--top", "1", "--forbid", forbid, "--json")
         cli("plan", "--model", "llama3.1-8b", "--gpus", "16", "--top", "1", "--max-v", max_v, "--json")
         cli("plan", "--model", "llama3.1-8b", "--gpus", "16", "--top", "1", "--precision", precision, "--json")
+        cli("plan", "--model", "llama3.1-8b", "--gpus", "16", "--fix", fix, "--precision", precision, "--explain-step")
 
     case()
 
