@@ -144,15 +144,17 @@ def fixed_time(c: Candidates, sw: Software) -> Any:
     return c.ve * sw.microbatch_overhead_s
 
 
-def param_pass_time(s: StageParams, sw: Software, hbm: float, shard: Any, shard_experts: Any = 1) -> Any:
+def param_pass_time(c: Candidates, s: StageParams, sw: Software, hbm: float, shard: Any,
+                    shard_experts: Any = 1) -> Any:
     """HBM time per micro-batch of the software's passes over the critical stage's parameters outside the layers'
     kernels: ``sw.microbatch_grad_bytes`` per parameter the rank holds unsharded in the micro-batch (the stage's, split
     over TP; a MoE's experts over EP), ``sw.microbatch_shard_bytes`` per parameter of its ZeRO shard (over ``shard``
-    ranks, experts over ``shard_experts``: ``dp.n_shard``, ``dp.n_shard_experts``). FSDP1's gradient cast, divides
-    and accumulation and its low-precision shard copies (catalog/software.toml, llm-foundry), memory-bound: bytes
-    over the GPU's HBM bandwidth, on the critical path."""
+    ranks, experts over ``shard_experts``: ``dp.n_shard``, ``dp.n_shard_experts``; all of them under ZeRO-0).
+    FSDP1's gradient cast, divides and accumulation and its low-precision shard copies (catalog/software.toml,
+    llm-foundry), memory-bound: bytes over the GPU's HBM bandwidth, on the critical path."""
     full = s.crit + s.e_crit
-    sharded = s.crit / shard + s.e_crit / shard_experts
+    zero = c.zero >= 1
+    sharded = s.crit / np.where(zero, shard, 1) + s.e_crit / np.where(zero, shard_experts, 1)
     return (sw.microbatch_grad_bytes * full + sw.microbatch_shard_bytes * sharded) / hbm
 
 
