@@ -19,7 +19,7 @@ from trainscale.estimate import comms
 from trainscale.estimate.planner import breakdown
 from trainscale.estimate.planner import plan as planner
 from trainscale.estimate.planner.plan import _cfg
-from trainscale.estimate.planner.software import load_software, with_knobs
+from trainscale.estimate.planner.software import load_software, software_names, with_knobs
 from trainscale.specs import Layout
 
 # (model, GPUs, seq, software, layout): dense 8B (ZeRO-3; TP without SP under full recompute; hsdp), 70B with
@@ -69,6 +69,7 @@ def test_items_add_up_to_the_step_time_plan_prints(case):
     assert recompute == pytest.approx(parts["recompute"], rel=1e-9, abs=1e-12)
     assert bd.item("GEMM backward").time_s > bd.item("GEMM forward").time_s > 0  # dgrad + wgrad: two GEMMs
     assert bd.item("attention backward").time_s > bd.item("attention forward").time_s > 0
+    assert bd.item("parameter passes").time_s == 0.0  # FSDP1's passes: llm-foundry's presets only
 
 
 def test_the_searched_winner_is_explained_as_plan_prints_it():
@@ -237,3 +238,41 @@ def test_megatron_hides_each_column_parallel_input_gradient_reduction_under_its_
     assert bd_on.item(name).time_s == pytest.approx(bd_off.item(name).time_s, rel=1e-12)  # the same traffic
     assert row_off["step_time_s"] - row_on["step_time_s"] == pytest.approx(hidden * micro_layers, rel=1e-9)
     assert bd_on.total_s == pytest.approx(row_on["step_time_s"], rel=1e-9)
+
+
+def test_fsdp1_parameter_passes_cost_each_micro_batch_its_bytes_over_hbm():
+    """llm-foundry's FSDP1 (torch 2.1, Composer's mixed_precision DEFAULT: bf16 parameters, fp32 reduction, fp32
+    shards) moves, every micro-batch, 18 bytes per unsharded parameter (the flat gradient's concat 2 + 2, its cast to
+    fp32 2 + 4, the in-place pre-divide 4 + 4) and 32 per parameter of the rank's shard (the fp32 -> bf16 shard copy
+    before the forward's and the backward's all-gather, 2 x (4 + 2); the post-divide 4 + 4; the accumulation 4 + 4 + 4):
+    catalog/software.toml's derivation. MPT-125M (12 layers of d 768: 12 d^2 in the linears and two LayerNorms of
+    weight + bias, 4 d, each; 50,368 x 768 tied embedding; a final LayerNorm 2 d) on 8 H100s, dp8 zero3, two
+    micro-batches of 4: that many bytes at the H100's 3.35 TB/s (catalog/gpus.toml) x the planner's HBM efficiency,
+    on each micro-batch of the critical stage."""
+    d, layers, vocab, dp, micro = 768, 12, 50368, 8, 2
+    params = layers * (12 * d * d + 4 * d) + vocab * d + 2 * d
+    assert params == 123_655_680
+    per_micro_bytes = (2 + 2 + 2 + 4 + 4 + 4) * params + (2 * (4 + 2) + (4 + 4) + (4 + 4 + 4)) * params / dp
+    sw = load_software("llm-foundry-triton")
+    assert (sw.microbatch_grad_bytes, sw.microbatch_shard_bytes) == (18, 32)
+    lay = Layout.parse("dp8,zero3,mb4")
+    on = planner.problem("mpt-125m", "h100-sxm", dp, 2048, dp * 4 * 2048 * micro, cluster="dgx-h100", software=sw)
+    off = planner.problem("mpt-125m", "h100-sxm", dp, 2048, dp * 4 * 2048 * micro, cluster="dgx-h100",
+                          software=with_knobs(sw, microbatch_grad_bytes=0.0, microbatch_shard_bytes=0.0))
+    hbm = 3.35e12 * on.eff.hbm_efficiency
+    assert on.gpu.hbm_bandwidth == 3.35e12
+    bd, row = breakdown.explain_layout(on, lay), on.evaluate_layout(lay)
+    it = bd.item("parameter passes")
+    assert bd.micro_batches == micro and it.counted == breakdown.STAGE
+    assert it.per_micro_s == pytest.approx(per_micro_bytes / hbm, rel=1e-12)
+    assert it.exposed_s == it.time_s == pytest.approx(micro * per_micro_bytes / hbm, rel=1e-12)
+    assert bd.total_s == pytest.approx(row["step_time_s"], rel=1e-9)  # still the step plan prints
+    # the whole difference the knobs make to the step (no pipeline: nothing else scales with the stage's time)
+    assert row["step_time_s"] - off.evaluate_layout(lay)["step_time_s"] == pytest.approx(
+        micro * per_micro_bytes / hbm, rel=1e-9)
+    assert breakdown.explain_layout(off, lay).item("parameter passes").time_s == 0.0
+    # only llm-foundry's presets (FSDP1 through Composer) set them; every other preset's step is as before
+    for name in software_names():
+        other = load_software(name)
+        knobs = (other.microbatch_grad_bytes, other.microbatch_shard_bytes)
+        assert knobs == ((18, 32) if name.startswith("llm-foundry") else (0, 0)), name

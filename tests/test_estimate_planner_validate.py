@@ -170,8 +170,10 @@ def test_validation_set_is_public_sourced_and_predicted():
     # non-reentrant checkpoint does (software recompute_early_stop, llm-foundry's and torchtitan's presets): mean 8.7%
     # (the 47 llm-foundry rows with activation checkpointing -14% -> -9%); worst now MPT-30B at 8,192 tokens on 8
     # A100s, predicted fast (+19.6% -> +27.6%; MPT-1B on 512 H100s, +25.4%, unchanged). With the 20 MLPerf Training rows
-    # (issue 20; 168 rows): mean 9.4% (the 148 earlier rows unchanged), worst MLPerf v4.0 GPT-3 on 10,752 H100s, -33.8%
-    assert out["mean_abs_error"] == pytest.approx(0.0938, abs=0.003)
+    # (issue 20; 168 rows): mean 9.4% (the 148 earlier rows unchanged), worst MLPerf v4.0 GPT-3 on 10,752 H100s, -33.8%.
+    # With FSDP1's per-micro-batch passes over the parameters (llm-foundry presets: microbatch_grad_bytes 18,
+    # microbatch_shard_bytes 32): 9.38% -> 9.46% at the catalog's clock fractions, leave-one-out 10.12% -> 9.24%
+    assert out["mean_abs_error"] == pytest.approx(0.0946, abs=0.003)
     assert out["worst_run"] == "mlperf-v40-gpt3-h100x10752" and out["worst_abs_error"] == pytest.approx(
         0.338, abs=0.005)
     by_id = {r["id"]: r for r in out["runs"]}
@@ -181,8 +183,11 @@ def test_validation_set_is_public_sourced_and_predicted():
     assert by_id["deepseek-v3-h800x2048"]["error"] == pytest.approx(0.016, abs=0.005)
     # torchtitan's A100 8B row (selective recompute redoes the attention core): +5.9% -> +6.6% since the recomputed
     # FlashAttention-2 forward costs 1/3.5 of the kernel's time, not 1/3 (layer.forward_share)
-    assert all(abs(by_id[i]["error"]) < 0.06 for i in ("titan-70b-a100x64", "mpt-7b-h100x8", "titan-8b-h100x8",
-                                                       "deepseek-v3-h800x2048"))
+    assert all(abs(by_id[i]["error"]) < 0.06 for i in ("titan-70b-a100x64", "titan-8b-h100x8", "deepseek-v3-h800x2048"))
+    # MPT-7B on 8 H100s (llm-foundry's table, one micro-batch of 6): -5.3% -> -9.4% at the catalog's Hopper clock
+    # fraction once each micro-batch pays FSDP1's 18 + 32 / 8 bytes per parameter in HBM (stages.param_pass_time); its
+    # leave-one-out error, the clock refit on the other rows, -0.4% -> -3.3%
+    assert by_id["mpt-7b-h100x8"]["error"] == pytest.approx(-0.094, abs=0.005)
     assert by_id["titan-8b-a100x64"]["error"] == pytest.approx(0.066, abs=0.005)
     # Llama 3 Table 4 at 8K as the paper shards it (zero2, Sec. 3.3.2): -2.7% and -3.0%, each micro-batch's
     # gradients reduce-scattered on FSDP2's own stream under the stage's next forward and backward chunk

@@ -136,6 +136,8 @@ def compute_items(s: StepParts, sw: Any) -> list[Item]:
         ("recompute, saving knobs", layers(rd["knobs"], rm["knobs"]), "MLA up-projections, norms, SwiGLU output"),
         ("LM head + loss", _f(k.head), "output GEMM and cross-entropy, fwd + bwd (embedding lookup not modelled)"),
         ("micro-batch overhead", _f(stages.fixed_time(c, sw)), "the software's fixed cost per chunk pass"),
+        ("parameter passes", _f(s.st.param_passes), "the software's gradient and shard copies per micro-batch, "
+                                                     "HBM-bound (FSDP1: cast, divide, accumulate)"),
     ]
     return [Item(n, "compute", STAGE, t * micro, t * micro, t, note=note) for n, t, note in per]
 

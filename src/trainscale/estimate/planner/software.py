@@ -67,6 +67,9 @@ class Software:
     #                                    is applied on the expert side and the combine is a plain sum (DeepEP)
     dropout: bool = False  # the layers run dropout (hidden and attention): its masks kept, its kernels run
     optimizer_state_bytes: float = 12.0  # bytes per parameter of optimizer state: 12 = fp32 master, Adam m and v
+    microbatch_grad_bytes: float = 0.0  # HBM bytes per unsharded parameter each micro-batch moves outside the layers
+    #                                     (FSDP1's gradient concat, cast and divide: stages.param_pass_time)
+    microbatch_shard_bytes: float = 0.0  # HBM bytes per parameter of the rank's ZeRO shard each micro-batch moves
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -91,7 +94,8 @@ _OPTIONAL = {"attention_speed": 1.0, "attention_kernel": "fa2", "precision": "bf
              "attn_out_act_bytes": 2.0, "swiglu_in_act_bytes": 2.0, "recompute_norms": False, "recompute_mla_up": False,
              "recompute_swiglu_output": False, "recompute_early_stop": False, "moe_weighted_combine": True,
              "dropout": False, "tp_wgrad_overlap": False,
-             "optimizer_state_bytes": 12.0, "fp16_grad_bytes": 0, "fp16_grad_reduce_bytes": 0}
+             "optimizer_state_bytes": 12.0, "fp16_grad_bytes": 0, "fp16_grad_reduce_bytes": 0,
+             "microbatch_grad_bytes": 0.0, "microbatch_shard_bytes": 0.0}
 PRECISIONS = ("bf16", "fp16", "fp8")
 
 
@@ -158,6 +162,8 @@ class SoftwareKnobs(BaseModel):
     moe_weighted_combine: bool
     dropout: bool
     optimizer_state_bytes: Annotated[float, Field(ge=0, le=32)]
+    microbatch_grad_bytes: Annotated[float, Field(ge=0, le=256)]
+    microbatch_shard_bytes: Annotated[float, Field(ge=0, le=256)]
 
 
 _FRACTION = "a fraction, a finite number in [0, 1]"
@@ -184,6 +190,8 @@ KNOB_ALLOWED: dict[str, str] = {
     "recompute_early_stop": _BOOL, "moe_weighted_combine": _BOOL, "dropout": _BOOL, "tp_wgrad_overlap": _BOOL,
     "optimizer_state_bytes": "bytes per parameter of optimizer state, a finite number in [0, 32] (12: fp32 master, "
                              "Adam m and v)",
+    "microbatch_grad_bytes": "HBM bytes per parameter per micro-batch, a finite number in [0, 256]",
+    "microbatch_shard_bytes": "HBM bytes per sharded parameter per micro-batch, a finite number in [0, 256]",
 }
 
 
@@ -221,7 +229,8 @@ def _build(name: str, data: dict[str, Any], where: str) -> Software:
     check_knobs(vals, where)
     for k in ("selective_gemms", "zero", "schedules"):
         vals[k] = tuple(vals[k])
-    for k in ("linear_act_bytes", "attn_out_act_bytes", "swiglu_in_act_bytes", "optimizer_state_bytes"):
+    for k in ("linear_act_bytes", "attn_out_act_bytes", "swiglu_in_act_bytes", "optimizer_state_bytes",
+              "microbatch_grad_bytes", "microbatch_shard_bytes"):
         vals[k] = float(vals[k])
     sources = {k: str(data.get(f"{k}_source", "")) for k in _KNOBS}
     return Software(name=name, source=str(data.get("source", "")), sources=sources, **vals)

@@ -114,13 +114,15 @@ def critical_stage(m: ModelSpec, c: Candidates, d: DenseLayers, t_dense: Any, t_
 
 @dataclass(frozen=True)
 class StageTime:
-    """The critical stage's time per micro-batch, by part."""
+    """The critical stage's time per micro-batch, by part; ``param_passes`` (``param_pass_time``) is part of
+    ``compute``, kept apart for ``plan --explain-step``."""
 
     compute: Any
     rc: Any
     tp: Any
     cp: Any
     a2a: Any
+    param_passes: Any = 0.0
 
     @property
     def total(self) -> Any:
@@ -128,16 +130,32 @@ class StageTime:
 
 
 def stage_time(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, tp_x: Any, cp_x: Any,
-               sw: Software) -> StageTime:
+               sw: Software, t_params: Any = 0.0) -> StageTime:
     """Its layers' times on the critical stage; each chunk pass of a micro-batch also pays the software's fixed
-    dispatch cost (``fixed_time``)."""
-    return StageTime(k.n_dense * dense.compute + k.n_moe * moe.compute + k.head + fixed_time(c, sw),
-                     k.n_dense * dense.rc + k.n_moe * moe.rc, k.layers * tp_x, k.layers * cp_x, k.n_moe * moe.a2a_x)
+    dispatch cost (``fixed_time``), and each micro-batch its passes over the stage's parameters ``t_params``
+    (``param_pass_time``)."""
+    return StageTime(k.n_dense * dense.compute + k.n_moe * moe.compute + k.head + fixed_time(c, sw) + t_params,
+                     k.n_dense * dense.rc + k.n_moe * moe.rc, k.layers * tp_x, k.layers * cp_x, k.n_moe * moe.a2a_x,
+                     t_params)
 
 
 def fixed_time(c: Candidates, sw: Software) -> Any:
     """The software's fixed dispatch cost of a micro-batch on a stage: one per chunk pass (ve of them)."""
     return c.ve * sw.microbatch_overhead_s
+
+
+def param_pass_time(c: Candidates, s: StageParams, sw: Software, hbm: float, shard: Any,
+                    shard_experts: Any = 1) -> Any:
+    """HBM time per micro-batch of the software's passes over the critical stage's parameters outside the layers'
+    kernels: ``sw.microbatch_grad_bytes`` per parameter the rank holds unsharded in the micro-batch (the stage's, split
+    over TP; a MoE's experts over EP), ``sw.microbatch_shard_bytes`` per parameter of its ZeRO shard (over ``shard``
+    ranks, experts over ``shard_experts``: ``dp.n_shard``, ``dp.n_shard_experts``; all of them under ZeRO-0).
+    FSDP1's gradient cast, divides and accumulation and its low-precision shard copies (catalog/software.toml,
+    llm-foundry), memory-bound: bytes over the GPU's HBM bandwidth, on the critical path."""
+    full = s.crit + s.e_crit
+    zero = c.zero >= 1
+    sharded = s.crit / np.where(zero, shard, 1) + s.e_crit / np.where(zero, shard_experts, 1)
+    return (sw.microbatch_grad_bytes * full + sw.microbatch_shard_bytes * sharded) / hbm
 
 
 # ----------------------------------------------------------------------------- the pipeline

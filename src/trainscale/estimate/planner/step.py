@@ -161,10 +161,11 @@ def step_parts(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficienci
     d = stages.dense_layers(m, c)
     k = stages.critical_stage(m, c, d, stages.exposed_layer_time(dense, tp_x, cp_x),
                               stages.exposed_layer_time(moe_lay, tp_x, cp_x), t_head, sw.pipeline == "dualpipe")
-    st = stages.stage_time(c, k, dense, moe_lay, tp_x, cp_x, sw)
+    params = stages.stage_params(m, c, d, sw)
+    t_params = stages.param_pass_time(c, params, sw, r.hbm, dp.n_shard(c), dp.n_shard_experts(c))
+    st = stages.stage_time(c, k, dense, moe_lay, tp_x, cp_x, sw, t_params)
     t_pipe = stages.pipeline_step(c, st.total, sw)
     p2p_x = stages.p2p_exposed(m, c, topo, eff)
-    params = stages.stage_params(m, c, d, sw)
     parts = dp.dp_parts(c, k, dense, moe_lay, st.rc, sw, dp.collectives(c, topo, sw, params))
     dp_x, dp_traffic = dp.dp_sum(parts)
     return StepParts(c, r, dense, moe_lay, tp_x, cp_x, t_head, d, k, st, t_pipe, p2p_x, params, parts, dp_x,
