@@ -170,10 +170,14 @@ def test_validation_set_is_public_sourced_and_predicted():
     # non-reentrant checkpoint does (software recompute_early_stop, llm-foundry's and torchtitan's presets): mean 8.7%
     # (the 47 llm-foundry rows with activation checkpointing -14% -> -9%); worst now MPT-30B at 8,192 tokens on 8
     # A100s, predicted fast (+19.6% -> +27.6%; MPT-1B on 512 H100s, +25.4%, unchanged). With the 20 MLPerf Training rows
-    # (issue 20; 168 rows): mean 9.4% (the 148 earlier rows unchanged), worst MLPerf v4.0 GPT-3 on 10,752 H100s, -33.8%
-    assert out["mean_abs_error"] == pytest.approx(0.0938, abs=0.003)
-    assert out["worst_run"] == "mlperf-v40-gpt3-h100x10752" and out["worst_abs_error"] == pytest.approx(
-        0.338, abs=0.005)
+    # (issue 20; 168 rows): mean 9.4% (the 148 earlier rows unchanged), worst MLPerf v4.0 GPT-3 on 10,752 H100s, -33.8%.
+    # Since the Megatron-Core presets reduce and gather chunk by chunk under the interleaved schedule (software
+    # dp_chunk_sync / dp_chunk_gather, dp.chunk_reduce / chunk_gather): mean 8.5% (the 13 MLPerf GPT-3 rows 17.6% ->
+    # 7.2%, v4.0 on 10,752 H100s -33.8% -> -6.9%; the other presets' rows unchanged); worst MPT-30B again, +27.6%
+    assert out["mean_abs_error"] == pytest.approx(0.0848, abs=0.003)
+    assert out["worst_run"] == "foundry-30b-a100-s8192-g8-mb1" and out["worst_abs_error"] == pytest.approx(
+        0.276, abs=0.005)
+    assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(-0.069, abs=0.005)
     by_id = {r["id"]: r for r in out["runs"]}
     # DeepSeek-V3 with its MTP module on the last rank, cut first3,last2 (61 layers + embedding + MTP + loss = 16 x 4
     # units, as Megatron-Core splits DeepSeek-V3; catalog/runs.toml's note): +1.6%. placement's default cut would put
@@ -200,6 +204,10 @@ def test_validation_set_is_public_sourced_and_predicted():
     # peak memory where the source publishes it (torchtitan's H100 tables): the heaviest stage within 6%
     mem = [r for r in out["runs"] if r["published_memory_gib"]]
     assert len(mem) == 4 and all(abs(r["memory_error"]) < 0.06 for r in mem)
+
+
+def by_id_error(out: dict, run_id: str) -> float:
+    return next(r["error"] for r in out["runs"] if r["id"] == run_id)
 
 
 def test_each_source_flop_convention_reproduces_its_own_mfu():

@@ -205,6 +205,7 @@ def software_file(tmp_path: Path, **changes: object) -> Path:
     ("cp", "yes"), ("cp", 1), ("max_v", 0), ("max_v", 8.0), ("max_v", True),
     ("moe_node_limit", -1), ("comm_sms", 1.5), ("comm_sms", 5000),
     ("linear_act_bytes", 0.1), ("attn_out_act_bytes", "2"), ("recompute_norms", "false"),
+    ("dp_chunk_sync", "before"), ("dp_chunk_sync", True), ("dp_chunk_gather", "yes"),
 ])
 def test_software_file_bad_knob_is_refused(tmp_path: Path, knob: str, value: object) -> None:
     path = software_file(tmp_path, **{knob: value})
