@@ -189,7 +189,7 @@ def chunk_reduce(t: Any, c: Candidates, win_b: Any, layers: Any, mode: str) -> A
         return tail
     n_b = np.maximum(layers / v, 1.0)
     first = np.maximum(t_c / n_b, t_c - (1 - 1 / n_b) * b_c)
-    return np.maximum.reduce([first, 2 * t_c - d, t - (v - 1) * d])
+    return np.maximum(np.maximum(first, 2 * t_c - d), t - (v - 1) * d)
 
 
 def chunk_gather(t: Any, c: Candidates, win_f: Any) -> Any:
