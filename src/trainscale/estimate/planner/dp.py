@@ -179,8 +179,10 @@ def chunk_reduce(t: Any, c: Candidates, win_b: Any, layers: Any, mode: str) -> A
     chunk j's gradients are final j x pp chunk-backwards (of win_b / v each) before the stage's last backward. The
     chunks' reductions (t / v each) run one after another on the data-parallel stream, so what is left after the last
     backward is max over j of (j + 1) x t / v - j x D, D = pp x win_b / v: t / v when each chunk's reduction fits in
-    D, else t - (v - 1) x D. "during" also lets chunk 0's last ``layers`` / v buckets (one per layer) start as its last
-    backward (win_b / v) makes them: of its t / v, max(one bucket, t / v - (1 - 1 / its layers) x win_b / v)."""
+    D, else t - (v - 1) x D. "during" also lets the first rank's chunk 0, the one chunk Megatron-Core buckets there
+    (one bucket per layer here, n = ``layers`` / v of them), start each bucket as its last backward (win_b / v) makes
+    it: it leaves max(t / v / n, t / v - (1 - 1 / n) x win_b / v), or what the queue of later chunks leaves,
+    max(2 t / v - D, t - (v - 1) x D), if more."""
     v = np.maximum(c.ve, 1)
     t_c, b_c = t / v, win_b / v
     d = c.pp * b_c
