@@ -142,8 +142,9 @@ def test_llm_foundrys_triton_kernel_runs_as_flashattention_v1_its_docstring_says
 def test_nemo_preset_knobs_each_cite_the_recipe_or_framework_code():
     raw = tomllib.loads(resources.files("trainscale.catalog").joinpath("software.toml").read_text())["nemo"]
     knobs = [k for k in raw if k != "source" and not k.endswith("_source")]
-    # the 13 required knobs + attention_kernel, comm_sms, optimizer_state_bytes, tp_wgrad_overlap
-    assert len(knobs) == 17
+    # the 13 required knobs + attention_kernel, comm_sms, optimizer_state_bytes, tp_wgrad_overlap, dp_chunk_sync,
+    # dp_chunk_gather
+    assert len(knobs) == 19
     for k in knobs:  # every knob the preset sets has its own source line, naming a file or a derivation
         src = raw.get(f"{k}_source", "")
         assert len(src) > 30 and any(w in src for w in ("NeMo", "Megatron-Core", "Transformer Engine", "estimate",
@@ -159,6 +160,9 @@ def test_nemo_preset_knobs_each_cite_the_recipe_or_framework_code():
     assert layer.rates(load_gpu("a100-sxm-80gb"), eff_a, sw).attn.kernel == "fa2"  # type: ignore[union-attr]
     assert sw.zero == (0, 1) and sw.optimizer_state_bytes == 12.0
     assert sw.tp_wgrad_overlap  # Megatron-Core's column-parallel linears reduce the input gradient under wgrad
+    # no align_grad_reduce in Megatron-Core's DDP config, so no grad_sync_func: each chunk reduced during its last
+    # backward (DDP hooks); MegatronCommOverlapCallback's align_param_gather: each chunk gathered one chunk ahead
+    assert sw.dp_chunk_sync == "during" and sw.dp_chunk_gather
 
 
 def test_recomputed_attention_forward_is_the_kernels_published_forward_share() -> None:

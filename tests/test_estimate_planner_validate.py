@@ -173,9 +173,15 @@ def test_validation_set_is_public_sourced_and_predicted():
     # (issue 20; 168 rows): mean 9.4% (the 148 earlier rows unchanged), worst MLPerf v4.0 GPT-3 on 10,752 H100s, -33.8%.
     # With FSDP1's per-micro-batch passes over the parameters (llm-foundry presets: microbatch_grad_bytes 18,
     # microbatch_shard_bytes 32): 9.38% -> 9.46% at the catalog's clock fractions, leave-one-out 10.12% -> 9.24%
-    assert out["mean_abs_error"] == pytest.approx(0.0946, abs=0.003)
-    assert out["worst_run"] == "mlperf-v40-gpt3-h100x10752" and out["worst_abs_error"] == pytest.approx(
-        0.338, abs=0.005)
+    # Since the Megatron-Core presets reduce and gather chunk by chunk under the interleaved schedule (software
+    # dp_chunk_sync / dp_chunk_gather, dp.chunk_reduce / chunk_gather): mean 8.5% (the 13 MLPerf GPT-3 rows 17.6% ->
+    # 7.2%, v4.0 on 10,752 H100s -33.8% -> -6.9%; the other presets' rows unchanged); worst MPT-30B again, +27.6%
+    # Both together (FSDP1's passes and the chunked DP overlap): mean 8.6%, worst MPT-1B on 512 H100s, +23.2%
+    # (MPT-30B at 8,192 tokens on 8 A100s, +27.6% before, gains from the per-micro-batch passes)
+    assert out["mean_abs_error"] == pytest.approx(0.0856, abs=0.003)
+    assert out["worst_run"] == "foundry-1b-h100-s2048-g512-mb12" and out["worst_abs_error"] == pytest.approx(
+        0.232, abs=0.005)
+    assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(-0.069, abs=0.005)
     by_id = {r["id"]: r for r in out["runs"]}
     # DeepSeek-V3 with its MTP module on the last rank, cut first3,last2 (61 layers + embedding + MTP + loss = 16 x 4
     # units, as Megatron-Core splits DeepSeek-V3; catalog/runs.toml's note): +1.6%. placement's default cut would put
@@ -205,6 +211,10 @@ def test_validation_set_is_public_sourced_and_predicted():
     # peak memory where the source publishes it (torchtitan's H100 tables): the heaviest stage within 6%
     mem = [r for r in out["runs"] if r["published_memory_gib"]]
     assert len(mem) == 4 and all(abs(r["memory_error"]) < 0.06 for r in mem)
+
+
+def by_id_error(out: dict, run_id: str) -> float:
+    return next(r["error"] for r in out["runs"] if r["id"] == run_id)
 
 
 def test_each_source_flop_convention_reproduces_its_own_mfu():

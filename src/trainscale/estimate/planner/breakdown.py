@@ -187,9 +187,23 @@ def step_items(p: Problem, s: StepParts) -> list[Item]:
     for key, part in s.dp_parts.items():
         if _f(part.calls) > 0:
             out.append(Item(DP_NAMES[key], "collective", STEP, _f(part.total), _f(part.exposed), calls=_f(part.calls),
-                            bytes_per_call=_f(part.bytes), note=f"ZeRO-{_f(c.zero):g}"))
+                            bytes_per_call=_f(part.bytes), note=f"ZeRO-{_f(c.zero):g}" + dp_chunk_note(c, p.software,
+                                                                                                         key)))
     out.append(Item("optimizer step", "optimizer", STEP, _f(s.t_opt), _f(s.t_opt), note="Adam, memory-bound"))
     return out
+
+
+def dp_chunk_note(c: Candidates, sw: Any, key: str) -> str:
+    """How a DP collective follows the interleaved schedule's chunks (``dp.chunk_reduce``, ``dp.chunk_gather``), if
+    it does."""
+    v, zero = _f(c.ve), _f(c.zero)
+    if v <= 1 or zero > 1:
+        return ""
+    if key == "ag" and sw.dp_chunk_gather:
+        return f", {v:g} chunks, each gathered one chunk ahead"
+    if key != "ag" and sw.dp_chunk_sync != "none":
+        return f", {v:g} chunks, each reduced {sw.dp_chunk_sync} its last backward"
+    return ""
 
 
 def explain(p: Problem, cfg: dict[str, np.ndarray], i: int = 0) -> Breakdown:

@@ -127,7 +127,9 @@ def dp_parts(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, st_rc
     (the first gather before any compute, the last reduce after all of it). ZeRO-3's backward gather and
     reduce-scatter share the same links at once, as do ZeRO-1's reduce-scatter and hsdp all-reduce: what of the
     pair stays exposed is split between them in proportion to their times. ZeRO-2's per-micro-batch reduce-scatter
-    hides under ``zero2_window``."""
+    hides under ``zero2_window``. Under the interleaved schedule a software with sw.dp_chunk_sync reduces (ZeRO 0
+    and 1) chunk by chunk (``chunk_reduce``), and one with sw.dp_chunk_gather gathers the ZeRO-1 weights chunk by
+    chunk (``chunk_gather``)."""
     win_f = k.n_dense * dense.fwd + k.n_moe * moe.fwd
     win_b = k.n_dense * dense.bwd + k.n_moe * moe.bwd + st_rc
     win_rs2 = zero2_window(c, win_f, win_b)
@@ -140,11 +142,20 @@ def dp_parts(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, st_rc
         return np.maximum(floor, t - ov * window)
 
     z = [zero == 0, zero == 1, zero == 2]
-    rs_rep1 = exposed(rs + ar_rep, win_b, True)  # ZeRO-1's reduce-scatter and replica all-reduce together
+    chunked = c.ve > 1  # the interleaved schedule's virtual chunks (candidates.ve)
+
+    def reduce_once(t: Any) -> Any:
+        if sw.dp_chunk_sync == "none":
+            return exposed(t, win_b, True)
+        return np.where(chunked, chunk_reduce(t, c, ov * win_b, k.layers, sw.dp_chunk_sync), exposed(t, win_b, True))
+
+    rs_rep1 = reduce_once(rs + ar_rep)  # ZeRO-1's reduce-scatter and replica all-reduce together
     agrs3 = exposed(ag + rs, win_b)  # ZeRO-3's backward gather and reduce-scatter together
     ag_once = exposed(ag, win_f, True)
+    if sw.dp_chunk_gather:
+        ag_once = np.where(chunked & z[1], chunk_gather(ag, c, ov * win_f), ag_once)
     return {
-        "ar": DPPart(np.where(z[0], exposed(ar, win_b, True), 0.0), np.where(z[0], ar, 0.0), np.where(z[0], 1, 0),
+        "ar": DPPart(np.where(z[0], reduce_once(ar), 0.0), np.where(z[0], ar, 0.0), np.where(z[0], 1, 0),
                      col.ar_bytes),
         "rs": DPPart(np.select(z, [0.0, _share(rs_rep1, rs, ar_rep), micro * exposed(rs, win_rs2)
                                    + rs / np.maximum(n_layers, 1)], micro * _share(agrs3, rs, ag)),
@@ -155,6 +166,46 @@ def dp_parts(c: Candidates, k: Critical, dense: LayerTime, moe: LayerTime, st_rc
         "ar_rep": DPPart(np.select(z[:2], [0.0, _share(rs_rep1, ar_rep, rs)], exposed(ar_rep, win_b, True)),
                          np.where(z[0], 0.0, ar_rep), np.where(z[0] | (c.hsdp <= 1), 0, 1), col.ar_rep_bytes),
     }
+
+
+def chunk_reduce(t: Any, c: Candidates, win_b: Any, layers: Any, mode: str) -> Any:
+    """The exposed part of a step's gradient reduction ``t`` (ZeRO-0 all-reduce, ZeRO-1 reduce-scatter) reduced
+    chunk by chunk under the interleaved schedule, ``win_b`` the backward a micro-batch runs on the critical stage
+    (what of it may hide the traffic: dp_overlap x the compute). Megatron-Core keeps each virtual chunk's gradients in
+    its own buffer and reduces them once that chunk's last micro-batch's backward is done (``mode`` "after": the
+    schedule's grad_sync_func) or bucket by bucket during it ("during": DDP's backward hooks). The schedule runs the
+    micro-batches in groups of pp per chunk (schedules.py get_schedule_table, microbatch_group_size_per_vp_stage =
+    pp), the last group's backward through chunks v-1, ..., 0, so on the first pipeline rank (the last to finish)
+    chunk j's gradients are final j x pp chunk-backwards (of win_b / v each) before the stage's last backward. The
+    chunks' reductions (t / v each) run one after another on the data-parallel stream, so what is left after the last
+    backward is max over j of (j + 1) x t / v - j x D, D = pp x win_b / v: t / v when each chunk's reduction fits in
+    D, else t - (v - 1) x D. "during" also lets the first rank's chunk 0, the one chunk Megatron-Core buckets there
+    (one bucket per layer here, n = ``layers`` / v of them), start each bucket as its last backward (win_b / v) makes
+    it: it leaves max(t / v / n, t / v - (1 - 1 / n) x win_b / v), or what the queue of later chunks leaves,
+    max(2 t / v - D, t - (v - 1) x D), if more."""
+    v = np.maximum(c.ve, 1)
+    t_c, b_c = t / v, win_b / v
+    d = c.pp * b_c
+    tail = np.maximum(t_c, t - (v - 1) * d)
+    if mode == "after":
+        return tail
+    n_b = np.maximum(layers / v, 1.0)
+    first = np.maximum(t_c / n_b, t_c - (1 - 1 / n_b) * b_c)
+    return np.maximum(np.maximum(first, 2 * t_c - d), t - (v - 1) * d)
+
+
+def chunk_gather(t: Any, c: Candidates, win_f: Any) -> Any:
+    """The exposed part of a step's ZeRO-1 weight all-gather ``t`` gathered chunk by chunk under the interleaved
+    schedule (sw.dp_chunk_gather), ``win_f`` the forward a micro-batch runs on the critical stage (dp_overlap x
+    the compute). Megatron-Core's schedule dispatches the all-gathers of chunks 0 and 1 before the first forward and
+    chunk j+1's at chunk j's first micro-batch (schedules.py forward_step_helper_preprocess, aligned over pipeline
+    ranks), and a chunk's forward pre-hook waits for all of its buckets (distributed_data_parallel.py
+    _make_forward_pre_hook; start_param_sync dispatches them last layer first, so its first layer's come last). Chunk
+    j+1's first micro-batch runs pp chunk-forwards (D = pp x win_f / v) after chunk j's: the first chunk's t / v is
+    exposed, and each later one what of its t / v exceeds D."""
+    v = np.maximum(c.ve, 1)
+    t_c = t / v
+    return t_c + (v - 1) * np.maximum(t_c - c.pp * win_f / v, 0.0)
 
 
 def zero2_window(c: Candidates, win_f: Any, win_b: Any) -> Any:

@@ -54,6 +54,9 @@ class Software:
     pipeline: str = "standard"  # "standard" (the layout's schedule) | "dualpipe" (DeepSeek-V3 Sec. 3.2.1)
     comm_sms: int = 0  # SMs the communication kernels take from the GEMMs while they overlap
     tp_wgrad_overlap: bool = False  # a column-parallel linear's backward TP collective runs under its weight gradient
+    dp_chunk_sync: str = "none"  # interleaved schedule: when a virtual chunk's gradient reduction starts ("none": the
+    #                              stage's reduction as dp_overlap says; "after"/"during" its last backward: dp.py)
+    dp_chunk_gather: bool = False  # interleaved schedule: each chunk's weight all-gather dispatched one chunk ahead
     # what a MoE / MLA layer caches for its backward (memory.ActivationCaching; dense layers keep Korthikanti's count)
     linear_act_bytes: float = 2.0  # bytes per element of a cached Linear input (2: bf16; ~1 under FP8 caching)
     attn_out_act_bytes: float = 2.0  # the attention output (attention backward + output projection input)
@@ -93,7 +96,7 @@ _OPTIONAL = {"attention_speed": 1.0, "attention_kernel": "fa2", "precision": "bf
              "a2a_overlap": 0.0, "pipeline": "standard", "comm_sms": 0, "linear_act_bytes": 2.0,
              "attn_out_act_bytes": 2.0, "swiglu_in_act_bytes": 2.0, "recompute_norms": False, "recompute_mla_up": False,
              "recompute_swiglu_output": False, "recompute_early_stop": False, "moe_weighted_combine": True,
-             "dropout": False, "tp_wgrad_overlap": False,
+             "dropout": False, "tp_wgrad_overlap": False, "dp_chunk_sync": "none", "dp_chunk_gather": False,
              "optimizer_state_bytes": 12.0, "fp16_grad_bytes": 0, "fp16_grad_reduce_bytes": 0,
              "microbatch_grad_bytes": 0.0, "microbatch_shard_bytes": 0.0}
 PRECISIONS = ("bf16", "fp16", "fp8")
@@ -152,6 +155,8 @@ class SoftwareKnobs(BaseModel):
     pipeline: Literal["standard", "dualpipe"]
     comm_sms: _SMs
     tp_wgrad_overlap: bool
+    dp_chunk_sync: Literal["none", "after", "during"]
+    dp_chunk_gather: bool
     linear_act_bytes: _ActBytes
     attn_out_act_bytes: _ActBytes
     swiglu_in_act_bytes: _ActBytes
@@ -188,6 +193,7 @@ KNOB_ALLOWED: dict[str, str] = {
     "linear_act_bytes": _BYTES, "attn_out_act_bytes": _BYTES, "swiglu_in_act_bytes": _BYTES,
     "recompute_norms": _BOOL, "recompute_mla_up": _BOOL, "recompute_swiglu_output": _BOOL,
     "recompute_early_stop": _BOOL, "moe_weighted_combine": _BOOL, "dropout": _BOOL, "tp_wgrad_overlap": _BOOL,
+    "dp_chunk_sync": "none, after or during", "dp_chunk_gather": _BOOL,
     "optimizer_state_bytes": "bytes per parameter of optimizer state, a finite number in [0, 32] (12: fp32 master, "
                              "Adam m and v)",
     "microbatch_grad_bytes": "HBM bytes per parameter per micro-batch, a finite number in [0, 256]",
