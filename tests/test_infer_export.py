@@ -12,7 +12,8 @@ from infer_fixtures import PROMPT, check_hf_export, check_llama_cpp_f16, gguf_st
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.inference import gguf_name, gguf_tensor_bytes
 from trainscale.hf import rope_interleaved_to_half
-from trainscale.infer.export import export_gguf, export_hf
+from trainscale.infer.export import export_hf
+from trainscale.infer.gguf import export_gguf
 from trainscale.infer.load import load_for_inference, load_tokenizer_for
 
 needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
