@@ -118,9 +118,9 @@ def _unsaid(spec: ModelSpec, arch: str) -> list[str]:
 def check_gguf(spec: ModelSpec) -> str:
     """The llama.cpp architecture the model is written as, when the file computes what our model computes; one
     sentence naming what it would drop otherwise."""
-    check_llama(spec, "GGUF")
-    check_mixtral(spec, "GGUF")
     arch = gguf_architecture(spec)
+    check_llama(spec, "GGUF", allow_bias=arch == "llama" and not spec.is_moe)  # llama.cpp's llama: optional biases
+    check_mixtral(spec, "GGUF")
     bad = _unsaid(spec, arch)
     if bad:
         raise TrainscaleError(f"GGUF export writes a {spec.family or 'llama'} model as llama.cpp's {arch} "
