@@ -108,8 +108,6 @@ def _unsaid(spec: ModelSpec, arch: str) -> list[str]:
     elif _window_matters(spec):
         bad.append(f"a sliding window of {spec.sliding_window} tokens, shorter than its context of "
                    f"{spec.max_seq_len} (llama.cpp's {arch} has no window key)")
-    elif spec.window_layers is not None and spec.sliding_window:
-        bad.append("a sliding window on some layers only (Gemma 2's)")
     if spec.is_moe and spec.family not in ("", "llama"):
         bad.append(f"experts in a {spec.family} model (llama.cpp takes a Mixtral-shaped MoE as llama)")
     return bad
