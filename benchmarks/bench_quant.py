@@ -36,8 +36,8 @@ def main() -> None:
     from trainscale.estimate.memory import kv_cache_bytes
     from trainscale.estimate.params import param_count
     from trainscale.infer.evaluate import eval_ids, perplexity
-    from trainscale.infer.export import export_gguf
     from trainscale.infer.generate import Sampling, generate_ids
+    from trainscale.infer.gguf import export_gguf
     from trainscale.infer.load import load_for_inference, load_tokenizer_for
     from trainscale.infer.quantize import (
         QuantConfig,

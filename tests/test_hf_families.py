@@ -276,13 +276,3 @@ def test_deep_config_and_bad_index_are_one_sentence(folders, tmp_path):
             hf.read_index(index)
     index.write_text(json.dumps({"weight_map": {"x": "model-00001-of-00002.safetensors"}}))
     assert hf.read_index(index) == {"x": "model-00001-of-00002.safetensors"}
-
-
-def test_gguf_refuses_what_llama_cpp_llama_would_drop(folders, tmp_path):
-    from trainscale.infer.export import check_gguf_plain
-
-    for name, what in [("llama31", "RoPE scaling 'llama3'"), ("qwen2", "Q/K/V biases"),
-                       ("qwen3", "per-head Q/K norms"), ("mistral", "a sliding window of 16"),
-                       ("gemma", "Gemma's norms")]:
-        with pytest.raises(TrainscaleError, match=what):
-            check_gguf_plain(hf_folder_spec(folders[name][0]))

@@ -22,7 +22,8 @@ from infer_fixtures import (  # noqa: F401  (fixture)
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.inference import gguf_name, gguf_tensor_bytes, gguf_tensor_types
-from trainscale.infer.export import check_mixtral, export_gguf, export_hf
+from trainscale.infer.export import check_mixtral, export_hf
+from trainscale.infer.gguf import export_gguf
 from trainscale.infer.load import load_for_inference, load_tokenizer_for
 from trainscale.specs import load_model
 

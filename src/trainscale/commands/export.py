@@ -23,7 +23,7 @@ def export(
     to: str = typer.Option(..., "--to", help="hf, gguf, or peft (a LoRA folder's adapters alone, for peft's "
                            "PeftModel.from_pretrained on the base exported with --to hf: megabytes, and the base "
                            "stays shared; hf or gguf of a LoRA folder write the merged model)"),
-    ftype: str = typer.Option("f16", "--type", "-t", help="GGUF tensor type: f16, q8_0 or q4_0"),
+    ftype: str = typer.Option("f16", "--type", "-t", help="GGUF tensor type: f32, f16, q8_0 or q4_0"),
     dtype: str = typer.Option("float32", help="HF weights dtype: float32, bfloat16 or float16"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
@@ -61,7 +61,7 @@ def export(
         title = f"Hugging Face {export_family(spec).architecture} folder ({dtype})"
     else:
         from trainscale.estimate.inference import gguf_tensor_bytes
-        from trainscale.infer.export import GGUF_TYPES, export_gguf
+        from trainscale.infer.gguf import GGUF_TYPES, export_gguf
 
         if ftype not in GGUF_TYPES:
             raise TrainscaleError(f"--type must be one of {', '.join(GGUF_TYPES)}, not {ftype!r}")
@@ -71,7 +71,7 @@ def export(
         predicted = gguf_tensor_bytes(spec, ftype, llama_cpp_mix=False)
         check = ("tensor bytes (gguf_tensor_bytes)", rep["tensor_bytes"], predicted)
         moe = f", {spec.n_experts} experts, top-{spec.experts_per_token}" if spec.is_moe else ""
-        title = f"GGUF {ftype} (llama.cpp, architecture llama{moe})"
+        title = f"GGUF {ftype} (llama.cpp, architecture {rep['architecture']}{moe})"
     rep = {**rep, "to": to, "predicted_tensor_bytes": predicted, "equal": rep["tensor_bytes"] == predicted}
     if (origin := checkpoint_source(src)) is not None:
         rep["from_checkpoint"] = origin

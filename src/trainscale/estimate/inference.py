@@ -65,23 +65,28 @@ def bits_per_weight(ggml_type: str) -> float:
 
 
 def gguf_name(name: str) -> str:
-    """trainscale tensor name -> llama.cpp GGUF tensor name."""
+    """trainscale tensor name -> llama.cpp GGUF tensor name (gguf-py's TENSOR_NAMES; a bias keeps its leaf)."""
     fixed = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-             "output.weight": "output.weight", "pos_embeddings.weight": "position_embd.weight"}
+             "output.weight": "output.weight", "pos_embeddings.weight": "position_embd.weight",
+             # a MoE layer (llama.cpp's Mixtral tensors, gguf-py MODEL_TENSOR.FFN_GATE_INP / FFN_*_EXP): the
+             # router and the routed experts stacked on their leading expert dim, one 3-D tensor each
+             "moe.experts.w1": "ffn_gate_exps.weight", "moe.experts.w3": "ffn_up_exps.weight",
+             "moe.experts.w2": "ffn_down_exps.weight"}
     if name in fixed:
         return fixed[name]
     _, i, *rest = name.split(".")
     sub = ".".join(rest)
-    table = {"attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
-             "attention.wq.weight": "attn_q.weight", "attention.wk.weight": "attn_k.weight",
-             "attention.wv.weight": "attn_v.weight", "attention.wo.weight": "attn_output.weight",
-             "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
-             "feed_forward.w2.weight": "ffn_down.weight",
-             # a MoE layer (llama.cpp's Mixtral tensors, gguf-py MODEL_TENSOR.FFN_GATE_INP / FFN_*_EXP): the
-             # router and the routed experts stacked on their leading expert dim, one 3-D tensor each
-             "moe.router.weight": "ffn_gate_inp.weight", "moe.experts.w1": "ffn_gate_exps.weight",
-             "moe.experts.w3": "ffn_up_exps.weight", "moe.experts.w2": "ffn_down_exps.weight"}
-    return f"blk.{i}.{table.get(sub, sub)}"
+    if sub in fixed:
+        return f"blk.{i}.{fixed[sub]}"
+    stem, _, leaf = sub.rpartition(".")
+    table = {"attention_norm": "attn_norm", "ffn_norm": "ffn_norm", "attention.wq": "attn_q",
+             "attention.wk": "attn_k", "attention.wv": "attn_v", "attention.wo": "attn_output",
+             "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+             "moe.router": "ffn_gate_inp",
+             # Qwen3's per-head Q/K norms, Gemma 2's norms on the attention's and the MLP's outputs
+             "attention.q_norm": "attn_q_norm", "attention.k_norm": "attn_k_norm",
+             "attention_post_norm": "post_attention_norm", "ffn_post_norm": "post_ffw_norm"}
+    return f"blk.{i}.{table.get(stem, stem)}.{leaf}"
 
 
 def _use_more_bits(i: int, n: int) -> bool:
@@ -92,16 +97,16 @@ def _use_more_bits(i: int, n: int) -> bool:
 def gguf_tensor_types(m: ModelSpec, ftype: str, llama_cpp_mix: bool = True) -> dict[str, str]:
     """ggml type per GGUF tensor for a file type, following llama.cpp's llama_tensor_get_type().
 
-    f16: matrices F16; q8_0 / q4_0: matrices of that type; q4_k_m: Q4_K with Q6_K for output.weight
+    f32 / f16: matrices F32 / F16; q8_0 / q4_0: matrices of that type; q4_k_m: Q4_K with Q6_K for output.weight
     and for attn_v / ffn_down(_exps) in the layers use_more_bits() picks; an 8-expert MoE gets Q8_0 attn_v
     and attn_k in every quantized type (llama.cpp's Mixtral rule). Norms are F32 throughout, and so is a
     MoE router (ffn_gate_inp: llama.cpp's convert_hf_to_gguf.py writes it F32 and its quantizer skips it).
     Routed experts are 3-D [E, rows, cols] tensors quantized row by row like a matrix. With
     ``llama_cpp_mix`` off, every matrix gets the base type (what trainscale's own writer does).
     """
-    base = {"f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K"}.get(ftype)
+    base = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K"}.get(ftype)
     if base is None:
-        raise ValueError(f"GGUF type must be f16, q8_0, q4_0 or q4_k_m, not {ftype!r}")
+        raise ValueError(f"GGUF type must be f32, f16, q8_0, q4_0 or q4_k_m, not {ftype!r}")
     out: dict[str, str] = {}
     for name, shape in tensor_inventory(m):
         g = gguf_name(name)
@@ -112,12 +117,14 @@ def gguf_tensor_types(m: ModelSpec, ftype: str, llama_cpp_mix: bool = True) -> d
             elif ftype == "q4_k_m" and g.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
                 if _use_more_bits(int(g.split(".")[1]), m.n_layers):
                     t = "Q6_K"
-            if m.n_experts == 8 and base != "F16" and g.endswith(("attn_v.weight", "attn_k.weight")):
+            if m.n_experts == 8 and base not in ("F16", "F32") and g.endswith(("attn_v.weight", "attn_k.weight")):
                 t = "Q8_0"  # llama-quant.cpp: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
         block = GGML_BLOCK[t][1]
         if len(shape) >= 2 and shape[-1] % block:  # row not a whole number of blocks: llama.cpp falls back
             t = "F16"
         out[g] = t
+    if m.rope_scaling == "llama3":  # convert_hf_to_gguf.py's LlamaModel: RoPE's per-frequency divisors, F32
+        out["rope_freqs.weight"] = "F32"
     return out
 
 
@@ -128,4 +135,6 @@ def gguf_tensor_bytes(m: ModelSpec, ftype: str, llama_cpp_mix: bool = True) -> f
     for name, shape in tensor_inventory(m):
         nbytes, nweights = GGML_BLOCK[types[gguf_name(name)]]
         total += prod(shape) * nbytes / nweights
+    if "rope_freqs.weight" in types:
+        total += 4 * (m.head_dim // 2)
     return total

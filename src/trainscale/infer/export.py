@@ -1,10 +1,10 @@
-"""Export a trainscale model to a Hugging Face folder of its family (Llama, Mistral, Qwen2, Qwen3, Mixtral) and to a
-llama.cpp GGUF file.
+"""Export a trainscale model to a Hugging Face folder of its family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2,
+Mixtral); infer/gguf.py writes the llama.cpp GGUF file, with the checks here (``check_llama``, ``check_mixtral``).
 
-RoPE layouts. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head; llama.cpp's "llama"
-architecture (rope type NORM) rotates the same pairs, so GGUF gets wq / wk unchanged. Hugging Face's Llama
-family rotates halves, so the HF export permutes each head's rows of wq / wk (and their biases): names, row
-orders and config.json come from ``trainscale.hf``, the one bridge (runtime/hf_init.py reads through it too).
+RoPE layouts. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head (infer/gguf.py says what each
+llama.cpp architecture rotates). Hugging Face's Llama family rotates halves, so the HF export permutes each
+head's rows of wq / wk (and their biases): names, row orders and config.json come from ``trainscale.hf``, the
+one bridge (runtime/hf_init.py reads through it too).
 Tests check both by logits / greedy continuations, not by reasoning.
 
 Mixture of experts. A MoE in Mixtral's shape (every layer MoE, SwiGLU experts, no shared expert,
@@ -18,14 +18,6 @@ renormalise). GGUF: llama.cpp's "llama" architecture with ``llama.expert_count``
 ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps`` (numpy [E, rows, cols], trainscale's own stacking),
 and llama.cpp's llama graph gates by softmax, top-k, weights normalised. Any other MoE (shared experts,
 dense leading layers, no renormalisation, GELU experts) is refused.
-
-The GGUF file is written directly with ``gguf.GGUFWriter`` (llama.cpp's converter only accepts
-tokenizers it knows by hash): tokenizer.ggml.model = "gpt2" (byte-level BPE) with the tokens,
-token types and merges of the run's tokenizer.json, tokenizer.ggml.pre = "gpt-2" (GPT-2's
-pre-tokenizer regex, what tokenizers' ByteLevel(use_regex=True) applies). Tensor types come from
-``estimate.inference.gguf_tensor_types(..., llama_cpp_mix=False)``: every matrix in the chosen type
-(ggml's F16 fallback for rows that are not a whole number of blocks), norms in F32. Q8_0 / Q4_0
-blocks are made by ``gguf.quants`` (a numpy port of ggml's reference quantizers).
 """
 
 from __future__ import annotations
@@ -33,21 +25,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from trainscale import hf
 from trainscale.errors import TrainscaleError
-from trainscale.estimate.inference import gguf_name, gguf_tensor_types
 from trainscale.infer.load import load_for_inference, load_tokenizer_for
 from trainscale.infer.quantize import safetensors_layout
-from trainscale.safeio import atomic_write, atomic_write_bytes, atomic_write_json, read_json_object
+from trainscale.safeio import atomic_write, atomic_write_bytes, atomic_write_json
 from trainscale.specs import ModelSpec
 
-GGUF_TYPES = ("f16", "q8_0", "q4_0")
-HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_TOKENIZER_BYTES = 256 << 20  # Llama 3's tokenizer.json is 9 MB, Gemma's 34 MB
+HF_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_llama(spec: ModelSpec, target: str, allow_bias: bool = False) -> None:
@@ -81,21 +70,6 @@ def check_mixtral(spec: ModelSpec, target: str) -> None:
     if bad:
         raise TrainscaleError(f"{target} export writes a MoE as Mixtral (every layer MoE, no shared expert, top-k "
                               f"weights renormalised); this one has {', '.join(bad)}")
-
-
-def check_gguf_plain(spec: ModelSpec) -> None:
-    """The GGUF writer here writes llama.cpp's plain "llama" architecture: no RoPE scaling, Q/K/V-only biases,
-    per-head Q/K norms or sliding window (which it would drop silently); one sentence otherwise."""
-    bad = [what for what, on in (
-        (f"RoPE scaling {spec.rope_scaling!r}", spec.rope_scaling != "none"), ("Q/K/V biases", spec.qkv_bias),
-        ("per-head Q/K norms", spec.qk_norm), (f"a sliding window of {spec.sliding_window}", spec.sliding_window),
-        ("Gemma's norms, scaled embeddings and GeGLU", spec.norm_offset or spec.embed_scale or spec.gate_act != "silu"),
-        ("Gemma 2's output norms and soft-capping", spec.sandwich_norms or spec.attn_softcap or spec.final_softcap
-         or spec.query_scale))
-        if on]
-    if bad:
-        raise TrainscaleError(f"GGUF export writes llama.cpp's plain llama architecture, without {', '.join(bad)}; "
-                              "export --to hf keeps them")
 
 
 # ------------------------------------------------------------------------------------ Hugging Face
@@ -191,109 +165,3 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32",
             "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False, **st}
     atomic_write_json(out / "tokenizer_config.json", tcfg)
     return {"out": str(out), "source": str(src), "dtype": dtype, "tensors": len(sd), **layout}
-
-
-# ------------------------------------------------------------------------------------ GGUF
-
-
-def tokenizer_vocab(tokenizer_json: Path) -> dict[str, Any]:
-    """Tokens by id, token types (control for added special tokens) and merges as "a b" strings."""
-    data = read_json_object(tokenizer_json, "tokenizer file", limit=MAX_TOKENIZER_BYTES)
-    model = data.get("model")
-    if not isinstance(model, dict):
-        raise TrainscaleError(f"{tokenizer_json} is not a tokenizers file (no model object)")
-    if model.get("type") != "BPE":
-        raise TrainscaleError(f"GGUF export needs a byte-level BPE tokenizer, not {model.get('type')}")
-    vocab: dict[str, int] = dict(model["vocab"])
-    special = {t["content"]: t["id"] for t in data.get("added_tokens", []) if t.get("special")}
-    vocab.update(special)
-    n = max(vocab.values()) + 1
-    tokens = [""] * n
-    for t, i in vocab.items():
-        tokens[i] = t
-    if "" in tokens:
-        raise TrainscaleError(f"{tokenizer_json} has gaps in its token ids")
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    types = [3 if t in special else 1 for t in tokens]  # gguf.TokenType: 1 NORMAL, 3 CONTROL
-    return {"tokens": tokens, "types": types, "merges": merges, "special": special}
-
-
-def export_gguf(model_dir: str | Path, out: str | Path, ftype: str = "f16") -> dict[str, Any]:
-    import gguf
-    from gguf import GGMLQuantizationType as Q
-
-
-    if ftype not in GGUF_TYPES:
-        raise TrainscaleError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, not {ftype!r}")
-    model, spec, src = load_for_inference(model_dir)
-    check_llama(spec, "GGUF")
-    check_mixtral(spec, "GGUF")
-    check_gguf_plain(spec)
-    tok_path = src / "tokenizer.json"
-    if not tok_path.exists():
-        raise TrainscaleError(f"{src} has no tokenizer.json; GGUF files carry their tokenizer")
-    voc = tokenizer_vocab(tok_path)
-    if len(voc["tokens"]) != spec.vocab_size:
-        raise TrainscaleError(f"the tokenizer has {len(voc['tokens'])} tokens but the model's vocab_size is "
-                              f"{spec.vocab_size}")
-    types = gguf_tensor_types(spec, ftype, llama_cpp_mix=False)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                 "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[ftype]
-    w = gguf.GGUFWriter(str(out), "llama")
-    w.add_name(spec.name)
-    w.add_context_length(spec.max_seq_len)
-    w.add_embedding_length(spec.d_model)
-    w.add_block_count(spec.n_layers)
-    w.add_feed_forward_length(spec.expert_width if spec.is_moe else spec.d_ff)  # llama.cpp's n_ff: the experts'
-    if spec.is_moe:
-        w.add_expert_count(spec.n_experts)
-        w.add_expert_used_count(spec.experts_per_token)
-    w.add_head_count(spec.n_heads)
-    w.add_head_count_kv(spec.n_kv_heads)
-    w.add_key_length(spec.head_dim)
-    w.add_value_length(spec.head_dim)
-    w.add_rope_dimension_count(spec.head_dim)
-    w.add_rope_freq_base(spec.rope_theta)
-    w.add_layer_norm_rms_eps(spec.norm_eps)
-    w.add_vocab_size(spec.vocab_size)
-    w.add_file_type(file_type)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(voc["tokens"])
-    w.add_token_types(voc["types"])
-    w.add_token_merges(voc["merges"])
-    eot = voc["special"].get("<|endoftext|>")
-    if eot is not None:
-        w.add_bos_token_id(eot)
-        w.add_eos_token_id(eot)
-    w.add_add_bos_token(False)
-    w.add_add_eos_token(False)
-    for name, t in model.state_dict().items():
-        g = gguf_name(name)
-        kind = types[g]
-        arr = t.detach().float().cpu().numpy()
-        if kind == "F32":
-            w.add_tensor(g, arr.astype(np.float32))
-        elif kind == "F16":
-            w.add_tensor(g, arr.astype(np.float16))
-        else:
-            qt = {"Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0}[kind]
-            w.add_tensor(g, gguf.quants.quantize(arr.astype(np.float32), qt), raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return {"out": str(out), "source": str(src), "type": ftype, **gguf_layout(out)}
-
-
-def gguf_layout(path: str | Path) -> dict[str, int]:
-    """Bytes of a GGUF file read back: header + metadata + tensor infos, tensor data, alignment padding."""
-    import gguf
-
-    r = gguf.GGUFReader(str(path))
-    tensor_bytes = sum(int(t.n_bytes) for t in r.tensors)
-    size = Path(path).stat().st_size
-    return {"file_bytes": size, "header_bytes": int(r.data_offset), "tensor_bytes": tensor_bytes,
-            "padding_bytes": size - int(r.data_offset) - tensor_bytes, "tensors": len(r.tensors)}
