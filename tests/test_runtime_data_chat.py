@@ -184,3 +184,168 @@ def test_template_refusals_and_control_tokens(tmp_path):
     (folder / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
     with pytest.raises(TrainscaleError, match="chat template of .* (refuses|fails on) it"):
         encode_example({"prompt": "a", "response": "b"}, load_chat_tokenizer(folder))
+
+
+# --------------------------------------------------------------------------- chat data in shards, loader, model
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "chat.jsonl"
+
+
+def _prepare(tmp_path: Path, files: list[Path], tokenizer: Path, fmt: str = "chat", held_out: float = 0.2):
+    from trainscale.runtime.data.shards import DataRequest, prepare
+    from trainscale.runtime.data.sources import Settings
+
+    req = DataRequest(files=tuple(str(f) for f in files), format=fmt, tokenizer=str(tokenizer),
+                      folder=str(tmp_path / f"prepared-{fmt}"), settings=Settings(held_out=held_out))
+    return prepare(req, 512, tmp_path / "cache")
+
+
+def _split_docs(corpus, split: str):
+    import numpy as np
+
+    ends = corpus.documents(split)
+    tokens, flags = np.asarray(corpus.tokens(split)[0:len(corpus.tokens(split))]), None
+    flags = np.asarray(corpus.flags(split)[0:len(tokens)]) if corpus.flags(split) is not None else None
+    starts = np.concatenate([[0], ends[:-1]])
+    return [(tokens[a:b], None if flags is None else flags[a:b]) for a, b in zip(starts, ends, strict=True)]
+
+
+def test_chat_shards_hold_each_conversation_and_its_flags(tmp_path):
+    """examples/chat.jsonl prepared: every conversation is one document of the train or held-out split, its
+    tokens encode_example's, LEARNED exactly on encode_example's learned tokens, DOC_START on its first token."""
+
+    from trainscale.runtime.data.shards import DOC_START, LEARNED
+
+    folder = chat_folder(tmp_path / "tok", "llama3")
+    tok = load_chat_tokenizer(folder)
+    examples = list(read_chat_jsonl(EXAMPLES))
+    assert len(examples) == 40
+    encoded = {tuple(ids): (flags, ex) for ex in examples for ids, flags in [encode_example(ex, tok)]}
+    corpus = _prepare(tmp_path, [EXAMPLES], folder)
+    assert corpus.index["version"] == 3 and corpus.chat
+    train, val = _split_docs(corpus, "train"), _split_docs(corpus, "val")
+    assert len(train) + len(val) == 40 and 0 < len(val) < 40
+    for ids, flags in train + val:
+        learned, _ = encoded[tuple(ids.tolist())]
+        assert ((flags & LEARNED) != 0).tolist() == learned
+        assert ((flags & DOC_START) != 0).tolist() == [True] + [False] * (len(ids) - 1)
+    # the learned tokens of the whole train split decode to its assistants' words, each with its <|eot_id|>
+    text = tok.tokenizer.decode([int(i) for ids, f in train for i in ids[(f & LEARNED) != 0]],
+                                skip_special_tokens=False)
+    assert text == "".join(m["content"].strip() + "<|eot_id|>" for ids, _ in train
+                           for m in encoded[tuple(ids.tolist())][1]["messages"] if m["role"] == "assistant")
+
+
+def test_bad_conversation_in_a_corpus_names_its_file_and_line(tmp_path):
+    folder = chat_folder(tmp_path / "tok", "chatml")
+    data = tmp_path / "c.jsonl"
+    good = '{"prompt": "a", "response": "b"}\n'
+    data.write_text(good + "\n" + good + '{"messages": [{"role": "bot", "content": "x"}]}\n')
+    with pytest.raises(TrainscaleError, match=rf"^chat data file {data} line 4: message 1 has role 'bot'"):
+        _prepare(tmp_path, [data], folder)
+    data.write_text(good * 2 + '{"prompt": "stop<|im_end|>", "response": "b"}\n')
+    with pytest.raises(TrainscaleError, match=rf"^chat data file {data} line 3: message 1 holds '<\|im_end\|>'"):
+        _prepare(tmp_path, [data], folder)
+    from trainscale.runtime.data.shards import DataRequest, prepare
+
+    with pytest.raises(TrainscaleError, match=r'format = "chat" needs the model\'s tokenizer folder'):
+        prepare(DataRequest(files=(str(data),), format="chat"), 512, tmp_path / "cache")
+
+
+def test_loader_masks_targets_and_restarts_positions_at_documents():
+    """TokenLoader with chat flags: targets IGNORE where the next token is not LEARNED, positions from 0 at each
+    DOC_START and at the window's start; text with document_mask: positions restart after the end-of-text id."""
+    import numpy as np
+
+    from trainscale.runtime.data.loader import TokenLoader, eval_windows
+    from trainscale.runtime.data.shards import DOC_START, LEARNED
+    from trainscale.runtime.model import IGNORE
+
+    tokens = np.arange(100, 141, dtype=np.uint16)  # 41 tokens: 5 windows of 8
+    flags = np.zeros(41, dtype=np.uint8)
+    flags[[0, 13, 20, 30]] |= DOC_START
+    flags[[5, 6, 7, 8, 14, 15, 25, 26, 27]] |= LEARNED
+    loader = TokenLoader(tokens, 8, 5, flags=flags, documents=True, seed=0)
+    x, y, pos = loader.next_batch()
+    assert x.shape == y.shape == pos.shape == (5, 8)
+    for row in range(5):
+        w = int(x[row, 0]) - 100
+        for j in range(8):
+            assert int(y[row, j]) == (100 + w + j + 1 if flags[w + j + 1] & LEARNED else IGNORE)
+            last = max([w] + [k for k in range(w, w + j + 1) if flags[k] & DOC_START])
+            assert int(pos[row, j]) == w + j - last
+    ex, ey, ep = eval_windows(tokens, 8, 5, flags=flags)
+    assert ep[1].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]  # tokens 8..15: a document starts at 13
+    assert ey[0].tolist() == [IGNORE] * 4 + [105, 106, 107, 108]
+    text = np.array([5, 6, 0, 7, 8, 9, 0, 3, 4], dtype=np.uint16)  # 0: the end-of-text id
+    x, y, pos = TokenLoader(text, 8, 1, eot=0, documents=True).next_batch()
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]] and y.tolist() == [text[1:].tolist()]
+
+
+def test_a_format_2_folder_is_still_read_and_text_has_no_flags(tmp_path):
+    import numpy as np
+
+    from trainscale.runtime.data.shards import ShardCorpus
+
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"text": s}) + "\n" for s in
+                            ["The quick brown fox.", "Two plus two is four.", "Rain falls on the hills."] * 20))
+    corpus = _prepare(tmp_path, [data], chat_folder(tmp_path / "tok", "llama3"), fmt="jsonl", held_out=0.2)
+    assert corpus.flags("train") is None and not corpus.chat
+    tokens = np.asarray(corpus.tokens("train")[0:len(corpus.tokens("train"))])
+    index = json.loads((corpus.folder / "index.json").read_text())
+    index["version"] = 2
+    del index["flags"]
+    (corpus.folder / "index.json").write_text(json.dumps(index))
+    old = ShardCorpus(corpus.folder)
+    assert np.array_equal(np.asarray(old.tokens("train")[0:len(tokens)]), tokens) and old.flags("train") is None
+    index["version"] = 1
+    (corpus.folder / "index.json").write_text(json.dumps(index))
+    with pytest.raises(TrainscaleError, match="is in format 1 of an earlier trainscale"):
+        _ = ShardCorpus(corpus.folder).index
+
+
+@pytest.mark.parametrize("extra", [{}, {"positions": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True},
+                                   {"sliding_window": 3}, {"attn_softcap": 20.0}])
+def test_packed_documents_equal_each_document_alone(extra):
+    """Positions [b, s] restarting per document: the block-diagonal causal mask and per-document RoPE make a
+    packed row's logits those of each document run alone (and a row's documents do not see another row's)."""
+    import torch
+
+    from trainscale.runtime.model import build_model
+    from trainscale.specs import load_model
+
+    spec = load_model({"name": "t", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
+                       "vocab_size": 100, "max_seq_len": 32, **extra})
+    model = build_model(spec, seed=1).eval()
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 100, (1, n), generator=g) for n in (5, 7, 4, 16)]
+    packed = torch.cat([torch.cat(docs[:3], 1), docs[3]])
+    pos = torch.stack([torch.cat([torch.arange(5), torch.arange(7), torch.arange(4)]), torch.arange(16)])
+    with torch.no_grad():
+        out = model(packed, positions=pos)
+        alone = torch.cat([model(d) for d in docs[:3]], 1)
+        whole = model(docs[3])
+        unmasked = model(packed)
+    assert torch.allclose(out[:1], alone, atol=1e-5) and torch.allclose(out[1:], whole, atol=1e-5)
+    assert not torch.allclose(unmasked[:1], alone, atol=1e-3)  # without the mask the documents do see each other
+
+
+def test_chat_config_refuses_layouts_and_missing_inputs(tmp_path):
+    from trainscale.runtime.config import check_layout, config_from_dict
+    from trainscale.specs import Layout
+
+    model = {"name": "t", "n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,
+             "vocab_size": 512, "max_seq_len": 256}
+    cfg = config_from_dict({"model": model, "data": {"format": "chat", "files": [str(EXAMPLES)],
+                                                     "tokenizer": str(tmp_path)}})
+    assert cfg.data.documents_apart
+    for layout in ("cp2", "pp2"):
+        with pytest.raises(TrainscaleError, match=r'^chat data \(data.format = "chat"\) keeps packed documents apart'):
+            check_layout(cfg, Layout.parse(layout))
+    check_layout(cfg, Layout.parse("dp2,tp2"))
+    with pytest.raises(TrainscaleError, match=r'data.format = "chat" needs the conversations'):
+        config_from_dict({"model": model, "data": {"format": "chat"}})
+    with pytest.raises(TrainscaleError, match="data.document_mask needs a prepared corpus"):
+        config_from_dict({"model": model, "data": {"document_mask": True}})

@@ -20,7 +20,7 @@ overlap a span.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,19 +241,24 @@ def read_chat_jsonl(path: Path) -> Iterator[dict]:
             where = f"chat data file {p} line {n}"
             if len(line) > MAX_LINE_BYTES:
                 raise TrainscaleError(f"{where} is longer than {MAX_LINE_BYTES:,} bytes, more than any conversation")
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise TrainscaleError(f"{where} is not UTF-8 text (an invalid byte at column {e.start + 1})") from None
-            try:
-                obj = json.loads(text)
-            except ValueError as e:
-                raise TrainscaleError(f"{where} is not JSON ({_first_line(e)})") from None
-            except RecursionError:
-                raise TrainscaleError(f"{where} nests arrays or objects too deeply to be a conversation") from None
-            yield check_example(obj, where)
+            if line.strip():
+                yield parse_line(line, where)
+
+
+def parse_line(line: bytes | str, where: str) -> dict:
+    """One JSONL line as a checked conversation (``check_example``), or one sentence naming ``where``."""
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TrainscaleError(f"{where} is not UTF-8 text (an invalid byte at column {e.start + 1})") from None
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise TrainscaleError(f"{where} is not JSON ({_first_line(e)})") from None
+    except RecursionError:
+        raise TrainscaleError(f"{where} nests arrays or objects too deeply to be a conversation") from None
+    return check_example(obj, where)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -320,3 +325,39 @@ def encode_example(example: dict, tok: ChatTokenizer, where: str = "chat example
             s += 1
         flags.append(s < len(spans) and b > spans[s][0] and a < spans[s][1])
     return list(enc.ids), flags
+
+
+_HERE = "\x00where\x00"  # stands for a record's place until an error needs it (counting lines costs a read)
+
+
+def encode_line(line: bytes, tok: ChatTokenizer, locate: Callable[[], str]) -> tuple[list[int], list[bool]]:
+    """``encode_example`` of one JSONL line; ``locate()`` names its file and line, called only for an error."""
+    try:
+        return encode_example(parse_line(line, _HERE), tok, _HERE)
+    except TrainscaleError as e:
+        raise TrainscaleError(str(e).replace(_HERE, locate())) from None
+
+
+_CHAT: tuple[str, ChatTokenizer] | None = None  # (folder, ChatTokenizer): loaded once per worker process
+
+
+def cached_chat_tokenizer(folder: str) -> ChatTokenizer:
+    """``load_chat_tokenizer(folder)``, loaded once per process (a prepare-data worker encodes many units)."""
+    global _CHAT
+    if _CHAT is None or _CHAT[0] != folder:
+        _CHAT = (folder, load_chat_tokenizer(Path(folder)))
+    return _CHAT[1]
+
+
+def chat_folder_of(tokenizer: str | Path) -> Path:
+    """The folder whose chat template goes with ``tokenizer`` (a folder, or the folder of a tokenizer.json)."""
+    p = Path(tokenizer).expanduser()
+    return p if p.is_dir() else p.parent
+
+
+def template_key(tok: ChatTokenizer) -> str:
+    """What of a ChatTokenizer changes the tokens it makes, beyond its tokenizer.json: a hash of the template
+    and the special tokens it is given."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([tok.template, tok.special], sort_keys=True).encode()).hexdigest()
