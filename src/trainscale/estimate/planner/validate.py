@@ -3,11 +3,12 @@
 Each run in catalog/runs.toml is evaluated as the run itself was laid out (its own layout string and its
 framework's software preset) with the catalog's per-GPU-generation constants, and its prediction is set
 against the figure the source reported. A constant of catalog/planner.toml whose source string begins with
-"FITTED" was fitted on this public set (``fitted_constants``); ``fit`` refits it from rows (per its GPU generation,
-minimising the worst |error|, as its source says), and ``validate(loo=True)`` reports each row twice: predicted with
-the fit over every row (in-sample) and with the fit over every other row (leave-one-out). With no fitted constant
-both equal the catalog's prediction. Every other constant comes from datasheets and published microbenchmarks
-(catalog/planner.toml, catalog/gpus.toml), the knobs from the frameworks' code and papers (catalog/software.toml).
+"FITTED" was fitted on this public set (``fitted_constants``); ``fit`` refits it from rows (jointly with the other
+FITTED constants of its GPU generation, minimising the worst |error|, as its source says), and ``validate(loo=True)``
+reports each row twice: predicted with the fit over every row (in-sample) and with the fit over every other row
+(leave-one-out). With no fitted constant both equal the catalog's prediction. Every other constant comes from
+datasheets and published microbenchmarks (catalog/planner.toml, catalog/gpus.toml), the knobs from the frameworks'
+code and papers (catalog/software.toml).
 A published TFLOP/s or MFU is read with the FLOP count of the source that published it (``CONVENTIONS``, named on
 each row as ``flop_convention``), never with trainscale's own, and the source's MFU is recomputed as a check.
 """
