@@ -78,6 +78,8 @@ def planned(*args: str) -> dict:
     ("matmul_efficiency=0", "matmul_efficiency", "(0, 1]"),
     ("hbm_efficiency=1.5", "hbm_efficiency", "(0, 1]"),
     ("scale_up_latency_s=0", "scale_up_latency_s", "(0, 1]"),
+    ("fa_triton_speed=0", "fa_triton_speed", "(0, 4]"),
+    ("fa_triton_speed=5", "fa_triton_speed", "(0, 4]"),
     ("moe_imbalance=0.5", "moe_imbalance", "[1, 1000]"),
     (f"network_bus_efficiency={BIG}", "network_bus_efficiency", "(0, 1]"),  # 5000 digits read as inf
 ])

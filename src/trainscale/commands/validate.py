@@ -79,7 +79,9 @@ def _print_loo(out: dict) -> None:
         console.print(f"{what}: mean |error| {s['mean_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} "
                       f"({s['worst_run']}).")
     fits = "; ".join(f"{f['key']} ({f['scope']}) catalog {f['catalog']:g}, refit on its {f['rows']} rows "
-                     f"{f['fit_all_rows']:.3f}" for f in out["fit"])
+                     + (f"({f['rows_moved']} moved by it) " if f["rows_moved"] < f["rows"] else "")
+                     + f"in-sample {f['fit_all_rows']:.3f}, leave-one-out {f['loo_min']:.3f}-{f['loo_max']:.3f}"
+                     for f in out["fit"])
     console.print("Fitted: " + (fits or "nothing (in-sample = leave-one-out = the catalog's prediction)") + ".")
     by: dict[str, list[float]] = {}
     for r in out["runs"]:

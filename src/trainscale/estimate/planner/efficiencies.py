@@ -39,6 +39,7 @@ class Efficiencies:
     fp8_matmul_efficiency: float
     moe_imbalance: float
     memory_reserve_bytes: float
+    fa_triton_speed: float
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,6 +82,8 @@ KNOB_RANGES: dict[str, Range] = {
     "moe_imbalance": Range(1, True, 1000, "the busiest expert rank's tokens over the mean"),
     # step.py: bytes kept back from each GPU's memory; no GPU in catalog/gpus.toml has 1 TB
     "memory_reserve_bytes": Range(0, True, 1e12, "bytes kept back per GPU"),
+    # layer.attention_rate: a factor on the fa-triton kernel's catalog curve, as software.toml's attention_speed
+    "fa_triton_speed": Range(0, False, 4, "a factor on the fa-triton kernel's curve"),
 }
 assert set(KNOB_RANGES) == set(_EFF_KEYS)
 

@@ -131,7 +131,9 @@ def attention_rate(m: ModelSpec, seq: Any, peak: float, eff: Efficiencies, curve
     s = np.asarray(seq, dtype=float)
     hd = m.qk_head_dim
     if curve is not None:
-        return curve_rate(curve, s, hd) * 1e12 * PLANNER_FWD_BWD / SOURCE_FWD_BWD * peak / curve.peak
+        # the Triton kernel's curve is FlashAttention v1's; fa_triton_speed (catalog/planner.toml) scales it
+        speed = eff.fa_triton_speed if curve.kernel == "fa-triton" else 1.0
+        return curve_rate(curve, s, hd) * 1e12 * PLANNER_FWD_BWD / SOURCE_FWD_BWD * peak / curve.peak * speed
     return peak * eff.attention_efficiency * s / (s + eff.attention_seq_half) * (hd / (hd + 16)) / (128 / 144)
 
 

@@ -3,11 +3,12 @@
 Each run in catalog/runs.toml is evaluated as the run itself was laid out (its own layout string and its
 framework's software preset) with the catalog's per-GPU-generation constants, and its prediction is set
 against the figure the source reported. A constant of catalog/planner.toml whose source string begins with
-"FITTED" was fitted on this public set (``fitted_constants``); ``fit`` refits it from rows (per its GPU generation,
-minimising the worst |error|, as its source says), and ``validate(loo=True)`` reports each row twice: predicted with
-the fit over every row (in-sample) and with the fit over every other row (leave-one-out). With no fitted constant
-both equal the catalog's prediction. Every other constant comes from datasheets and published microbenchmarks
-(catalog/planner.toml, catalog/gpus.toml), the knobs from the frameworks' code and papers (catalog/software.toml).
+"FITTED" was fitted on this public set (``fitted_constants``); ``fit`` refits it from rows (jointly with the other
+FITTED constants of its GPU generation, minimising the worst |error|, as its source says), and ``validate(loo=True)``
+reports each row twice: predicted with the fit over every row (in-sample) and with the fit over every other row
+(leave-one-out). With no fitted constant both equal the catalog's prediction. Every other constant comes from
+datasheets and published microbenchmarks (catalog/planner.toml, catalog/gpus.toml), the knobs from the frameworks'
+code and papers (catalog/software.toml).
 A published TFLOP/s or MFU is read with the FLOP count of the source that published it (``CONVENTIONS``, named on
 each row as ``flop_convention``), never with trainscale's own, and the source's MFU is recomputed as a check.
 """
@@ -15,8 +16,9 @@ each row as ``flop_convention``), never with trainscale's own, and the source's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from importlib import resources
+from itertools import product
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -212,7 +214,9 @@ def predict(run: Run, overrides: dict[str, float] | None = None) -> dict[str, An
 # ------------------------------------------------------------------ the fitted constants, refit from rows
 
 FIT_NODES = tuple(round(0.6 + 0.1 * i, 1) for i in range(9))  # x the catalog value: where each row is evaluated
+FIT_NODES_JOINT = (0.6, 0.8, 1.0, 1.2, 1.4)  # the same span, per constant, where a scope fits several together
 FIT_FINE = 161  # candidate values between the first and last node (errors interpolated linearly between nodes)
+FIT_FINE_JOINT = 81  # per constant, where a scope fits several together (81 x 81 candidates for two)
 
 
 @dataclass(frozen=True)
@@ -233,10 +237,10 @@ def fitted_constants(overrides: dict[str, float] | None = None) -> list[Fitted]:
             if k in t and str(t.get(f"{k}_source", "")).startswith("FITTED") and k not in (overrides or {})]
 
 
-def _nodes(f: Fitted) -> np.ndarray:
+def _nodes(f: Fitted, joint: bool = False) -> np.ndarray:
     """The values a row is evaluated at: the catalog value x 0.6 ... 1.4, kept inside the knob's range."""
     r = KNOB_RANGES[f.key]
-    v = np.array([f.catalog_value * x for x in FIT_NODES])
+    v = np.array([f.catalog_value * x for x in (FIT_NODES_JOINT if joint else FIT_NODES)])
     v = v[(v > r.lo) | ((v == r.lo) & r.lo_in)]
     return np.unique(np.append(v[v <= r.hi], r.hi) if (v > r.hi).any() else v)
 
@@ -249,34 +253,87 @@ def _tps(run: Run, overrides: dict[str, float] | None) -> float:
     return predict(run, overrides)["predicted_tokens_per_s_per_gpu"]
 
 
+@dataclass(frozen=True)
+class FitGroup:
+    """The FITTED constants of one scope (a GPU generation, or [defaults]), fitted together on the rows of that scope:
+    their nodes, and per row (by index) its predicted tokens/s per GPU on the grid of those nodes, the other
+    constants at their catalog values. An axis of length 1 is a constant the row does not depend on (broadcast)."""
+
+    constants: tuple[Fitted, ...]
+    nodes: tuple[np.ndarray, ...]
+    rows: dict[int, np.ndarray]
+
+    def candidates(self) -> tuple[np.ndarray, ...]:
+        """The values tried per constant: evenly spaced across its nodes."""
+        n = FIT_FINE if len(self.constants) == 1 else FIT_FINE_JOINT
+        return tuple(np.linspace(x[0], x[-1], n) for x in self.nodes)
+
+    @cached_property
+    def on_candidates(self) -> np.ndarray:
+        """Each row's prediction at every combination of candidates (rows x candidates, flattened in C order),
+        interpolated linearly between the nodes along each constant in turn (multilinear on the grid)."""
+        grids = np.stack([np.broadcast_to(g, tuple(len(x) for x in self.nodes)) for g in self.rows.values()])
+        for j, (x, c) in enumerate(zip(self.nodes, self.candidates(), strict=True)):
+            w = np.stack([np.interp(c, x, e) for e in np.eye(len(x))], axis=1)  # candidates x nodes
+            grids = np.moveaxis(np.tensordot(grids, w, axes=([1 + j], [1])), -1, 1 + j)
+        return grids.reshape(len(self.rows), -1)
+
+
+def _row_grid(run: Run, consts: tuple[Fitted, ...], nodes: tuple[np.ndarray, ...],
+              overrides: dict[str, float] | None) -> np.ndarray:
+    """One row's predictions on the grid of ``nodes``, each point predicted once. A constant at whose end nodes
+    the row predicts what it does at the catalog values does not move it (another kernel's factor, say): its axis
+    is the catalog value alone."""
+    memo: dict[tuple[float, ...], float] = {}
+
+    def at(point: tuple[float, ...]) -> float:
+        if point not in memo:
+            memo[point] = _tps(run, {**(overrides or {}), **{f.key: v for f, v in zip(consts, point, strict=True)}})
+        return memo[point]
+
+    centre = tuple(f.catalog_value for f in consts)
+    axes = []
+    for j, x in enumerate(nodes):
+        ends = [at(centre[:j] + (float(v),) + centre[j + 1:]) for v in (x[0], x[-1])]
+        moves = len(consts) == 1 or any(abs(e / at(centre) - 1) > 1e-12 for e in ends)
+        axes.append([float(v) for v in x] if moves else [centre[j]])
+    return np.array([at(p) for p in product(*axes)]).reshape([len(a) for a in axes])
+
+
 def fit_table(runs: list[Run], generations: list[str], overrides: dict[str, float] | None = None
-              ) -> dict[Fitted, tuple[np.ndarray, dict[int, np.ndarray]]]:
-    """For each fitted constant: its nodes and, per run in its scope (by index), the predicted tokens/s per GPU
-    at each node (the other constants at their catalog values)."""
-    out = {}
+              ) -> list[FitGroup]:
+    """The fitted constants grouped by scope, each group with every in-scope row's predictions on its grid
+    (``_row_grid``): one constant on FIT_NODES, several together on FIT_NODES_JOINT each."""
+    scopes: dict[str, list[Fitted]] = {}
     for f in fitted_constants(overrides):
-        nodes = _nodes(f)
-        out[f] = (nodes, {i: np.array([_tps(r, {**(overrides or {}), f.key: float(x)}) for x in nodes])
-                          for i, r in enumerate(runs) if _in_scope(f, generations[i])})
+        scopes.setdefault(f.scope, []).append(f)
+    out = []
+    for fs in scopes.values():
+        consts = tuple(fs)
+        nodes = tuple(_nodes(f, joint=len(consts) > 1) for f in consts)
+        out.append(FitGroup(consts, nodes, {i: _row_grid(r, consts, nodes, overrides) for i, r in enumerate(runs)
+                                            if _in_scope(consts[0], generations[i])}))
     return out
 
 
-def fit(runs: list[Run], published_tps: list[float], table: dict[Fitted, tuple[np.ndarray, dict[int, np.ndarray]]],
+def fit(runs: list[Run], published_tps: list[float], table: list[FitGroup],
         leave_out: int | None = None) -> dict[Fitted, float]:
-    """Each fitted constant refit on the runs of its scope, less ``leave_out``: the value that minimises the worst
-    |predicted / published throughput - 1| (ties: the smaller mean), the rule catalog/planner.toml states
-    (benchmarks/fit_validation.py). Candidates: FIT_FINE values across the nodes, each row's prediction interpolated
-    linearly between them. A scope left with no row keeps the catalog value."""
+    """The constants of each scope refit together on the runs of that scope, less ``leave_out``: the values that
+    minimise the worst |predicted / published throughput - 1| (ties: the smaller mean), the rule catalog/planner.toml
+    states. Candidates: every combination of FIT_FINE (one constant) or FIT_FINE_JOINT (several) values per constant
+    across its nodes, each row's prediction interpolated linearly between them (``FitGroup.on_candidates``). A scope
+    left with no row keeps the catalog values."""
     values = {}
-    for f, (nodes, per_run) in table.items():
-        rows = [i for i in per_run if i != leave_out]
-        if not rows:
-            values[f] = f.catalog_value
+    for g in table:
+        keep = np.array([i != leave_out for i in g.rows])
+        if not keep.any():
+            values.update({f: f.catalog_value for f in g.constants})
             continue
-        cand = np.linspace(nodes[0], nodes[-1], FIT_FINE)
-        err = np.abs(np.array([np.interp(cand, nodes, per_run[i]) / published_tps[i] - 1 for i in rows]))
+        pub = np.array([published_tps[i] for i in g.rows])
+        err = np.abs(g.on_candidates[keep] / pub[keep, None] - 1)
         worst, mean = err.max(axis=0).round(6), err.mean(axis=0)
-        values[f] = float(cand[np.lexsort((mean, worst))[0]])
+        best = np.unravel_index(np.lexsort((mean, worst))[0], tuple(len(c) for c in g.candidates()))
+        values.update({f: float(c[k]) for f, c, k in zip(g.constants, g.candidates(), best, strict=True)})
     return values
 
 
@@ -292,7 +349,7 @@ def _summary(errs: list[float], ids: list[str]) -> dict[str, Any]:
 
 def _loo(runs: list[Run], rows: list[dict[str, Any]], overrides: dict[str, float] | None) -> dict[str, Any]:
     """In-sample (fit on every row) and leave-one-out (fit on every other row) errors; both the catalog's where
-    nothing is fitted."""
+    nothing is fitted. Each fitted constant reports its fit on every row and the range of its leave-one-out refits."""
     gens = [r["generation"] for r in rows]
     pub = [r["published_tokens_per_s_per_gpu"] for r in rows]
     table = fit_table(runs, gens, overrides)
@@ -301,13 +358,20 @@ def _loo(runs: list[Run], rows: list[dict[str, Any]], overrides: dict[str, float
             r["in_sample_error"] = r["loo_error"] = r["error"]
         return {"fit": []}
     every = fit(runs, pub, table)
+    folds: dict[Fitted, list[float]] = {f: [] for f in every}
     for i, (run, r) in enumerate(zip(runs, rows, strict=True)):
         r["in_sample_error"] = _tps(run, _with_fit(every, gens[i], overrides)) / pub[i] - 1
         own = fit(runs, pub, table, leave_out=i)
         r["loo_fit"] = {f"{f.key}[{f.scope or 'defaults'}]": v for f, v in own.items() if _in_scope(f, gens[i])}
         r["loo_error"] = _tps(run, _with_fit(own, gens[i], overrides)) / pub[i] - 1
+        for f, v in own.items():
+            if _in_scope(f, gens[i]):
+                folds[f].append(v)
+    depends = {f: sum(g.rows[i].shape[j] > 1 for i in g.rows) for g in table for j, f in enumerate(g.constants)}
     return {"fit": [{"key": f.key, "scope": f.scope or "defaults", "catalog": f.catalog_value, "fit_all_rows": v,
-                     "rows": len(table[f][1])} for f, v in every.items()]}
+                     "rows": len(next(g for g in table if f in g.constants).rows), "rows_moved": depends[f],
+                     "loo_min": min(folds[f], default=v), "loo_max": max(folds[f], default=v)}
+                    for f, v in every.items()]}
 
 
 def validate(path: str | Path | None = None, overrides: dict[str, float] | None = None,
