@@ -82,7 +82,8 @@ def _print_loo(out: dict) -> None:
                      + (f"({f['rows_moved']} moved by it) " if f["rows_moved"] < f["rows"] else "")
                      + f"in-sample {f['fit_all_rows']:.3f}, leave-one-out {f['loo_min']:.3f}-{f['loo_max']:.3f}"
                      for f in out["fit"])
-    console.print("Fitted: " + (fits or "nothing (in-sample = leave-one-out = the catalog's prediction)") + ".")
+    console.print(f"Fitted (rule: {out['fit_rule']}): "
+                  + (fits or "nothing (in-sample = leave-one-out = the catalog's prediction)") + ".")
     by: dict[str, list[float]] = {}
     for r in out["runs"]:
         by.setdefault(f"{r['software']}/{r['generation']}", []).append(abs(r["loo_error"]))

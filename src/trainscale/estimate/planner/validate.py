@@ -214,13 +214,15 @@ def predict(run: Run, overrides: dict[str, float] | None = None) -> dict[str, An
 # ------------------------------------------------------------------ the fitted constants, refit from rows
 
 FIT_NODES = tuple(round(0.6 + 0.1 * i, 1) for i in range(9))  # x the catalog value: where each row is evaluated
-FIT_NODES_JOINT = (0.6, 0.8, 1.0, 1.2, 1.4)  # the same span, per constant, where a scope fits several together
+# the same span, per constant, where a scope fits several together: denser near the catalog value, where the fit falls
+# once the catalog holds it (the fits and errors equal 7 and 9 evenly spaced nodes'; benchmarks/RESULTS.md)
+FIT_NODES_JOINT = (0.6, 0.9, 1.0, 1.1, 1.4)
 FIT_FINE = 161  # candidate values between the first and last node (errors interpolated linearly between nodes)
 FIT_FINE_JOINT = 81  # per constant, where a scope fits several together (81 x 81 candidates for two)
-FIT_ZOOM = (21, 2)  # then, twice, 21 values per constant between the best candidate's two neighbours (a 100x finer step)
+FIT_ZOOM = (21, 2)  # then, twice, 21 values per constant between the best candidate's neighbours (100x finer)
 # The one rule of every fit (in-sample and each leave-one-out fold; ``best_candidate``). The mean, not the worst: the
 # issue's targets are mean |error|, and a minimax rule lets the two most extreme rows set the constant for all others.
-FIT_RULE = "the smallest mean |predicted / published throughput - 1|, ties (to 1e-6) to the smaller worst"
+FIT_RULE = "the smallest mean |error|, ties (to 1e-6) to the smaller worst"  # error: predicted / published - 1
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,8 @@ def fitted_constants(overrides: dict[str, float] | None = None) -> list[Fitted]:
 
 
 def _nodes(f: Fitted, joint: bool = False) -> np.ndarray:
-    """The values a row is evaluated at: the catalog value x 0.6 ... 1.4, kept inside the knob's range."""
+    """The values a row is evaluated at: the catalog value x FIT_NODES (FIT_NODES_JOINT), kept inside the knob's
+    range."""
     r = KNOB_RANGES[f.key]
     v = np.array([f.catalog_value * x for x in (FIT_NODES_JOINT if joint else FIT_NODES)])
     v = v[(v > r.lo) | ((v == r.lo) & r.lo_in)]
@@ -348,11 +351,11 @@ def fit(runs: list[Run], published_tps: list[float], table: list[FitGroup],
         pub = np.array([published_tps[i] for i in g.rows])[keep, None]
         cands, pred = g.candidates(), g.on_candidates
         for zoom in range(FIT_ZOOM[1] + 1):
-            if zoom:
+            best = np.unravel_index(best_candidate(np.abs(pred[keep] / pub - 1)), tuple(len(c) for c in cands))
+            if zoom < FIT_ZOOM[1]:
                 cands = tuple(np.linspace(c[max(k - 1, 0)], c[min(k + 1, len(c) - 1)], FIT_ZOOM[0])
                               for c, k in zip(cands, best, strict=True))
                 pred = g.interpolate(cands)
-            best = np.unravel_index(best_candidate(np.abs(pred[keep] / pub - 1)), tuple(len(c) for c in cands))
         values.update({f: float(c[k]) for f, c, k in zip(g.constants, cands, best, strict=True)})
     return values
 
@@ -412,6 +415,7 @@ def validate(path: str | Path | None = None, overrides: dict[str, float] | None 
                                 "(catalog/planner.toml)" for f in fitted) or "no constant fitted")
            + "; every other constant from datasheets and published microbenchmarks (catalog/planner.toml); "
              "software knobs from the frameworks (catalog/software.toml)",
+           "fit_rule": FIT_RULE,
            "flop_convention": plan.FLOP_CONVENTION,  # of the "mfu"/"hfu" fields; each row's figure: its own
            "conventions": {k: {"formula": f, "source": src} for k, (f, src) in CONVENTIONS.items()}}
     if loo:
