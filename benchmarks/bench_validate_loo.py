@@ -1,46 +1,39 @@
-"""Leave-one-out error of the one fitted constant behind `trainscale validate` (issue 20, item 4).
+"""Leave-one-out errors of `trainscale validate` row by row (issue 20, item 4).
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_validate_loo.py
 
-sustained_clock_fraction is fitted per GPU generation on the public set (benchmarks/fit_validation.py: grid 0.60 to
-1.00 in 0.01 steps, the smallest WORST |error|, ties by the mean). Here each run is left out in turn: the fraction
-of its generation is re-fitted on the other runs of that generation, the left-out run predicted with it, and its
-error recorded; the in-sample errors (the catalog's fraction) are printed beside. A run alone in its generation
-has nothing to be fitted on and is predicted at the grid's 1.00 (no fit). Held-out sets never enter: only
-catalog/runs.toml (the public set) is read.
+It runs validate's own code (``trainscale.estimate.planner.validate.validate(loo=True)``): every constant
+catalog/planner.toml marks FITTED is refit, a GPU generation's together, by validate's one rule (``FIT_RULE``) on every
+row (in-sample) and on every row but the one predicted (leave-one-out). Per row: its catalog, in-sample and
+leave-one-out error and the values its leave-one-out fold fitted; then the mean / worst of each, and the
+leave-one-out mean |error| per software / generation (what `plan`'s intervals are made of). Only catalog/runs.toml
+(the public set) is read.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from trainscale.estimate.planner.validate import load_runs, predict
-
-GRID = np.round(np.arange(0.60, 1.0001, 0.01), 2)
-
-
-def fit(errors: dict[float, list[float]]) -> float:
-    """The fraction with the smallest worst |error| (ties: the smaller mean), as fit_validation.py."""
-    return min(errors, key=lambda f: (round(max(errors[f]), 6), float(np.mean(errors[f]))))
+from trainscale.estimate.planner.validate import FIT_RULE, validate
 
 
 def main() -> None:
-    runs = load_runs()
-    table = {float(f): [predict(run, {"sustained_clock_fraction": float(f)}) for run in runs] for f in GRID}
-    in_sample = [predict(run) for run in runs]
-    gens = [r["generation"] for r in table[1.0]]
-    loo = []
-    print(f"{'run':<28} {'gen':<8} {'in-sample':>9} {'LOO fit':>8} {'LOO':>7}")
-    for i, run in enumerate(runs):
-        others = [j for j in range(len(runs)) if j != i and gens[j] == gens[i]]
-        f = fit({g: [abs(table[g][j]["error"]) for j in others] for g in table}) if others else 1.0
-        e = table[f][i]["error"]
-        loo.append(abs(e))
-        print(f"{run.id:<28} {gens[i]:<8} {in_sample[i]['error']:>+9.1%} "
-              f"{f:>8.2f} {e:>+7.1%}")
-    ins = [abs(r["error"]) for r in in_sample]
-    print(f"in-sample: mean {np.mean(ins):.1%}, worst {max(ins):.1%}; leave-one-out: mean {np.mean(loo):.1%}, "
-          f"worst {max(loo):.1%} over {len(runs)} runs")
+    out = validate(loo=True)
+    print(f"rule: {FIT_RULE}")
+    print(f"{'run':<34} {'software/gen':<30} {'catalog':>8} {'in-smp':>7} {'LOO':>7}  LOO fit")
+    for r in out["runs"]:
+        fit = " ".join(f"{v:.3f}" for v in r.get("loo_fit", {}).values())
+        print(f"{r['id']:<34} {r['software'] + '/' + r['generation']:<30} {r['error']:>+8.1%} "
+              f"{r['in_sample_error']:>+7.1%} {r['loo_error']:>+7.1%}  {fit}")
+    for name, s in (("catalog", out), ("in-sample", out["in_sample"]), ("leave-one-out", out["loo"])):
+        print(f"{name}: mean {s['mean_abs_error']:.2%}, worst {s['worst_abs_error']:.1%} ({s['worst_run']})")
+    by: dict[str, list[float]] = {}
+    for r in out["runs"]:
+        by.setdefault(f"{r['software']}/{r['generation']}", []).append(abs(r["loo_error"]))
+    print("leave-one-out mean |error| by software/generation:")
+    for k, v in sorted(by.items(), key=lambda kv: -len(kv[1])):
+        print(f"  {k:<32} {sum(v) / len(v):>6.1%} ({len(v)} rows)")
+    for f in out["fit"]:
+        print(f"{f['key']} [{f['scope']}]: catalog {f['catalog']:g}, in-sample {f['fit_all_rows']:.4f}, "
+              f"leave-one-out {f['loo_min']:.4f}-{f['loo_max']:.4f}")
 
 
 if __name__ == "__main__":
