@@ -18,7 +18,8 @@ def register(app: typer.Typer) -> None:
 
 def lora(
     checkpoint: str = typer.Argument(..., help="the frozen base: model folder, run folder (its final/, else its "
-                                      "newest checkpoint) or checkpoint RUN/checkpoints/step-N"),
+                                      "newest checkpoint), checkpoint RUN/checkpoints/step-N, or a Hugging Face "
+                                      "model folder (config.json, safetensors, tokenizer.json)"),
     rank: int = typer.Option(8, "--rank", "-r", callback=number(gt=0, le=1 << 16), help="adapter rank r"),
     data: str = typer.Option(..., "--data", help="data to fine-tune on, read as train reads [data] files: text, "
                              "JSONL or Parquet (a file, folder or glob), or corpus:train / corpus:val"),
@@ -45,7 +46,7 @@ def lora(
     from trainscale.infer.evaluate import perplexity
     from trainscale.infer.load import load_for_inference, load_tokenizer_for
     from trainscale.infer.lora import apply_lora, merge_lora, read_data, save_adapter_folder, train_lora
-    from trainscale.runtime.artifact import beside, checkpoint_source, find_model_folder, model_inputs
+    from trainscale.runtime.artifact import beside, checkpoint_source, model_inputs
 
     for name, v in (("--rank", rank), ("--steps", steps), ("--batch", batch), ("--seq-len", seq_len)):
         if v <= 0:
@@ -54,7 +55,7 @@ def lora(
         raise TrainscaleError(f"--lr must be positive, not {lr}")
     alpha = 2.0 * rank if alpha is None else alpha
     model, spec, src = load_for_inference(checkpoint)
-    base = find_model_folder(src)  # where the adapters go is checked before any training
+    base = src  # where the adapters go is checked before any training
     out = out or beside(base, f"-lora-r{rank}")
     if out.resolve() == base.resolve():
         raise TrainscaleError(f"the adapter folder cannot be the base folder {base}; pick another --out")
@@ -82,7 +83,7 @@ def lora(
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     pred_params = lora_trainable_params(spec, rank, names)
     pred_opt = lora_optimizer_bytes(spec, rank, names)
-    folder = find_model_folder(src)
+    folder = src
     cfg = {"rank": rank, "alpha": alpha, "targets": list(names), "steps": steps, "lr": lr, "data": data,
            "losses": res["losses"]}
     save_adapter_folder(out, model, spec, folder, cfg)

@@ -18,8 +18,8 @@ def register(app: typer.Typer) -> None:
 
 
 def quantize(
-    checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint) "
-                                      "or checkpoint RUN/checkpoints/step-N"),
+    checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint), "
+                                      "checkpoint RUN/checkpoints/step-N, or a Hugging Face model folder"),
     fmt: str = typer.Option("int4", "--format", "-f", help="int8 or int4"),
     group_size: int = typer.Option(32, "--group-size", "-g", callback=number(gt=0, le=1 << 20),
                                    help="weights per scale: 32, 64 or 128"),
@@ -44,7 +44,7 @@ def quantize(
     from trainscale.estimate.inference import quantized_model_bytes
     from trainscale.infer.evaluate import perplexity
     from trainscale.infer.generate import Sampling, generate_ids
-    from trainscale.infer.load import load_for_inference, load_tokenizer_for
+    from trainscale.infer.load import load_for_inference, load_tokenizer_for, source_folder
     from trainscale.infer.quantize import (
         QuantConfig,
         model_from_state_dict,
@@ -52,14 +52,14 @@ def quantize(
         save_quantized,
         weight_error,
     )
-    from trainscale.runtime.artifact import beside, checkpoint_source, find_model_folder, model_inputs
+    from trainscale.runtime.artifact import beside, checkpoint_source, model_inputs
 
     cfg = QuantConfig(fmt, group_size, asymmetric).check()
     if fmt == "bf16":
         raise TrainscaleError("--format must be int8 or int4")
     if eval_tokens < 0:
         raise TrainscaleError(f"--eval-tokens must be >= 0, not {eval_tokens}")
-    src = find_model_folder(checkpoint)
+    src = source_folder(checkpoint)  # a Hugging Face folder too
     out = out or beside(src, f"-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
     check_output(out, "--out", folder=True, inputs=model_inputs(src), not_at=(checkpoint,))
     t0 = time.perf_counter()

@@ -1,7 +1,9 @@
 """One loader for every folder infer/ reads: a model folder (or a run folder's final/, or a checkpoint
 resharded into one: runtime/artifact.find_model_folder), a quantized
-folder (quantized.safetensors, dequantized to fp32 on load) and a LoRA adapter folder (adapter.json
-naming its base; the adapters are folded into the base weights on load).
+folder (quantized.safetensors, dequantized to fp32 on load), a LoRA adapter folder (adapter.json
+naming its base; the adapters are folded into the base weights on load) and a Hugging Face model folder
+(config.json + model.safetensors or shards named by model.safetensors.index.json, + tokenizer.json), read
+through the one Hugging Face bridge (runtime/hf_init.py: hf_folder_spec, load_into) into trainscale's model.
 
 It sits above the folder formats it reads (infer/quantize.py, infer/lora.py, runtime/artifact.py), which
 import nothing from it: the pipelines that start from a folder (commands/, export) load through here."""
@@ -32,12 +34,59 @@ from trainscale.runtime.artifact import (
     run_toml,
 )
 from trainscale.runtime.data.tokenizer import load_tokenizer
+from trainscale.runtime.hf_init import INDEX, SINGLE
 from trainscale.runtime.model import build_model
 from trainscale.safeio import read_json_object
 from trainscale.specs import ModelSpec
 
 
+def is_hf_folder(path: str | Path) -> bool:
+    """A Hugging Face model folder (config.json, no model.json): loaded through runtime/hf_init.py."""
+    p = Path(path)
+    try:
+        return p.is_dir() and (p / "config.json").exists() and not (p / "model.json").exists()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
+def _hf_errors(e: TrainscaleError) -> TrainscaleError:
+    """runtime/hf_init.py's sentences name the training option ([model] init); here the folder is a base model."""
+    return TrainscaleError(str(e).replace("[model] init ", "the Hugging Face folder ", 1))
+
+
+def source_folder(path: str | Path) -> Path:
+    """The folder ``path`` names for infer/: a Hugging Face model folder as it is (its files checked regular, its
+    weights present), else ``find_model_folder`` (model, run, checkpoint, quantized or adapter folder)."""
+    if not is_hf_folder(path):
+        return find_model_folder(path)
+    p = Path(path)
+    from trainscale.safeio import check_regular
+
+    for name in ("config.json", SINGLE, INDEX, "tokenizer.json"):
+        if (p / name).exists():
+            check_regular(p / name, f"{p}'s {name}")
+    if not (p / SINGLE).exists() and not (p / INDEX).exists():
+        raise TrainscaleError(f"the Hugging Face folder {p} has no {SINGLE} or {INDEX} (only safetensors weights "
+                              "load)")
+    return p
+
+
+def spec_of(folder: Path) -> ModelSpec:
+    """The ModelSpec of a folder ``source_folder`` gave: model.json, or a Hugging Face folder's config.json
+    (``hf_folder_spec``: a model trainscale would compute differently is refused in one sentence)."""
+    if not is_hf_folder(folder):
+        return read_spec(folder)
+    from trainscale.runtime.hf_init import hf_folder_spec
+
+    try:
+        return hf_folder_spec(folder)
+    except TrainscaleError as e:
+        raise _hf_errors(e) from None
+
+
 def folder_kind(folder: Path) -> str:
+    if is_hf_folder(folder):
+        return "hf"
     if (folder / QUANT_FILE).exists():
         return "quantized"
     if (folder / "model.safetensors").exists():
@@ -59,9 +108,11 @@ def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
 
 
 def _load(path: str | Path, dtype: torch.dtype, chain: tuple[Path, ...]):
-    folder = find_model_folder(path)
-    spec = read_spec(folder)
+    folder = source_folder(path)
+    spec = spec_of(folder)
     kind = folder_kind(folder)
+    if kind == "hf":
+        return _load_hf(folder, spec, dtype), spec, folder
     if kind == "model":
         model, spec, folder = load_model_dir(folder, dtype=dtype)
         return model, spec, folder
@@ -103,6 +154,23 @@ def _check_adapter_file(folder: Path, spec: ModelSpec, cfg) -> None:
     check_finite(path, load_file(str(path)))
 
 
+def _load_hf(folder: Path, spec: ModelSpec, dtype: torch.dtype):
+    """A Hugging Face folder's weights in trainscale's model: every tensor's shape checked from the headers
+    (``check_hf_weights``) before any is read, then read by name with Q/K rows permuted (``load_into``), then
+    checked finite."""
+    from trainscale.runtime.hf_init import HFWeights, check_hf_weights, load_into
+
+    try:
+        check_hf_weights(folder, spec)
+        model = build_model(spec, "meta")
+        model.to_empty(device="cpu")
+        load_into(model, HFWeights(folder), spec)
+    except TrainscaleError as e:
+        raise _hf_errors(e) from None
+    check_finite(folder, dict(model.state_dict()))
+    return model.to(dtype).eval()
+
+
 def _load_quantized(folder: Path, spec: ModelSpec, dtype: torch.dtype):
     """quantized.safetensors' header against what quantizing this model.json's model gives (names, shapes,
     dtypes: quantize_state_dict on meta tensors), then its scales checked finite, then dequantized."""
@@ -129,6 +197,17 @@ def load_tokenizer_for(folder: Path):
     if not path.exists():
         raise TrainscaleError(f"{folder} has no tokenizer.json")
     return load_tokenizer(path)
+
+
+def stop_token_id(tok, folder: Path) -> int | None:
+    """The end-of-text token generation stops at: the folder's eos_token (tokenizer_config.json, a Hugging Face
+    folder's), else a usual name (runtime/data/tokenizer.eot_of); None when the tokenizer has none."""
+    from trainscale.runtime.data.tokenizer import eot_of
+
+    try:
+        return tok.token_to_id(eot_of(tok, str(folder), None))
+    except TrainscaleError:
+        return None
 
 
 # ------------------------------------------------------------------ the model's own held-out data

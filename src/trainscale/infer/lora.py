@@ -202,14 +202,26 @@ def train_lora(model, ids: list[int], steps: int, batch: int, seq_len: int, lr: 
             "trainable_params": trainable_params(model)}
 
 
+# the tokenizer's files an adapter folder carries from its base: the vocabulary, and a Hugging Face folder's
+# settings (eos_token, chat_template: transformers' tokenizer_config.json / special_tokens_map.json)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def save_adapter_folder(out: Path, model, spec, base_folder: Path, config: dict[str, Any]) -> Path:
+    """OUT/{adapter.safetensors, adapter.json (its base: the folder's absolute path and its format, "trainscale" or
+    "hf"), model.json (the base's ModelSpec), the base's tokenizer files}."""
+    from trainscale.safeio import read_bytes
+
     out.mkdir(parents=True, exist_ok=True)
     save_file(adapter_state_dict(model), str(out / ADAPTER_FILE), metadata={"producer": "trainscale", "kind": "lora"})
-    (out / "adapter.json").write_text(json.dumps({"base": str(base_folder.resolve()), **config}, indent=2))
+    fmt = "trainscale" if (base_folder / "model.json").exists() else "hf"
+    (out / "adapter.json").write_text(json.dumps({"base": str(base_folder.resolve()), "base_format": fmt, **config},
+                                                 indent=2))
     (out / "model.json").write_text(json.dumps(spec.model_dump(by_alias=True, exclude_none=True), indent=2))
-    tok = base_folder / "tokenizer.json"
-    if tok.exists() and tok.resolve() != (out / "tokenizer.json").resolve():
-        (out / "tokenizer.json").write_bytes(tok.read_bytes())
+    for name in TOKENIZER_FILES:
+        tok = base_folder / name
+        if tok.exists() and tok.resolve() != (out / name).resolve():
+            (out / name).write_bytes(read_bytes(tok, f"the base's {name}"))
     return out
 
 
