@@ -10,7 +10,6 @@ import nothing from it: the pipelines that start from a folder (commands/, expor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,8 +20,6 @@ from trainscale.estimate.lora import lora_targets
 from trainscale.infer.lora import ADAPTER_FILE, adapter_state_dict, apply_lora, fold_adapter, read_adapter_config
 from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, quantize_state_dict, read_quant_config
 from trainscale.runtime.artifact import (
-    RUN_CONFIG,
-    RUN_TOKENIZER,
     check_finite,
     check_header,
     check_layer_count,
@@ -30,13 +27,10 @@ from trainscale.runtime.artifact import (
     load_model_dir,
     read_header,
     read_spec,
-    run_folder_of,
-    run_toml,
 )
 from trainscale.runtime.data.tokenizer import load_tokenizer
 from trainscale.runtime.hf_init import INDEX, SINGLE
 from trainscale.runtime.model import build_model
-from trainscale.safeio import read_json_object
 from trainscale.specs import ModelSpec
 
 
@@ -208,67 +202,3 @@ def stop_token_id(tok, folder: Path) -> int | None:
         return tok.token_to_id(eot_of(tok, str(folder), None))
     except TrainscaleError:
         return None
-
-
-# ------------------------------------------------------------------ the model's own held-out data
-
-
-@dataclass(frozen=True)
-class HeldOut:
-    """The held-out text a model is evaluated on: token ids (None: tokenise the held-out plays), and a
-    sentence saying what it is."""
-
-    what: str
-    kind: str  # "run-prepared", "run-plays" or "default-plays"
-    ids: list[int] | None = None
-
-
-def held_out_of(folder: Path, max_tokens: int) -> HeldOut:
-    """The model's own held-out data when its run folder says what it trained on: the prepared corpus's held-out
-    split (its tokenizer must be the run's), or, for a run on the plays, the held-out plays; else the
-    default, the held-out plays (runtime/data/sources.py)."""
-    run = run_folder_of(folder)
-    if run is None:
-        return HeldOut(f"the held-out Shakespeare plays (default: {folder} is not from a run folder)", "default-plays")
-    try:
-        from trainscale.runtime.config import config_from_dict
-
-        cfg = config_from_dict(run_toml(run), f"run config {run / RUN_CONFIG}")
-    except TrainscaleError as e:
-        return HeldOut(f"the held-out Shakespeare plays (default: the run's config is unreadable: {e})",
-                       "default-plays")
-    req = cfg.data.request()
-    if req is None:
-        return HeldOut(f"the held-out Shakespeare plays, the held-out split of run {run}", "run-plays")
-    prepared = _prepared_folder(cfg, req)
-    if prepared is None or not _same_tokenizer(prepared / RUN_TOKENIZER, run / RUN_TOKENIZER):
-        return HeldOut(f"the held-out Shakespeare plays (default: the prepared data of run {run} is not found "
-                       "where its config.toml says)", "default-plays")
-    from trainscale.runtime.data.shards import ShardCorpus
-
-    try:
-        tokens = ShardCorpus(prepared).tokens("val")
-        ids = [int(i) for i in tokens[0:min(len(tokens), max_tokens)]]
-    except (OSError, KeyError, TypeError, ValueError, TrainscaleError):
-        ids = []
-    if len(ids) < 2:
-        return HeldOut(f"the held-out Shakespeare plays (default: the prepared data of run {run} has no held-out "
-                       "split)", "default-plays")
-    return HeldOut(f"the held-out split of run {run}'s prepared data {prepared}", "run-prepared", ids)
-
-
-def _prepared_folder(cfg, req) -> Path | None:
-    from trainscale.runtime.data.corpus import cache_root
-    from trainscale.runtime.data.shards import default_folder
-
-    cache = Path(cfg.data.cache) if cfg.data.cache else cache_root()
-    folder = Path(req.folder).expanduser() if req.folder else default_folder(req, cache)
-    return folder if (folder / "index.json").is_file() else None
-
-
-def _same_tokenizer(a: Path, b: Path) -> bool:
-    """Two tokenizer.json files hold the same tokenizer (the same JSON, however it was formatted)."""
-    try:
-        return read_json_object(a, "tokenizer") == read_json_object(b, "tokenizer")
-    except TrainscaleError:
-        return False

@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.lora import lora_targets
 from trainscale.runtime.data.sources import corpus_text
-from trainscale.runtime.model import lm_loss
 from trainscale.safeio import read_json_object
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -127,27 +127,103 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> dict[str, int]:
 
 
 MAX_DATA_BYTES = 1 << 30  # LoRA holds its token ids in memory (a list of ints): a gigabyte of text at most
+# The fraction of documents LoRA holds out to measure itself: the trainer's rule (runtime/data/sources.py:
+# Settings.held_mask, a hash of each document's position, never chance), with a larger fraction than the
+# trainer's default 0.05 (runtime/config.py [data] held_out), as fine-tuning sets are small.
+LORA_HELD_OUT = 0.1
+IGNORE = -100  # target id with no loss: torch's cross_entropy ignore_index default
+
+
+@dataclass
+class DataSplit:
+    """``data``'s documents, each tokenised and followed by the end-of-text token, in reading order: those the
+    trainer's hash rule holds out (``fraction`` of them) and the rest."""
+
+    data: str
+    text_field: str
+    fraction: float
+    train: list[int]
+    held: list[int]
+    documents: int = 0
+    held_documents: int = 0
+    truncated: bool = False  # reading stopped at max_tokens
+
+    def describe(self, which: str = "held-out") -> str:
+        """One sentence: which text, which split, how many documents and tokens."""
+        field = f" (field '{self.text_field}')" if not self.data.startswith("corpus:") else ""
+        if which == "all":
+            n, docs = len(self.train) + len(self.held), self.documents
+            return f"{self.data}{field}: all {docs:,} documents, {n:,} tokens" + (" (first)" if self.truncated else "")
+        if which == "held-out":
+            n, docs = len(self.held), self.held_documents
+        else:
+            n, docs = len(self.train), self.documents - self.held_documents
+        return (f"{self.data}{field}: the {which} documents ({docs:,} of {self.documents:,}"
+                f"{' read' if self.truncated else ''}; the trainer's hash rule, {self.fraction:.0%} held out), "
+                f"{n:,} tokens")
 
 
 def read_data(data: str, tokenizer, text_field: str = "text", folder: Path | None = None,
               vocab: int | None = None) -> list[int]:
-    """Token ids of ``data``: corpus:train / corpus:val (the Shakespeare plays), else a file, folder or glob read
-    as ``train`` reads its ``[data] files`` (runtime/data/sources.py: plain text, one document per paragraph;
-    JSONL and Parquet, a document per line / row from ``text_field``; token files), each document's tokens
-    followed by the end-of-text token, as the training shards pack them (runtime/data/shards.py)."""
-    if data in ("corpus:train", "corpus:val"):
-        ids = tokenizer.encode(corpus_text(data.split(":")[1])).ids
-    else:
-        ids = _document_ids(data, tokenizer, text_field, folder, vocab)
+    """Token ids of every document of ``data`` in order (``split_data`` with nothing held out)."""
+    ids = split_data(data, tokenizer, text_field, folder, vocab, held_out=0.0).train
     if len(ids) < 64:
         raise TrainscaleError(f"data {data} has {len(ids)} tokens; LoRA training needs at least 64")
     return ids
 
 
-def _document_ids(data: str, tokenizer, text_field: str, folder: Path | None, vocab: int | None) -> list[int]:
-    from trainscale.runtime.data.sources import Settings, plan_units, resolve_sources, unit_documents
-    from trainscale.runtime.data.tokenizer import encode_lengths, eot_of
+def split_data(data: str, tokenizer, text_field: str = "text", folder: Path | None = None, vocab: int | None = None,
+               held_out: float = LORA_HELD_OUT, max_tokens: int | None = None, keep: str = "both") -> DataSplit:
+    """``data``'s documents split as the trainer splits them: corpus:train / corpus:val (the Shakespeare plays, a
+    document per paragraph), else a file, folder or glob read as ``train`` reads its ``[data] files``
+    (runtime/data/sources.py: plain text, one document per paragraph; JSONL and Parquet, a document per line / row
+    from ``text_field``; token files), each document's tokens followed by the end-of-text token as the training
+    shards pack them (runtime/data/shards.py); a document is held out by ``Settings.held_mask`` (the hash of its
+    position). ``keep`` ("both", "held-out", "all") and ``max_tokens`` let an evaluation stop reading early."""
+    out = DataSplit(data, text_field, held_out, [], [])
+    for docs, held in _unit_documents(data, tokenizer, text_field, folder, vocab, held_out):
+        for ids, h in zip(docs, held.tolist(), strict=True):
+            out.documents += 1
+            out.held_documents += bool(h)
+            if keep == "held-out" and not h:
+                continue
+            (out.held if h and keep != "all" else out.train).extend(ids)
+        if max_tokens is not None and len(out.train) + len(out.held) >= max_tokens:
+            out.truncated = True
+            break
+    if max_tokens is not None:
+        out.train, out.held = out.train[:max_tokens], out.held[:max_tokens]
+    return out
 
+
+def _eot(tokenizer, folder: Path | None, data: str, required: bool = True) -> int | None:
+    from trainscale.runtime.data.tokenizer import eot_of
+
+    try:
+        return tokenizer.token_to_id(eot_of(tokenizer, str(folder) if folder is not None else None, None))
+    except TrainscaleError:
+        if not required:
+            return None
+        raise TrainscaleError(f"the tokenizer of {folder} has no end-of-text token to end the documents of "
+                              f"{data} with") from None
+
+
+def _unit_documents(data: str, tokenizer, text_field: str, folder: Path | None, vocab: int | None, held_out: float):
+    """-> per unit of the data: (token ids of each document, whether each is held out)."""
+    import re
+
+    import numpy as np
+
+    from trainscale.runtime.data.sources import Settings, plan_units, resolve_sources, unit_documents
+    from trainscale.runtime.data.tokenizer import encode_lengths
+
+    settings = Settings(text_field=text_field, held_out=held_out)
+    if data in ("corpus:train", "corpus:val"):
+        texts = [t.strip("\n") for t in re.split(r"\n[ \t\f\v]*\n", corpus_text(data.split(":")[1])) if t.strip()]
+        eot = _eot(tokenizer, folder, data, required=False)
+        encs = tokenizer.encode_batch(texts, add_special_tokens=False)
+        yield [e.ids + ([eot] if eot is not None else []) for e in encs], settings.held_mask(data, len(texts))
+        return
     if not data.strip():
         raise TrainscaleError("--data is empty; name a text, JSONL or Parquet file, a folder or a glob")
     try:  # resolve_sources asks is_dir(), which raises for a name too long
@@ -158,39 +234,56 @@ def _document_ids(data: str, tokenizer, text_field: str, folder: Path | None, vo
     if sum(s.size for s in sources) > MAX_DATA_BYTES:
         raise TrainscaleError(f"data {data} holds more than {MAX_DATA_BYTES >> 30} GiB; LoRA keeps its tokens in "
                               "memory: give it a smaller file")
-    try:
-        eot = tokenizer.token_to_id(eot_of(tokenizer, str(folder) if folder is not None else None, None))
-    except TrainscaleError:
-        raise TrainscaleError(f"the tokenizer of {folder} has no end-of-text token to end the documents of "
-                              f"{data} with") from None
-    settings = Settings(text_field=text_field, held_out=0.0)
-    ids: list[int] = []
+    eot = _eot(tokenizer, folder, data)
     for unit in plan_units(sources, settings.unit_bytes, settings.documents, eot):
         docs = unit_documents(sources, unit, settings, eot, vocab)
-        for arr in docs.arrays or ():  # token files: ids as they are, the end-of-text token added where missing
-            ids += arr.tolist() + ([eot] if arr[-1] != eot else [])
+        # token files: ids as they are, the end-of-text token added where missing (a unit never mixes them with text)
+        out = [arr.tolist() + ([eot] if arr[-1] != eot else []) for arr in docs.arrays or ()]
         if docs.texts:
-            arr, _ = encode_lengths(tokenizer, docs.texts, [True] * len(docs.texts), eot, "int64")
-            ids += arr.tolist()
-    return ids
+            arr, lengths = encode_lengths(tokenizer, docs.texts, [True] * len(docs.texts), eot, "int64")
+            out += [a.tolist() for a in np.split(arr, np.cumsum(lengths)[:-1])]
+        yield out, docs.held
+
+
+def lora_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(summed next-token cross-entropy, number of tokens counted) of ``model`` on ``inputs`` [b, s], over the
+    ``targets`` [b, s] that are not IGNORE (-100: padding, or a chat's prompt tokens). The one loss of LoRA's
+    training (its mean) and of every evaluation in infer/ (infer/evaluate.perplexity sums it)."""
+    logits = model(inputs)
+    nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return nll, int((targets != IGNORE).sum())
 
 
 def train_lora(model, ids: list[int], steps: int, batch: int, seq_len: int, lr: float, seed: int = 0,
                progress=None) -> dict[str, Any]:
     """Adam on the adapters only, random windows of ``ids``; -> losses and measured state bytes."""
+    seq_len = min(seq_len, len(ids) - 1, model.spec.max_seq_len)
+    if seq_len < 1:
+        raise TrainscaleError(f"LoRA training needs at least two tokens, not {len(ids)}")
+    data = torch.tensor(ids)
+
+    def windows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(ids) - seq_len, (batch,), generator=gen)
+        chunk = torch.stack([data[s: s + seq_len + 1] for s in starts.tolist()])
+        return chunk[:, :-1], chunk[:, 1:]
+
+    return train_adapters(model, windows, steps, lr, seed, progress)
+
+
+def train_adapters(model, next_batch, steps: int, lr: float, seed: int = 0, progress=None) -> dict[str, Any]:
+    """AdamW on the trainable parameters (the adapters), ``steps`` batches of ``next_batch(generator)`` ->
+    (inputs, targets), each step the mean of ``lora_loss``; -> losses and measured state bytes."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise TrainscaleError("the model has no trainable parameters; apply LoRA adapters first")
-    seq_len = min(seq_len, len(ids) - 1, model.spec.max_seq_len)
-    data = torch.tensor(ids)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     for step in range(steps):
-        starts = torch.randint(0, len(ids) - seq_len, (batch,), generator=gen)
-        chunk = torch.stack([data[s: s + seq_len + 1] for s in starts.tolist()])
-        loss = lm_loss(model(chunk[:, :-1]), chunk[:, 1:])
+        inputs, targets = next_batch(gen)
+        nll, count = lora_loss(model, inputs, targets)
+        loss = nll / max(count, 1)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
