@@ -135,3 +135,66 @@ def test_lora_data_reads_documents_as_train_does(tmp_path):
         read_data(str(tmp_path / "a.jsonl"), tok)
     with pytest.raises(TrainscaleError, match="has no column 'text'"):
         read_data(str(tmp_path / "a.parquet"), tok)
+
+
+def test_lora_holds_out_the_documents_the_trainer_would(small_model_dir, tmp_path):  # noqa: F811
+    """``lora --held-out 0.1`` holds out the documents the trainer's prepare (runtime/data/shards.py, [data]
+    held_out = 0.1, the same tokenizer) writes to val.npy, token for token, and says so; training lowers the
+    held-out perplexity; ``evaluate`` of the adapter folder, with no --data, measures that same held-out text
+    (adapter.json records it) to the same perplexity."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from trainscale.cli import app
+    from trainscale.runtime.config import config_from_dict
+    from trainscale.runtime.data.corpus import corpus_for
+    from trainscale.runtime.data.sources import corpus_text
+
+    paras = [p for p in corpus_text("val", max_chars=60_000).split("\n\n") if p.strip()]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"body": p}) + "\n" for p in paras))
+
+    def cli(*args):
+        res = CliRunner().invoke(app, [*args, "--json"])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)
+
+    rep = cli("lora", str(small_model_dir), "--data", str(data), "--text-field", "body", "--held-out", "0.1",
+              "--steps", "25", "--batch", "4", "--seq-len", "64", "--lr", "3e-3", "--out", str(tmp_path / "ad"))
+    held = rep["held_out"]
+    assert 0 < held["documents"] < held["of_documents"] == len(paras)
+    assert f"the held-out documents ({held['documents']:,} of {len(paras):,}" in held["text"]
+    assert held["perplexity_after"] < held["perplexity_before"]
+
+    cfg = config_from_dict({"name": "same-rule", "model": json.loads((small_model_dir / "model.json").read_text()),
+                            "train": {"seq_len": 64},
+                            "data": {"files": [str(data)], "text_field": "body", "held_out": 0.1, "workers": 1,
+                                     "tokenizer": str(small_model_dir / "tokenizer.json"),
+                                     "prepared": str(tmp_path / "prepared")}})
+    stream = corpus_for(cfg).tokens("val")
+    assert held["tokens"] == len(stream) and rep["train_tokens"] == len(corpus_for(cfg).tokens("train"))
+
+    ev = cli("evaluate", str(tmp_path / "ad"), "--seq-len", "64")
+    assert ev["text_kind"] == "adapter-data" and ev["tokens"] == held["tokens"] and ev["split"] == "held-out"
+    assert ev["perplexity"] == pytest.approx(held["perplexity_after"], rel=1e-4)
+
+
+def test_lora_loss_counts_only_the_targets_it_is_given():
+    """lora_loss: the summed cross-entropy of the targets that are not -100, and their count; with none masked, the
+    trainer's lm_loss times the token count."""
+    from trainscale.infer.lora import IGNORE, lora_loss
+    from trainscale.runtime.model import lm_loss
+
+    spec = load_model(SPEC)
+    model = build_model(spec, seed=0).eval()
+    x = torch.randint(0, spec.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full, n = lora_loss(model, x[:, :-1], x[:, 1:])
+        assert n == 32 and float(full) / n == pytest.approx(float(lm_loss(model(x[:, :-1]), x[:, 1:])), rel=1e-6)
+        t = x[:, 1:].clone()
+        t[0, :5] = IGNORE
+        part, m = lora_loss(model, x[:, :-1], t)
+        per_token = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten(),
+                                                      reduction="none")
+    assert m == 27 and float(part) == pytest.approx(float(per_token.sum() - per_token[:5].sum()), rel=1e-5)

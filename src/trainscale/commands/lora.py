@@ -31,6 +31,9 @@ def lora(
     batch: int = typer.Option(8, callback=number(gt=0, le=4096), help="sequences per step"),
     seq_len: int = typer.Option(128, callback=number(gt=0, le=1 << 20), help="tokens per sequence"),
     lr: float = typer.Option(2e-3, callback=number(gt=0, le=10), help="Adam learning rate"),
+    held_out: float = typer.Option(0.1, "--held-out", callback=number(ge=0, lt=1),
+                                   help="fraction of --data's documents held out to measure the adapters, by the "
+                                        "trainer's rule (a hash of each document's position; 0: none)"),
     seed: int = typer.Option(0, callback=SEED, help="seed for the adapter init and the batches"),
     out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-lora-rR beside it; "
                              "RUN/step-N-lora-rR for a checkpoint)"),
@@ -45,7 +48,15 @@ def lora(
     from trainscale.estimate.params import param_count
     from trainscale.infer.evaluate import perplexity
     from trainscale.infer.load import load_for_inference, load_tokenizer_for
-    from trainscale.infer.lora import apply_lora, merge_lora, read_data, save_adapter_folder, train_lora
+    from trainscale.infer.lora import (
+        EVAL_TOKENS,
+        apply_lora,
+        data_record,
+        merge_lora,
+        save_adapter_folder,
+        split_data,
+        train_lora,
+    )
     from trainscale.runtime.artifact import beside, checkpoint_source, model_inputs
 
     for name, v in (("--rank", rank), ("--steps", steps), ("--batch", batch), ("--seq-len", seq_len)):
@@ -65,9 +76,13 @@ def lora(
     except ValueError as e:
         raise TrainscaleError(str(e)) from None
     tok = load_tokenizer_for(src)
-    ids = read_data(data, tok, text_field, src, spec.vocab_size)
-    split = int(len(ids) * 0.9)
-    train_ids, held_ids = ids[:split], ids[split:]
+    split = split_data(data, tok, text_field, src, spec.vocab_size, held_out=held_out)
+    train_ids, held_ids = split.train, split.held[:EVAL_TOKENS]
+    if len(train_ids) < 64:
+        raise TrainscaleError(f"data {data} leaves {len(train_ids)} tokens to train on ({split.describe('training')}); "
+                              "LoRA training needs at least 64")
+    held_what = split.describe("held-out") + (f", the first {EVAL_TOKENS:,} measured" if len(split.held) > EVAL_TOKENS
+                                              else "")
     before = perplexity(model, held_ids, seq_len) if len(held_ids) > 1 else None
     apply_lora(model, rank, alpha, names, seed)
     t0 = time.perf_counter()
@@ -84,8 +99,8 @@ def lora(
     pred_params = lora_trainable_params(spec, rank, names)
     pred_opt = lora_optimizer_bytes(spec, rank, names)
     folder = src
-    cfg = {"rank": rank, "alpha": alpha, "targets": list(names), "steps": steps, "lr": lr, "data": data,
-           "losses": res["losses"]}
+    cfg = {"rank": rank, "alpha": alpha, "targets": list(names), "steps": steps, "lr": lr, "data": data_record(data),
+           "text_field": text_field, "held_out": held_out, "losses": res["losses"]}
     save_adapter_folder(out, model, spec, folder, cfg)
     if merge:
         from trainscale.runtime.artifact import save_model_dir
@@ -95,7 +110,10 @@ def lora(
     report = {
         "base": str(folder), "out": str(out), "merged": merge, "rank": rank, "alpha": alpha, "targets": list(names),
         "steps": steps, "seconds": secs, "first_loss": res["losses"][0], "last_loss": res["losses"][-1],
-        "held_out_perplexity": {"before": before, "after": after, "tokens": len(held_ids)},
+        "held_out": {"text": held_what, "documents": split.held_documents, "of_documents": split.documents,
+                     "fraction": held_out, "tokens": len(held_ids), "perplexity_before": before,
+                     "perplexity_after": after, "rule": "runtime/data/sources.py Settings.held_mask"},
+        "train_tokens": len(train_ids),
         "trainable_params": {"measured": res["trainable_params"], "predicted": pred_params,
                              "equal": res["trainable_params"] == pred_params,
                              "formula": "n_layers x sum over targets of r x (d_in + d_out) (Hu et al. 2021)"},
@@ -115,8 +133,11 @@ def lora(
                   + (" (merged)" if merge else ""))
     rows = {"loss": f"{report['first_loss']:.3f} -> {report['last_loss']:.3f} in {steps} steps ({secs:.1f} s)",
             "frozen parameters": f"{frozen:,} (base model {param_count(spec):,})"}
+    rows["held out"] = held_what
     if before is not None:
-        rows[f"held-out perplexity (last 10% of data, {len(held_ids):,} tokens)"] = f"{before:.3f} -> {after:.3f}"
+        rows["held-out perplexity"] = f"{before:.3f} -> {after:.3f}"
+    else:
+        rows["held-out perplexity"] = "not measured: no document held out (--held-out, or more documents)"
     print_tables(kv_table(rows), check_table("adapters vs the estimator (estimate/lora.py)", [
         ("trainable parameters", res["trainable_params"], pred_params),
         ("Adam m + v bytes", res["optimizer_bytes"]["moments"], pred_opt)]))

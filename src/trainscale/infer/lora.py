@@ -132,6 +132,7 @@ MAX_DATA_BYTES = 1 << 30  # LoRA holds its token ids in memory (a list of ints):
 # trainer's default 0.05 (runtime/config.py [data] held_out), as fine-tuning sets are small.
 LORA_HELD_OUT = 0.1
 IGNORE = -100  # target id with no loss: torch's cross_entropy ignore_index default
+EVAL_TOKENS = 32768  # held-out tokens LoRA measures itself on at most (evaluate's default --max-tokens)
 
 
 @dataclass
@@ -161,6 +162,16 @@ class DataSplit:
         return (f"{self.data}{field}: the {which} documents ({docs:,} of {self.documents:,}"
                 f"{' read' if self.truncated else ''}; the trainer's hash rule, {self.fraction:.0%} held out), "
                 f"{n:,} tokens")
+
+
+def data_record(data: str) -> str:
+    """``data`` as adapter.json records it: an existing file or folder by its absolute path (so that ``evaluate``
+    finds it again from anywhere), a glob or corpus:NAME as given."""
+    try:
+        p = Path(data).expanduser()
+        return str(p.resolve()) if not data.startswith("corpus:") and p.exists() else data
+    except (OSError, ValueError):
+        return data
 
 
 def read_data(data: str, tokenizer, text_field: str = "text", folder: Path | None = None,
