@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -37,7 +38,12 @@ def lora(
     seed: int = typer.Option(0, callback=SEED, help="seed for the adapter init and the batches"),
     out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-lora-rR beside it; "
                              "RUN/step-N-lora-rR for a checkpoint)"),
-    merge: bool = typer.Option(False, "--merge", help="also fold the adapters into the weights: a plain model folder"),
+    merge: bool = typer.Option(False, "--merge", help="also fold the adapters into the weights: a plain model folder "
+                               "(over a quantized base, into its dequantized weights)"),
+    base_bits: int = typer.Option(None, "--base-bits", help="QLoRA: hold the frozen base's layer projections "
+                                  "quantized, 4 or 8 bits (infer/quantize.py's groups), adapters in fp32 on top"),
+    base_group_size: int = typer.Option(64, "--base-group-size", help="weights per fp16 scale of the quantized "
+                                        "base: 32, 64 (QLoRA's block size) or 128"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Fine-tune LoRA adapters (Hu et al. 2021) on attention and MLP projections, base weights frozen."""
@@ -57,6 +63,7 @@ def lora(
         split_data,
         train_lora,
     )
+    from trainscale.infer.quantize import GROUP_SIZES
     from trainscale.runtime.artifact import beside, checkpoint_source, model_inputs
 
     for name, v in (("--rank", rank), ("--steps", steps), ("--batch", batch), ("--seq-len", seq_len)):
@@ -65,6 +72,11 @@ def lora(
     if not lr > 0:
         raise TrainscaleError(f"--lr must be positive, not {lr}")
     alpha = 2.0 * rank if alpha is None else alpha
+    if base_bits is not None and base_bits not in (4, 8):
+        raise TrainscaleError(f"--base-bits must be 4 or 8, not {base_bits}")
+    if base_group_size not in GROUP_SIZES:
+        raise TrainscaleError(f"--base-group-size must be one of {', '.join(map(str, GROUP_SIZES))}, not "
+                              f"{base_group_size}")
     model, spec, src = load_for_inference(checkpoint)
     base = src  # where the adapters go is checked before any training
     out = out or beside(base, f"-lora-r{rank}")
@@ -84,6 +96,11 @@ def lora(
     held_what = split.describe("held-out") + (f", the first {EVAL_TOKENS:,} measured" if len(split.held) > EVAL_TOKENS
                                               else "")
     before = perplexity(model, held_ids, seq_len) if len(held_ids) > 1 else None
+    base_report = None
+    if base_bits:
+        base_report = _quantized_base(model, base_bits, base_group_size)
+        base_report["held_out_perplexity_full_precision"] = before
+        before = perplexity(model, held_ids, seq_len) if len(held_ids) > 1 else None
     apply_lora(model, rank, alpha, names, seed)
     t0 = time.perf_counter()
     if as_json:
@@ -95,12 +112,15 @@ def lora(
                              progress=lambda s, loss: bar.update(task, completed=s, description=f"loss {loss:.3f}"))
     secs = time.perf_counter() - t0
     after = perplexity(model, held_ids, seq_len) if len(held_ids) > 1 else None
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad) + \
+        (base_report["weights"] if base_report else 0)  # a quantized base's projections are buffers
     pred_params = lora_trainable_params(spec, rank, names)
     pred_opt = lora_optimizer_bytes(spec, rank, names)
     folder = src
     cfg = {"rank": rank, "alpha": alpha, "targets": list(names), "steps": steps, "lr": lr, "data": data_record(data),
            "text_field": text_field, "held_out": held_out, "losses": res["losses"]}
+    if base_bits:
+        cfg |= {"base_bits": base_bits, "base_group_size": base_group_size}
     save_adapter_folder(out, model, spec, folder, cfg)
     if merge:
         from trainscale.runtime.artifact import save_model_dir
@@ -112,7 +132,9 @@ def lora(
         "steps": steps, "seconds": secs, "first_loss": res["losses"][0], "last_loss": res["losses"][-1],
         "held_out": {"text": held_what, "documents": split.held_documents, "of_documents": split.documents,
                      "fraction": held_out, "tokens": len(held_ids), "perplexity_before": before,
-                     "perplexity_after": after, "rule": "runtime/data/sources.py Settings.held_mask"},
+                     "perplexity_after": after, "rule": "runtime/data/sources.py Settings.held_mask",
+                     "loss_before": math.log(before) if before else None,
+                     "loss_after": math.log(after) if after else None},
         "train_tokens": len(train_ids),
         "trainable_params": {"measured": res["trainable_params"], "predicted": pred_params,
                              "equal": res["trainable_params"] == pred_params,
@@ -124,20 +146,50 @@ def lora(
                             "counts": "Adam's fp32 m and v (8 bytes per trainable parameter); adapters train in fp32, "
                                       "so no separate master copy"},
     }
+    if base_report is not None:
+        report["quantized_base"] = base_report
     if (origin := checkpoint_source(folder)) is not None:
         report["from_checkpoint"] = origin
     if as_json:
         emit_json(report)
         return
-    console.print(f"[bold]LoRA r={rank}, alpha={alpha:g} on {', '.join(names)}[/bold]: {folder} -> {out}"
+    qlora = f" over an int{base_bits} base (groups of {base_group_size})" if base_bits else ""
+    console.print(f"[bold]LoRA r={rank}, alpha={alpha:g} on {', '.join(names)}[/bold]{qlora}: {folder} -> {out}"
                   + (" (merged)" if merge else ""))
     rows = {"loss": f"{report['first_loss']:.3f} -> {report['last_loss']:.3f} in {steps} steps ({secs:.1f} s)",
             "frozen parameters": f"{frozen:,} (base model {param_count(spec):,})"}
+    if base_report is not None:
+        b = base_report
+        rows[f"base projections, int{base_bits}"] = (f"{b['bytes']:,} B = {b['ratio_to_bf16']:.4f} of bf16 "
+                                                     f"({b['bf16_bytes']:,} B), scales included")
+        if b["held_out_perplexity_full_precision"] is not None:
+            rows["held-out perplexity, full-precision base"] = f"{b['held_out_perplexity_full_precision']:.3f}"
     rows["held out"] = held_what
     if before is not None:
         rows["held-out perplexity"] = f"{before:.3f} -> {after:.3f}"
     else:
         rows["held-out perplexity"] = "not measured: no document held out (--held-out, or more documents)"
-    print_tables(kv_table(rows), check_table("adapters vs the estimator (estimate/lora.py)", [
-        ("trainable parameters", res["trainable_params"], pred_params),
-        ("Adam m + v bytes", res["optimizer_bytes"]["moments"], pred_opt)]))
+    checks = [("trainable parameters", res["trainable_params"], pred_params),
+              ("Adam m + v bytes", res["optimizer_bytes"]["moments"], pred_opt)]
+    if base_report is not None:
+        checks.append(("quantized base bytes", base_report["bytes"], base_report["predicted_bytes"]))
+    print_tables(kv_table(rows), check_table("adapters vs the estimator (estimate/lora.py, estimate/inference.py)",
+                                             checks))
+
+
+def _quantized_base(model, bits: int, group_size: int) -> dict:
+    """Quantize the base's projections in place (infer/lora.quantize_base); -> their bytes, measured and by
+    estimate/inference.group_quant_bytes row by row."""
+    from trainscale.estimate.inference import group_quant_bytes
+    from trainscale.infer.lora import quantize_base
+    from trainscale.infer.quantize import QuantizedLinear
+
+    got = quantize_base(model, bits, group_size)
+    predicted = sum(m.out_features * group_quant_bytes(m.in_features, bits, group_size)
+                    for m in model.modules() if isinstance(m, QuantizedLinear))
+    rest = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"bits": bits, "group_size": group_size, "scheme": "symmetric round-to-nearest (infer/quantize.py)",
+            "weights": got["weights"], "bytes": got["bytes"], "bf16_bytes": got["bf16_bytes"],
+            "ratio_to_bf16": got["bytes"] / got["bf16_bytes"], "predicted_bytes": int(predicted),
+            "equal": got["bytes"] == predicted, "unquantized_bytes": rest,
+            "unquantized": "embeddings, norms and output head, as loaded (fp32)"}

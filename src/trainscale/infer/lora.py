@@ -25,6 +25,7 @@ from torch import nn
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.lora import lora_targets
+from trainscale.infer.quantize import GROUP_SIZES, QuantConfig, QuantizedLinear, quantize_linears
 from trainscale.runtime.data.sources import corpus_text
 from trainscale.safeio import read_json_object
 
@@ -32,14 +33,19 @@ ADAPTER_FILE = "adapter.safetensors"
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator | None = None) -> None:
+    """A frozen projection (an ``nn.Linear``, or a ``QuantizedLinear``: QLoRA's base) plus (alpha / r) · B A; the
+    adapters in the base's dtype, fp32 over a quantized base."""
+
+    def __init__(self, base: nn.Linear | QuantizedLinear, rank: int, alpha: float,
+                 generator: torch.Generator | None = None) -> None:
         super().__init__()
         self.base = base
         self.rank = rank
         self.scaling = alpha / rank
-        w = base.weight
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=w.dtype, device=w.device))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=w.dtype, device=w.device))
+        ref = base.weight if isinstance(base, nn.Linear) else base.qweight
+        dtype = ref.dtype if isinstance(base, nn.Linear) else torch.float32
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, dtype=dtype, device=ref.device))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, dtype=dtype, device=ref.device))
         # Kaiming-uniform with a = sqrt(5), as nn.Linear and loralib initialise A
         bound = 1.0 / math.sqrt(base.in_features)
         with torch.no_grad():
@@ -49,9 +55,11 @@ class LoRALinear(nn.Module):
         return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scaling
 
     def merged(self) -> nn.Linear:
+        """The base with the update folded in: W0 + (alpha/r)·B·A (a quantized base: its dequantized weight)."""
+        base = self.base.to_linear() if isinstance(self.base, QuantizedLinear) else self.base
         with torch.no_grad():
-            self.base.weight += (self.lora_b @ self.lora_a) * self.scaling
-        return self.base
+            base.weight += (self.lora_b @ self.lora_a).to(base.weight.dtype) * self.scaling
+        return base
 
 
 def _projections(model, targets: tuple[str, ...]):
@@ -63,6 +71,19 @@ def _projections(model, targets: tuple[str, ...]):
             if parent is not None and hasattr(parent, t):
                 sub = "attention" if parent is layer.attention else "feed_forward"
                 yield f"layers.{i}.{sub}.{t}", parent, t
+
+
+BASE_LINEARS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # every dense projection of a layer (a MoE: attention)
+QLORA_GROUP_SIZE = 64  # QLoRA's block size for the base weights (Dettmers et al. 2023, arXiv 2305.14314, Sec. 3)
+
+
+def quantize_base(model, bits: int, group_size: int = QLORA_GROUP_SIZE) -> dict[str, int]:
+    """Hold every layer's dense projections quantized (int4 or int8 groups of ``group_size``, infer/quantize.py's
+    quantizer; a ``QuantizedLinear`` each), the rest (embeddings, norms, output head) as they are: QLoRA's frozen
+    base. Call before ``apply_lora``. -> quantize_linears' counts (weights, bytes held, their bf16 bytes)."""
+    if bits not in (4, 8):
+        raise TrainscaleError(f"--base-bits must be 4 or 8, not {bits}")
+    return quantize_linears(model, QuantConfig(f"int{bits}", group_size), list(_projections(model, BASE_LINEARS)))
 
 
 def apply_lora(model, rank: int, alpha: float, targets: tuple[str, ...], seed: int = 0) -> list[str]:
@@ -99,12 +120,15 @@ def load_adapter_weights(model, sd: dict[str, torch.Tensor]) -> None:
 
 
 def merge_lora(model):
-    """Replace every LoRALinear by its base Linear with W0 + (alpha/r)·B·A; names return to the base's."""
+    """Replace every LoRALinear by its base Linear with W0 + (alpha/r)·B·A, and every QuantizedLinear left (a
+    projection a QLoRA run did not adapt) by its dequantized Linear; names return to the base's."""
     for layer in model.layers.values():
         for parent in (layer.attention, getattr(layer, "feed_forward", None)):
             for attr, mod in list(parent.named_children()) if parent is not None else ():
                 if isinstance(mod, LoRALinear):
                     setattr(parent, attr, mod.merged())
+                elif isinstance(mod, QuantizedLinear):
+                    setattr(parent, attr, mod.to_linear())
     return model
 
 
@@ -337,6 +361,8 @@ class AdapterConfig:
     rank: int
     alpha: float
     targets: tuple[str, ...]
+    base_bits: int = 0  # QLoRA: the adapters were trained on the base quantized to this many bits (0: as it is)
+    base_group_size: int = QLORA_GROUP_SIZE
 
 
 def read_adapter_config(folder: Path) -> AdapterConfig:
@@ -351,7 +377,11 @@ def read_adapter_config(folder: Path) -> AdapterConfig:
     if not isinstance(base, str) or Path(base).resolve() == Path(folder).resolve() or \
             Path(folder).resolve() in Path(base).resolve().parents:
         raise TrainscaleError(f"{folder / 'adapter.json'}: its base {base!r} must be another model folder")
-    return AdapterConfig(base, rank, alpha, targets)
+    bits, group = cfg.get("base_bits") or 0, cfg.get("base_group_size", QLORA_GROUP_SIZE)
+    if bits not in (0, 4, 8) or group not in GROUP_SIZES:
+        raise TrainscaleError(f"{folder / 'adapter.json'}: base_bits {bits!r} (0, 4 or 8) or base_group_size "
+                              f"{group!r} ({', '.join(map(str, GROUP_SIZES))}) is out of range")
+    return AdapterConfig(base, rank, alpha, targets, bits, group)
 
 
 def fold_adapter(model, spec, folder: Path, cfg: AdapterConfig):
@@ -360,6 +390,8 @@ def fold_adapter(model, spec, folder: Path, cfg: AdapterConfig):
         names = lora_targets(spec, cfg.targets)
     except ValueError as e:
         raise TrainscaleError(f"{folder / 'adapter.json'}: {e}") from None
+    if cfg.base_bits:  # trained on the quantized base: the adapters fold into its dequantized weights
+        quantize_base(model, cfg.base_bits, cfg.base_group_size)
     apply_lora(model, cfg.rank, cfg.alpha, names)
     try:
         sd = load_file(str(folder / ADAPTER_FILE))
