@@ -24,6 +24,7 @@ WHOLE_FILE = {
     "test_runtime_job_tblog.py": "dist",
     "test_runtime_job_goodput.py": "dist",
     "test_runtime_parallel_zero1.py": "dist",
+    "test_runtime_chat_train.py": "dist",
     "test_infer_from_checkpoint.py": "dist",
     "test_runtime_job_slurm.py": "service",
 }

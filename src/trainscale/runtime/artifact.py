@@ -3,6 +3,8 @@
   model.safetensors   full (unsharded) weights, trainscale tensor names, fp32 or bf16
   model.json          the ModelSpec (same fields as a catalog entry)
   tokenizer.json      the Hugging Face tokenizers file the run trained
+  tokenizer_config.json, chat_template.jinja   when the run started from a model (or chat data) with a chat
+                      template: copied, so LoRA and generation render conversations as training did
 
 ``trainscale train`` writes it at the end of a run as RUN_DIR/final; infer/ (generate, quantize,
 lora, export) reads it, as well as the folders infer/ writes beside it (quantized.safetensors or adapter.json
@@ -51,6 +53,24 @@ def save_model_dir(out: str | Path, state_dict: dict[str, torch.Tensor], spec: M
     if tokenizer_json is not None and Path(tokenizer_json).resolve() != (out / "tokenizer.json").resolve():
         atomic_write_bytes(out / "tokenizer.json", Path(tokenizer_json).read_bytes())
     return out
+
+
+CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja")  # what runtime/data/chat.py reads beside tokenizer.json
+
+
+def copy_chat_files(src: str | Path, out: str | Path) -> list[str]:
+    """Copy ``CHAT_FILES`` present in ``src`` into the model folder ``out`` (each read through safeio: a regular
+    file of bounded size, tokenizer_config.json a JSON object) -> the names copied."""
+    copied = []
+    for name in CHAT_FILES:
+        f = Path(src) / name
+        if not f.is_file():
+            continue
+        if name.endswith(".json"):
+            read_json_object(f, "tokenizer settings")
+        atomic_write_bytes(Path(out) / name, read_bytes(f, "chat template file"))
+        copied.append(name)
+    return copied
 
 
 def find_model_folder(path: str | Path, log: Callable[[str], None] | None = None) -> Path:

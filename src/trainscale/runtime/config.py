@@ -12,7 +12,10 @@
               a weighted mixture), format, text_field, documents, held_out, tokenizer (tokenizer.json or an
               HF tokenizer folder; default: a BPE trained on the corpus; token files need theirs), eot,
               prepared (shard folder), workers, shard_mb; max_chars (limit the text the tokenizer and, for
-              the plays, the loader see), cache (folder), tokenizer_vocab (default: the model's vocab_size)
+              the plays, the loader see), cache (folder), tokenizer_vocab (default: the model's vocab_size);
+              format = "chat": JSONL conversations rendered by the tokenizer folder's chat template, only the
+              assistant's words learned (runtime/data/chat.py); document_mask (always on with chat): packed
+              documents do not attend to each other and their positions restart at 0
     [run]     out (run folder), log_every, eval_sequences, layout (default layout string), save_final, sinks
     [profile] steps = [a, b] (torch.profiler trace + memory snapshot of those steps), ranks
 
@@ -81,8 +84,11 @@ class DataSection(_Section):
                                    "folders; empty: the Shakespeare plays")
     sources: tuple[SourceSection, ...] = Field(default=(), max_length=1000, description="[[data.sources]]: a "
                                                "weighted mixture, instead of files")
-    format: Literal["auto", "text", "jsonl", "parquet", "megatron", "npy"] = Field(default="auto",
-                                                                                   description="auto: by suffix")
+    format: Literal["auto", "text", "jsonl", "parquet", "megatron", "npy", "chat"] = Field(
+        default="auto", description="auto: by suffix; chat: JSONL conversations ({\"messages\": [...]} or "
+        "{\"prompt\", \"response\"}) rendered with the tokenizer folder's chat template")
+    document_mask: bool = Field(default=False, description="packed documents do not attend to each other, and "
+                                "each one's positions restart at 0 (always on with format = \"chat\")")
     text_field: str = Field(default="text", description="the JSONL field / Parquet column holding the text")
     documents: Literal["paragraph", "file"] = Field(default="paragraph", description="plain text: a document "
                                                     "is a blank-line separated paragraph, or a whole file")
@@ -101,10 +107,20 @@ class DataSection(_Section):
 
     _one_file = field_validator("files", mode="before")(_as_tuple)
 
+    @property
+    def documents_apart(self) -> bool:
+        """Whether packed documents are kept apart (``document_mask``, or chat data)."""
+        return self.document_mask or self.format == "chat"
+
     @model_validator(mode="after")
     def _files_or_sources(self) -> DataSection:
         if self.files and self.sources:
             raise ValueError("give data.files (one source) or [[data.sources]] (a mixture), not both")
+        if self.format == "chat" and not (self.files or self.sources):
+            raise ValueError("data.format = \"chat\" needs the conversations: data.files = [\"chat.jsonl\"]")
+        if self.document_mask and not (self.files or self.sources or self.tokenizer):
+            raise ValueError("data.document_mask needs a prepared corpus (data.files or data.tokenizer); the "
+                             "default plays are read without document boundaries")
         return self
 
     def request(self):
@@ -318,6 +334,10 @@ def check_layout(cfg: TrainConfig, layout: Layout) -> None:
     """What this runtime refuses to train, in one sentence: ``rules.RUNTIME_CHECK`` (the model, the layout, the
     config's sequence length and global batch)."""
     rules.check_layout(cfg.model, layout, cfg.train.seq_len, cfg.train.global_batch)
+    if cfg.data.documents_apart and (layout.cp > 1 or layout.pp > 1):
+        what = "chat data (data.format = \"chat\")" if cfg.data.format == "chat" else "data.document_mask"
+        raise TrainscaleError(f"{what} keeps packed documents apart, which this runtime does under data, tensor and "
+                              f"fully sharded parallelism only, not under layout {layout} (cp or pp)")
 
 
 def micro_batch(cfg: TrainConfig, layout: Layout) -> int:

@@ -8,7 +8,9 @@ the math here:
 - ``Attention.core`` is the attention kernel ``core(q, k, v) -> out`` on [batch, heads, seq, dim];
   context parallelism replaces it with one that gathers K/V across the cp group.
 - ``Transformer.forward(tokens, positions=None)`` takes the positions of the local tokens, so a
-  rank that holds a (load-balanced) slice of the sequence rotates by the right angles.
+  rank that holds a (load-balanced) slice of the sequence rotates by the right angles. Positions [b, s] (one
+  row per sequence) pack documents: each document's positions restart at 0, RoPE rotates by them, and a token
+  attends only to earlier tokens of its own document (``document_mask``, block-diagonal and causal).
 - A MoE model's layers from ``first_dense_layers`` on hold ``moe`` (runtime/moe.py: router, routed
   experts, shared expert, the balance loss) instead of ``feed_forward``; expert parallelism sets its
   groups from outside too. Multi-head latent attention is planner-only (``rules.check_model``).
@@ -85,32 +87,51 @@ def rope_frequencies(spec: ModelSpec, device: torch.device | str | None = None) 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float,
                 inv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of RoPE's rotation angles pos * inv_freq: ``inv`` (``rope_frequencies``), else unscaled
-    theta^(-2i/d) for ``head_dim``."""
+    theta^(-2i/d) for ``head_dim``. Positions [s] -> [s, d/2]; [b, s] (packed documents) -> [b, s, d/2]."""
     if inv is None:
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
                                / head_dim))
-    ang = positions.float()[:, None] * inv.to(positions.device)[None, :]
+    ang = positions.float()[..., None] * inv.to(positions.device)
     return ang.cos(), ang.sin()
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """positions [b, s] of packed documents (each restarting at 0) -> the attention mask [b, 1, s, s]: query i
+    sees key j iff j <= i and both are in the same document (block-diagonal causal)."""
+    doc = torch.cumsum(positions == 0, dim=1)  # [b, s]: which document of the row each token is in
+    s = positions.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of x [b, s, h, d] by the angles for their positions."""
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.ndim == 3:  # a position per sequence and token (packed documents): [b, s, d/2]
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
+    else:
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
     out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
     return out.type_as(x)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(QK^T / sqrt(d) + causal mask) V on [b, h, s, d]; K/V heads repeated for GQA. With a KV
     cache K/V hold t >= s positions and the queries are the last s of them: query j sees keys 0..t-s+j.
     ``window`` > 0: a query sees only the last ``window`` keys, itself included (Mistral's sliding window,
-    transformers' masking_utils.sliding_window_overlay: kv_idx > q_idx - window)."""
+    transformers' masking_utils.sliding_window_overlay: kv_idx > q_idx - window). ``mask`` [b, 1, s, s]
+    (packed documents, ``document_mask``): what each query may see instead of the causal mask."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     s, t = q.shape[2], k.shape[2]
+    if mask is not None:
+        if window and window < t:
+            i = torch.arange(t - s, t, device=q.device)[:, None]
+            mask = mask & (torch.arange(t, device=q.device)[None, :] > i - window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if window and window < t:
         i = torch.arange(t - s, t, device=q.device)[:, None]
         j = torch.arange(t, device=q.device)[None, :]
@@ -124,7 +145,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, scale: float | None = None,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``causal_attention`` with the scores written out, for what SDPA does not do: scores scaled by ``scale``
     and soft-capped, s -> c tanh(s / c), before the mask and an fp32 softmax (Gemma 2; transformers'
     modeling_gemma2.eager_attention_forward)."""
@@ -138,6 +159,8 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     i = torch.arange(t - s, t, device=q.device)[:, None]
     j = torch.arange(t, device=q.device)[None, :]
     seen = (j <= i) & (j > i - window) if window else j <= i
+    if mask is not None:  # packed documents: [b, 1, s, t]
+        seen = seen & mask
     scores = scores.masked_fill(~seen, float("-inf"))
     return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
@@ -202,8 +225,9 @@ class Attention(nn.Module):
         self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = attention_core(spec, layer)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
-        """x [b, s, d] -> [b, s, d]; with ``cache``, x's K/V join layer ``layer``'s cached ones first."""
+                layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, d] -> [b, s, d]; with ``cache``, x's K/V join layer ``layer``'s cached ones first; ``mask``
+        (packed documents): who sees whom."""
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
@@ -215,7 +239,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, head_dim]
         if cache is not None:
             k, v = cache.append(layer, k, v)  # [b, kv_heads, cached + s, head_dim]
-        out = self.core(q, k, v)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -251,9 +275,9 @@ class Block(nn.Module):
             self.feed_forward = FeedForward(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
-        # the cache as keywords: tensor parallelism prepares the positional inputs (x, cos, sin) only
-        a = self.attention(self.attention_norm(x), cos, sin, cache=cache, layer=layer)
+                layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
+        # the cache and mask as keywords: tensor parallelism prepares the positional inputs (x, cos, sin) only
+        a = self.attention(self.attention_norm(x), cos, sin, cache=cache, layer=layer, mask=mask)
         x = x + (self.attention_post_norm(a) if hasattr(self, "attention_post_norm") else a)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         f = ffn(self.ffn_norm(x))
@@ -326,22 +350,27 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         """tokens [b, s] (ints; or hidden states [b, s, d] on a later pipeline stage) -> logits or
-        hidden states. ``positions`` [s] are the global positions of the local tokens. ``cache``: the
-        tokens follow the cached positions (their positions), and their K/V are added to it."""
+        hidden states. ``positions`` [s] are the global positions of the local tokens; [b, s]: each row packs
+        documents whose positions restart at 0, and attention stays within each (``document_mask``). ``cache``:
+        the tokens follow the cached positions (their positions), and their K/V are added to it."""
         if cache is not None:
             positions = cache.next_positions(tokens.shape[1], tokens.device)
         elif positions is None:
             positions = self.positions if self.positions is not None else torch.arange(tokens.shape[1])
         positions = positions.to(tokens.device)
+        mask = document_mask(positions) if positions.ndim == 2 else None
         h = self.tok_embeddings(tokens) if self.embeds_tokens else tokens
         if self.embeds_tokens and self.spec.embed_scale:  # Gemma: sqrt(d) as an fp32 scalar cast to h's dtype
             h = h * torch.tensor(self.spec.d_model ** 0.5).to(h.dtype).item()
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(positions[None])
+            h = h + self.pos_embeddings(positions if positions.ndim == 2 else positions[None])
         cos, sin = rope_angles(positions, self.spec.head_dim, self.spec.rope_theta,
                                rope_frequencies(self.spec, positions.device))
         for key, layer in self.layers.items():
-            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache, int(key))
+            if cache is not None:
+                h = layer(h, cos, sin, cache, int(key))
+            else:
+                h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if cache is not None:
             cache.length += tokens.shape[1]
         if self.norm is not None:
@@ -376,6 +405,14 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int =
     return model
 
 
+IGNORE = -100  # a target not learned (chat data's prompts, template tokens): F.cross_entropy's ignore_index
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all positions."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """Mean next-token cross-entropy over all positions (those whose target is IGNORE left out)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+
+
+def lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The summed next-token cross-entropy of the learned targets (not IGNORE): zero where none is learned."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")

@@ -51,7 +51,7 @@ from trainscale.runtime.job.checkpoint import CheckpointManager, step_dir_name
 from trainscale.runtime.job.faults import Fault, requeue_count, restart_count
 from trainscale.runtime.job.slurm import SAVE_REQUEST_ENV, mark_stopped, stops_for_requeue
 from trainscale.runtime.job.tblog import check_sinks, open_metric_log
-from trainscale.runtime.model import Transformer, build_model, lm_loss
+from trainscale.runtime.model import IGNORE, Transformer, build_model, lm_loss, lm_loss_sum
 from trainscale.runtime.parallel.context import local_positions, shard_sequence
 from trainscale.runtime.parallel.mesh import ParallelMesh, build_mesh, exit_rank, init_distributed
 from trainscale.runtime.parallel.parallelize import (
@@ -116,8 +116,12 @@ class Trainer:
             corpus_for(cfg, log=self.log)
         self._barrier()
         self.corpus = corpus_for(cfg)
+        # packed documents kept apart (document_mask, chat data): batches carry positions, chat targets a mask
+        self.documents = cfg.data.documents_apart
+        if self.documents and not hasattr(self.corpus, "flags"):
+            raise TrainscaleError("data.document_mask needs a prepared corpus (data.files or data.tokenizer)")
         self.loader = TokenLoader(self.corpus.tokens("train"), t.seq_len, t.global_batch, self.mesh.dp_rank,
-                                  layout.dp, t.seed)
+                                  layout.dp, t.seed, **self._document_args("train"))
         self.positions = local_positions(t.seq_len, layout.cp, self.mesh.cp_rank)
 
         # model: whole and identical on every rank, then split and parallelized (or, from a Hugging Face
@@ -166,6 +170,12 @@ class Trainer:
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
+
+    def _document_args(self, split: str) -> dict[str, Any]:
+        """What the loader needs to keep documents apart: chat data's flags, or the end-of-text id."""
+        if not self.documents:
+            return {}
+        return {"flags": self.corpus.flags(split), "eot": self.corpus.eot_id, "documents": True}
 
     def _checkpoint_root(self) -> Path | None:
         c = self.cfg.checkpoint
@@ -229,8 +239,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """-> this rank's mean loss over its tokens (zero on pipeline stages without the head)."""
+    def _learned_scale(self, targets: torch.Tensor) -> float:
+        """dp x cp / the global batch's learned targets (those not IGNORE), counted over every rank: a rank's
+        summed loss times this, averaged over the dp x cp replicas by the gradient reduction, is the sum over
+        the whole global batch / its learned targets, whatever the layout. 0 when nothing is learned."""
+        count = (targets != IGNORE).sum().to(torch.float64).reshape(1).to(self.device)
+        if self.world > 1:  # pp and cp are refused with documents: every rank is a dp or tp rank
+            dist.all_reduce(count)
+            count /= self.layout.tp  # the tp ranks of a dp rank read the same rows
+        n = float(count.item())
+        return self.layout.dp * self.layout.cp / n if n > 0 else 0.0
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
+                          positions: torch.Tensor | None = None) -> torch.Tensor:
+        """-> this rank's mean loss over its tokens (zero on pipeline stages without the head). With
+        ``positions`` (documents kept apart): this rank's summed loss over its learned targets x
+        ``_learned_scale``."""
+        if positions is not None:
+            return self._forward_backward_documents(inputs, targets, positions)
         if self.pipeline is not None:
             with self.autocast:
                 loss = self.pipeline.step(inputs, targets)
@@ -247,18 +273,34 @@ class Trainer:
             total += loss.detach()
         return total
 
+    def _forward_backward_documents(self, inputs: torch.Tensor, targets: torch.Tensor,
+                                    positions: torch.Tensor) -> torch.Tensor:
+        scale = self._learned_scale(targets)
+        model = self.parts[0][1]
+        total = torch.zeros((), device=self.device)
+        for i in range(self.n_micro):
+            x, y, p = (t[i * self.micro:(i + 1) * self.micro] for t in (inputs, targets, positions))
+            if uses_fsdp(self.layout):
+                model.set_requires_gradient_sync(i == self.n_micro - 1)
+            with self.autocast:
+                loss = lm_loss_sum(model(x, positions=p), y) * scale
+            loss.backward()
+            total += loss.detach()
+        return total
+
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         lr = lr_at(self.step, self.cfg, self.horizon.schedule_steps)
         for opt in self.optimizers:
             for g in opt.param_groups:
                 g["lr"] = lr
-        inputs, targets = self.loader.next_batch()
+        inputs, targets, *positions = self.loader.next_batch()  # positions: documents kept apart
         if self.layout.cp > 1:
             inputs, targets = shard_sequence(inputs, self.positions), shard_sequence(targets, self.positions)
         for m in self.moes:
             m.stats.reset()
-        loss = self._forward_backward(inputs.to(self.device), targets.to(self.device))
+        loss = self._forward_backward(inputs.to(self.device), targets.to(self.device),
+                                      positions[0].to(self.device) if positions else None)
         lo = self.layout
         if self.moes and lo.tp > 1 and lo.sp:
             sum_moe_gradients_over_tp(self.moe_params, self.mesh)
@@ -579,13 +621,16 @@ class Trainer:
         model = build_model(spec, "meta")
         model.load_state_dict(state, assign=True)
         model.to(self.device).eval()
-        inputs, targets = eval_windows(self.corpus.tokens("val"), seq, n)
+        inputs, targets, *positions = eval_windows(self.corpus.tokens("val"), seq, n, **self._document_args("val"))
         total, count = 0.0, 0
         with torch.no_grad(), autocast_for(self.precision, Layout(), self.device):
             for i in range(0, len(inputs), 16):
                 x, y = inputs[i:i + 16].to(self.device), targets[i:i + 16].to(self.device)
-                total += float(lm_loss(model(x), y)) * y.numel()
-                count += y.numel()
+                logits = model(x, positions=positions[0][i:i + 16].to(self.device)) if positions else model(x)
+                total += float(lm_loss_sum(logits, y))
+                count += int((y != IGNORE).sum())
+        if not count:  # chat data whose held-out windows hold no assistant words
+            return None, None
         return total / count, unigram_loss(None, targets, self.corpus.vocab_size, self.unigram_counts())
 
     def _finish(self, result: RunResult, seconds: float) -> None:
@@ -596,6 +641,7 @@ class Trainer:
             done = self.last_eval if self.last_eval is not None and self.last_eval["step"] == self.step else None
             if state is not None:
                 save_model_dir(self.out / "final", state, self.cfg.model, self.corpus.tokenizer_path)
+                self._copy_chat_files(self.out / "final")
                 if done is None:
                     result.eval_loss, result.unigram_loss = self.evaluate(state)
             if done is not None:  # eval_every evaluated these weights already
@@ -616,6 +662,20 @@ class Trainer:
             if state is not None:
                 self.log(f"wrote {self.out / 'final'}")
         self._barrier()
+
+    def _copy_chat_files(self, final: Path) -> None:
+        """final/ carries the chat template of the model it started from ([model] init) or of the chat data's
+        tokenizer folder, so LoRA and generation render conversations from final/ as training did."""
+        from trainscale.runtime.artifact import CHAT_FILES, copy_chat_files
+
+        d = self.cfg.data
+        for folder in (self.cfg.init, d.tokenizer):
+            if folder is None:
+                continue
+            src = Path(folder) if Path(folder).is_dir() else Path(folder).parent
+            if any((src / name).is_file() for name in CHAT_FILES):
+                copy_chat_files(src, final)
+                return
 
     def _run_info(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "layout": str(self.layout), "world_size": self.world,

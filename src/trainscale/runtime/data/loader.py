@@ -24,16 +24,22 @@ class TokenLoader:
     component's next window (its own windows, permuted per epoch from (seed, component, epoch)). The position
     is then ``sequences`` and the sequences drawn so far from each component (``drawn``): every rank computes
     the draws of the whole global batch, so the state stays global and the same on every rank.
+
+    ``documents``: packed documents are kept apart (``[data] document_mask``, chat data): a batch is then
+    (inputs, targets, positions), ``document_batch``'s, with ``flags`` (chat data's per-token flags, laid out as
+    ``tokens``) or else documents ending at the end-of-text token ``eot``.
     """
 
     def __init__(self, tokens, seq_len: int, global_batch: int, dp_rank: int = 0, dp: int = 1,
-                 seed: int = 0) -> None:
+                 seed: int = 0, flags=None, eot: int | None = None, documents: bool = False) -> None:
         import numpy as np
 
         if global_batch % dp:
             raise TrainscaleError(f"global_batch {global_batch} is not divisible by dp {dp}")
         self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
         self.dp_rank, self.dp, self.seed = dp_rank, dp, seed
+        self.documents, self.eot = documents or flags is not None, eot
+        self.flag_streams = list(getattr(flags, "components", None) or [flags]) if flags is not None else None
         self.streams = list(getattr(tokens, "components", None) or [tokens])
         self.mixture = len(self.streams) > 1
         self.comp_windows = [(len(t) - 1) // seq_len for t in self.streams]
@@ -107,19 +113,25 @@ class TokenLoader:
         first = batch * self.global_batch + self.dp_rank * local
         return [self.window(k) for k in range(first, first + local)]
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (inputs, targets), each [global_batch / dp, seq_len] int64."""
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """-> (inputs, targets), each [global_batch / dp, seq_len] int64; with ``documents``, (inputs, targets,
+        positions) (``document_batch``)."""
         import numpy as np
 
         local = self.global_batch // self.dp
         plan = self._plan(self.sequences, self.global_batch)
         x = np.empty((local, self.seq_len + 1), dtype=np.int64)
+        f = np.empty((local, self.seq_len + 1), dtype=np.uint8) if self.flag_streams is not None else None
         for row, (c, win) in enumerate(plan[self.dp_rank * local:(self.dp_rank + 1) * local]):
             w = win * self.seq_len
             x[row] = self.streams[c][w: w + self.seq_len + 1]
+            if f is not None:
+                f[row] = self.flag_streams[c][w: w + self.seq_len + 1]
         for c, _ in plan:
             self.drawn[c] += 1
         self.sequences += self.global_batch
+        if self.documents:
+            return document_batch(x, f, self.eot)
         t = torch.from_numpy(x)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
@@ -150,11 +162,45 @@ class TokenLoader:
             self.drawn[:] = [int(d) for d in state["drawn"]]
 
 
-def eval_windows(tokens, seq_len: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``n`` windows of held-out text: (inputs, targets) [n, seq_len]."""
+def document_batch(x, f, eot: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Windows of packed documents, x [n, seq_len + 1] token ids and f (chat data) their flags or None ->
+    (inputs, targets, positions), each [n, seq_len] int64: a target is IGNORE (-100, F.cross_entropy's
+    ignore_index) where its flags lack LEARNED (chat: all but the assistant's words and end-of-turn), and
+    positions restart at 0 at each document's first token (DOC_START; for text, the token after an end-of-text
+    token ``eot``) and at the window's first, so the model keeps documents apart (runtime/model.document_mask)."""
+    import numpy as np
+
+    from trainscale.runtime.data.shards import DOC_START, LEARNED
+    from trainscale.runtime.model import IGNORE
+
+    inputs, targets = x[:, :-1], x[:, 1:].copy()
+    n, s = inputs.shape
+    if f is not None:
+        targets[(f[:, 1:] & LEARNED) == 0] = IGNORE
+        starts = (f[:, :-1] & DOC_START) != 0
+    else:
+        starts = np.zeros((n, s), dtype=bool)
+        if eot is not None:
+            starts[:, 1:] = inputs[:, :-1] == eot
+    starts[:, 0] = True
+    steps = np.arange(s, dtype=np.int64)
+    last_start = np.maximum.accumulate(np.where(starts, steps, 0), axis=1)
+    return (torch.from_numpy(np.ascontiguousarray(inputs)), torch.from_numpy(targets),
+            torch.from_numpy(steps - last_start))
+
+
+def eval_windows(tokens, seq_len: int, n: int, flags=None, eot: int | None = None,
+                 documents: bool = False) -> tuple[torch.Tensor, ...]:
+    """The first ``n`` windows of held-out text: (inputs, targets) [n, seq_len]; with ``documents`` (or chat
+    data's ``flags``), (inputs, targets, positions) as ``document_batch`` makes them."""
     import numpy as np
 
     n = min(n, (len(tokens) - 1) // seq_len)
+    if documents or flags is not None:
+        idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+        x = np.asarray(tokens[: n * seq_len + 1], dtype=np.int64)[idx]
+        f = np.asarray(flags[: n * seq_len + 1], dtype=np.uint8)[idx] if flags is not None else None
+        return document_batch(x, f, eot)
     x = torch.from_numpy(np.asarray(tokens[: n * seq_len + 1], dtype=np.int64))
     inputs = torch.stack([x[i * seq_len: (i + 1) * seq_len] for i in range(n)])
     targets = torch.stack([x[i * seq_len + 1: (i + 1) * seq_len + 1] for i in range(n)])
@@ -172,4 +218,5 @@ def unigram_loss(train_tokens, targets: torch.Tensor, vocab_size: int, counts=No
     counts = np.asarray(counts, dtype=np.float64)[:vocab_size]
     counts = np.pad(counts, (0, vocab_size - len(counts))) + 1.0
     logp = np.log(counts / counts.sum())
-    return float(-logp[targets.flatten().numpy()].mean())
+    t = targets.flatten().numpy()
+    return float(-logp[t[t >= 0]].mean())  # targets not learned (IGNORE, -100) left out

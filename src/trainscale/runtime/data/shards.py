@@ -6,7 +6,7 @@ cut into many units. Each unit is read, tokenised (tokenizer.py; token files: th
 written as one shard per split by a worker process, so no process ever holds more than a unit: corpora larger
 than memory work, and a corpus of 100,000 files makes a few shards, not 100,000.
 
-Output folder (format 2):
+Output folder (format 3; format 2, the same without flags, is still read):
     index.json            what is there: shards (with their mixture component) and token counts per split,
                           tokenizer, end-of-text id, the content hash of inputs + tokenizer + settings, the
                           inputs' size and mtime, the mixture's components
@@ -16,6 +16,10 @@ Output folder (format 2):
     train-docs.npy        int64: where each document of the split ends (token offset after its end-of-text
     val-docs.npy          token, in the split's stream: its shards in order)
     unigram.npy           train-split token counts (the unigram baseline, without rereading the shards)
+    train-00000.flags.npy chat data only (``[data] format = "chat"``, runtime/data/chat.py): uint8 per token,
+    val-00000.flags.npy   bit 0 (LEARNED) set where the token is a target to learn (an assistant's words and
+                          end-of-turn), bit 1 (DOC_START) on each conversation's first token; conversations are
+                          packed without an end-of-text token between them (the template writes their ends)
     unit-00000.json ...   one per unit: done (what an interrupted run keeps)
 
 Training opens shards on demand through a bounded cache of memory maps (``MapCache``, 64 by default), so the
@@ -67,7 +71,10 @@ from trainscale.runtime.data.tokenizer import (
 )
 from trainscale.safeio import atomic_write, atomic_write_text, read_json_object
 
-FORMAT_VERSION = 2  # 1: a shard per input file, no document ends
+FORMAT_VERSION = 3  # 1: a shard per input file, no document ends; 2: no flags (chat data)
+READ_VERSIONS = (2, 3)  # a format-2 folder is a format-3 folder without chat data
+TOKENS_VERSION = 2  # what the token shards of text hold has not changed since format 2: their hash key stays
+LEARNED, DOC_START = 1, 2  # the bits of a flags shard
 MAX_OPEN_SHARDS = 64  # memory maps a reader keeps open (each holds a file descriptor)
 MAX_INDEX_BYTES = 256 << 20  # index.json and jobs.json list every shard: kilobytes per thousand shards
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
@@ -86,17 +93,48 @@ def _save_array(path: Path, array: np.ndarray) -> None:
 
 
 def tokenize_unit(work: str, sources: list[Source], unit: Unit, s: Settings, tokenizer: str, eot: int,
-                  dtype: str, vocab: int) -> dict[str, int]:
+                  dtype: str, vocab: int, chat: str | None = None) -> dict[str, int]:
     """Tokenise one unit into ``train-NNNNN.npy`` and ``val-NNNNN.npy`` (and where their documents end);
-    ``unit-NNNNN.json`` last marks it done."""
+    ``unit-NNNNN.json`` last marks it done. ``chat``: the folder whose chat template renders the conversations
+    (then the flags shards too)."""
     import gc
 
-    tok = cached_tokenizer(tokenizer)
+    if chat is not None:
+        from trainscale.runtime.data.chat import cached_chat_tokenizer
+
+        tok = cached_chat_tokenizer(chat)
+    else:
+        tok = cached_tokenizer(tokenizer)
     gc.disable()  # millions of short-lived id lists: the cyclic collector would only scan them
     try:
         return _tokenize_unit(work, tok, sources, unit, s, eot, dtype, vocab)
     finally:
         gc.enable()
+
+
+def _chat_tokens(chat, docs, keep: np.ndarray, dtype: str, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kept conversations, rendered and tokenized (runtime/data/chat.py), packed: (tokens, where each ends,
+    flags: LEARNED on the targets to learn, DOC_START on each conversation's first token)."""
+    from trainscale.runtime.data.chat import encode_line
+    from trainscale.runtime.data.sources import line_of
+
+    ids_parts, flag_parts = [], []
+    for i in keep.tolist():
+        path, offset = docs.origins[i]
+        ids, learned = encode_line(docs.texts[i], chat,
+                                   lambda p=path, o=offset: f"chat data file {p} line {line_of(p, o)}")
+        f = np.asarray(learned, dtype=np.uint8) * np.uint8(LEARNED)
+        f[0] |= DOC_START
+        ids_parts.append(np.asarray(ids, dtype=np.int64))
+        flag_parts.append(f)
+    if not ids_parts:
+        return np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint8)
+    arr = np.concatenate(ids_parts)
+    if arr.max() >= vocab:
+        raise TrainscaleError(f"the chat tokenizer of {chat.folder} made token id {int(arr.max())}, outside its "
+                              f"vocabulary of {vocab:,}")
+    lengths = np.fromiter(map(len, ids_parts), dtype=np.int64, count=len(ids_parts))
+    return arr.astype(dtype), np.cumsum(lengths), np.concatenate(flag_parts)
 
 
 def _split_tokens(tok, docs, keep: np.ndarray, eot: int, dtype: str) -> tuple[np.ndarray, np.ndarray, int]:
@@ -123,7 +161,12 @@ def _tokenize_unit(work: str, tok, sources: list[Source], unit: Unit, s: Setting
     folder = Path(work)
     for split, held in (("train", False), ("val", True)):
         keep = np.flatnonzero(docs.held == held)
-        arr, doc_ends, n_docs = _split_tokens(tok, docs, keep, eot, dtype)
+        if docs.origins is not None:  # chat: conversations rendered by the template, with their flags
+            arr, doc_ends, flags = _chat_tokens(tok, docs, keep, dtype, vocab)
+            n_docs = len(doc_ends)
+            _save_array(folder / f"{split}-{unit.index:05d}.flags.npy", flags)
+        else:
+            arr, doc_ends, n_docs = _split_tokens(tok, docs, keep, eot, dtype)
         _save_array(folder / f"{split}-{unit.index:05d}.npy", arr)
         _save_array(folder / f"{split}-{unit.index:05d}.ends.npy", doc_ends.astype(np.int64))
         meta[f"{split}_tokens"], meta[f"{split}_docs"] = int(arr.size), n_docs
@@ -235,7 +278,7 @@ class ShardCorpus:
     @cached_property
     def index(self) -> dict[str, Any]:
         index = read_json_object(self.folder / "index.json", "prepared corpus index", limit=MAX_INDEX_BYTES)
-        if index.get("version") != FORMAT_VERSION:
+        if index.get("version") not in READ_VERSIONS:
             raise TrainscaleError(f"prepared corpus {self.folder} is in format {index.get('version')} of an earlier "
                                   f"trainscale, not {FORMAT_VERSION}; re-run prepare-data to rewrite it")
         return index
@@ -248,19 +291,35 @@ class ShardCorpus:
     def vocab_size(self) -> int:
         return int(self.index["vocab_size"])
 
-    def _stream(self, shards: list[dict[str, Any]]) -> TokenStream:
-        return TokenStream(files=[self.folder / sh["file"] for sh in shards], lengths=[sh["tokens"] for sh in shards],
-                           dtype=self.index["dtype"], cache=self._cache)
+    def _stream(self, shards: list[dict[str, Any]], key: str = "file", dtype: str | None = None) -> TokenStream:
+        return TokenStream(files=[self.folder / sh[key] for sh in shards], lengths=[sh["tokens"] for sh in shards],
+                           dtype=dtype or self.index["dtype"], cache=self._cache)
 
-    def tokens(self, split: str) -> TokenStream:
-        """The split's tokens; a mixture's train split is a MixtureStream (its components apart)."""
+    def tokens(self, split: str, key: str = "file", dtype: str | None = None) -> TokenStream:
+        """The split's tokens; a mixture's train split is a MixtureStream (its components apart). ``key``
+        "flags_file" (dtype uint8): the split's flags, laid out as its tokens (``flags``)."""
         shards = self.index["splits"][split]["shards"]
         components = self.index.get("components") or [{"name": "", "weight": 1.0}]
         if split != "train" or len(components) == 1:
-            return self._stream(shards)
+            return self._stream(shards, key, dtype)
         weights = list(self.weights) if self.weights is not None else [float(c["weight"]) for c in components]
-        parts = [self._stream([sh for sh in shards if sh.get("group", 0) == g]) for g in range(len(components))]
+        parts = [self._stream([sh for sh in shards if sh.get("group", 0) == g], key, dtype)
+                 for g in range(len(components))]
         return MixtureStream(parts, weights, [str(c["name"]) for c in components])
+
+    @property
+    def chat(self) -> bool:
+        """Whether the corpus is chat data (its shards have flags)."""
+        return bool(self.index.get("flags"))
+
+    @property
+    def eot_id(self) -> int | None:
+        return self.index.get("eot_id")
+
+    def flags(self, split: str) -> TokenStream | None:
+        """Chat data: the split's per-token flags (LEARNED, DOC_START bits), read as ``tokens(split)`` is; None
+        for text, whose every target is learned and whose documents end with the end-of-text token."""
+        return self.tokens(split, "flags_file", "uint8") if self.chat else None
 
     def documents(self, split: str) -> np.ndarray:
         """Where each document of the split ends (int64 token offsets in ``tokens(split)``)."""
@@ -275,7 +334,7 @@ class ShardCorpus:
 
 # What prepare-data writes, by name: a finished folder (index.json, tokenizer.json, unigram.npy, the shards and
 # the unit markers) and, while at work, its temporary files, job list and worker logs.
-OUTPUT_FILES = re.compile(r"index\.json|tokenizer\.json|unigram\.npy|(train|val)-(\d{5,}|docs)\.npy"
+OUTPUT_FILES = re.compile(r"index\.json|tokenizer\.json|unigram\.npy|(train|val)-(\d{5,}(\.flags)?|docs)\.npy"
                           r"|unit-\d{5,}\.json")
 WORK_FILES = re.compile(OUTPUT_FILES.pattern + r"|(train|val)-\d{5,}\.ends\.npy|jobs\.json|worker-\d+\.log"
                         r"|\..+\.tmp\d+")
@@ -321,7 +380,7 @@ def _check_folder(folder: Path) -> dict[str, Any] | None:
 
 
 def _settings_key(s: Settings, tokenizer_key: str) -> str:
-    return json.dumps({"version": FORMAT_VERSION, "documents": s.documents, "text_field": s.text_field,
+    return json.dumps({"version": TOKENS_VERSION, "documents": s.documents, "text_field": s.text_field,
                        "held_out": s.held_out, "unit_bytes": s.unit_bytes, "tokenizer": tokenizer_key},
                       sort_keys=True)
 
@@ -406,6 +465,9 @@ def _resolve(req: DataRequest) -> list[Source]:
 
 def _tokenizer_of(req: DataRequest, sources: list[Source], model_vocab: int):
     """(tokenizer or None to train one, its vocabulary size, the end-of-text token, its key for the hash)."""
+    if req.format == "chat" and req.tokenizer is None:
+        raise TrainscaleError("[data] format = \"chat\" needs the model's tokenizer folder with its chat template: "
+                              "set [data] tokenizer = \"FOLDER\", or [model] init")
     if req.tokenizer is not None:
         tok = load_tokenizer(req.tokenizer)
         vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -413,7 +475,12 @@ def _tokenizer_of(req: DataRequest, sources: list[Source], model_vocab: int):
             raise TrainscaleError(f"tokenizer {req.tokenizer} has {vocab:,} tokens, more than the model's vocab_size "
                                   f"{model_vocab:,}")
         eot = eot_of(tok, req.tokenizer, req.eot)
-        return tok, vocab, eot, hashlib.sha256(tok.to_str().encode()).hexdigest() + f"|{eot}"
+        key = hashlib.sha256(tok.to_str().encode()).hexdigest() + f"|{eot}"
+        if req.format == "chat":  # the template and its special tokens change the tokens too
+            from trainscale.runtime.data.chat import chat_folder_of, load_chat_tokenizer, template_key
+
+            key += "|chat:" + template_key(load_chat_tokenizer(chat_folder_of(req.tokenizer)))
+        return tok, vocab, eot, key
     tokens = next((s for s in sources if s.format in TOKEN_FORMATS), None)
     if tokens is not None:
         raise TrainscaleError(f"data file {tokens.path} holds token ids already; name the tokenizer that made them "
@@ -480,6 +547,11 @@ def _build(req: DataRequest, sources: list[Source], hashes: list[str], digest: s
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
     eot_id = tok.token_to_id(eot)
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    chat = None
+    if req.format == "chat":
+        from trainscale.runtime.data.chat import chat_folder_of
+
+        chat = str(chat_folder_of(req.tokenizer).absolute())
 
     done = {u.index for u in units if (work / f"unit-{u.index:05d}.json").exists()}
     todo = [u for u in units if u.index not in done]
@@ -494,7 +566,7 @@ def _build(req: DataRequest, sources: list[Source], hashes: list[str], digest: s
         progress("tokenizing", progress_done, total)
     if workers <= 1:
         for u in todo:
-            tokenize_unit(str(work), sources, u, s, str(tok_path), eot_id, dtype, vocab_size)
+            tokenize_unit(str(work), sources, u, s, str(tok_path), eot_id, dtype, vocab_size, chat)
             progress_done += unit_size[u.index]
             if progress:
                 progress("tokenizing", progress_done, total)
@@ -502,7 +574,7 @@ def _build(req: DataRequest, sources: list[Source], hashes: list[str], digest: s
         atomic_write_text(work / "jobs.json", json.dumps({
             "sources": [src.__dict__ for src in sources], "todo": [u.__dict__ for u in todo],
             "settings": s.__dict__, "tokenizer": str(tok_path), "eot_id": eot_id, "dtype": dtype,
-            "vocab": vocab_size}))
+            "vocab": vocab_size, "chat": chat}))
 
         shown = [len(done)]
 
@@ -564,7 +636,8 @@ def _worker_main(argv: list[str]) -> int:
     try:
         for i, u in enumerate(Unit.from_json(x) for x in job["todo"]):
             if i % n == w:
-                tokenize_unit(work, sources, u, settings, job["tokenizer"], job["eot_id"], job["dtype"], job["vocab"])
+                tokenize_unit(work, sources, u, settings, job["tokenizer"], job["eot_id"], job["dtype"], job["vocab"],
+                              job.get("chat"))
     except TrainscaleError as e:
         print(e, file=sys.stderr)
         return 2
@@ -607,6 +680,8 @@ def _splits(work: Path, metas: list[dict[str, Any]]) -> dict[str, Any]:
                 continue
             shards.append({"file": f"{split}-{m['unit']:05d}.npy", "tokens": m[f"{split}_tokens"],
                            "documents": m[f"{split}_docs"], "group": m["group"]})
+            if (work / f"{split}-{m['unit']:05d}.flags.npy").exists():
+                shards[-1]["flags_file"] = f"{split}-{m['unit']:05d}.flags.npy"
             ends.append(np.load(work / f"{split}-{m['unit']:05d}.ends.npy", allow_pickle=False) + offset)
             offset += m[f"{split}_tokens"]
         _save_array(work / f"{split}-docs.npy", np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64))
@@ -641,6 +716,7 @@ def _finish(req: DataRequest, sources: list[Source], hashes: list[str], units: l
     _save_array(work / "unigram.npy", _unigram(work, splits["train"]["shards"], vocab_size))
     index = {"version": FORMAT_VERSION, "hash": digest, "tokenizer": "tokenizer.json", "vocab_size": vocab_size,
              "eot": eot, "eot_id": eot_id, "dtype": dtype, "splits": splits, "unigram": "unigram.npy",
+             "flags": req.format == "chat",
              "settings": {**req.settings.__dict__, "format": req.format},
              "components": [{"name": c.name, "weight": c.weight, "files": list(c.files)} for c in req.parts()],
              "sources": [{**src.__dict__, "sha256": h} for src, h in zip(sources, hashes, strict=True)]}

@@ -78,7 +78,7 @@ def corpus_text(split: str = "train", max_chars: int | None = None) -> str:
 @dataclass(frozen=True)
 class Source:
     path: str  # a Megatron dataset: its .idx (the .bin beside it)
-    format: str  # "text" | "jsonl" | "parquet" | "megatron" | "npy"
+    format: str  # "text" | "jsonl" | "parquet" | "megatron" | "npy" | "chat" (conversations, runtime/data/chat.py)
     size: int  # a Megatron dataset: .idx + .bin
     mtime_ns: int
     group: int = 0  # the mixture component it belongs to
@@ -443,6 +443,24 @@ class Docs:
     held: np.ndarray
     ends: list[bool] | None = None
     arrays: list[np.ndarray] | None = None
+    origins: list[tuple[str, int]] | None = None  # chat: each record's (file, byte offset), to name its line
+
+
+def _chat_lines(src: Source, start: int, end: int) -> tuple[list[str], list[int]]:
+    """A chat JSONL piece's non-blank lines (each a conversation, parsed when it is encoded) and their offsets."""
+    raw = _read_piece(src, start, end)
+    lines, offsets, offset = [], [], start
+    for line in raw.split(b"\n"):
+        if line.strip():
+            lines.append(line)
+            offsets.append(offset)
+        offset += len(line) + 1
+    return lines, offsets
+
+
+def line_of(path: str, offset: int) -> int:
+    """The 1-based line number of byte ``offset`` of ``path`` (read only when an error names it)."""
+    return _line_number(path, offset)
 
 
 def _key_seed(key: str) -> int:
@@ -554,9 +572,19 @@ def unit_documents(sources: list[Source], unit: Unit, s: Settings, eot: int | No
     counts: list[int] = []
     ends: list[bool] = []
     spans: list[int] = []  # documents per piece, to spread a whole-file document's one decision over its pieces
+    origins: list[tuple[str, int]] = []
     any_ends = False
     for piece in unit.pieces:
         src = sources[piece[0]]
+        if src.format == "chat":  # a conversation per line, a document each
+            got, offsets = _chat_lines(src, piece[1], piece[2])
+            texts += got
+            origins += [(src.path, o) for o in offsets]
+            keys.append(f"{piece[0]}:{piece[1]}")
+            counts.append(len(got))
+            spans.append(len(got))
+            ends += [True] * len(got)
+            continue
         if src.format in TOKEN_FORMATS:
             docs = _token_docs(src, piece, eot, vocab)
             arrays += docs
@@ -577,7 +605,7 @@ def unit_documents(sources: list[Source], unit: Unit, s: Settings, eot: int | No
         per_piece = np.split(held, np.cumsum(counts)[:-1])
         held = np.concatenate([np.repeat(h[:1], m) if c == 1 and m != 1 else h
                                for h, c, m in zip(per_piece, counts, spans, strict=True)])
-    return Docs(texts, held, ends if any_ends else None, arrays if arrays else None)
+    return Docs(texts, held, ends if any_ends else None, arrays if arrays else None, origins or None)
 
 
 def _jsonl_texts(raw: bytes, path: str, start: int, field: str) -> list[str]:

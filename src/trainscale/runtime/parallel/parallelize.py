@@ -163,8 +163,8 @@ def sum_moe_gradients_over_tp(params: list[nn.Parameter], mesh: ParallelMesh) ->
 
 def _checkpointed(fn):
     @functools.wraps(fn)
-    def run(*args):
-        return checkpoint(fn, *args, use_reentrant=False)
+    def run(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
     return run
 
