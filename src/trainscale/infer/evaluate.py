@@ -17,12 +17,13 @@ from typing import Any
 import torch
 
 from trainscale.errors import TrainscaleError
-from trainscale.infer.lora import LORA_HELD_OUT, lora_loss, split_data
+from trainscale.infer.lora import LORA_HELD_OUT, ChatSplit, chat_rows, is_chat_data, lora_loss, split_chat, split_data
 from trainscale.runtime.artifact import RUN_CONFIG, RUN_TOKENIZER, run_folder_of, run_toml
 from trainscale.runtime.data.sources import corpus_text
 from trainscale.safeio import read_json_object
 
 SPLITS = ("all", "held-out")
+FORMATS = ("auto", "text", "chat")
 
 
 def eval_ids(tokenizer, text: str | None = None, max_tokens: int = 32768) -> list[int]:
@@ -64,6 +65,28 @@ def nll_sum(model, ids: list[int], seq_len: int | None = None, batch: int = 8) -
     return total, count
 
 
+@torch.no_grad()
+def chat_nll_sum(model, convs, seq_len: int | None = None, batch: int = 8) -> tuple[float, int]:
+    """(summed NLL of the learned targets, their count) over conversations, one per row (infer/lora.chat_rows)."""
+    seq_len = min(seq_len or model.spec.max_seq_len, model.spec.max_seq_len)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i in range(0, len(convs), batch):
+        inputs, targets = chat_rows(convs[i:i + batch], seq_len)
+        nll, k = lora_loss(model, inputs.to(device), targets.to(device))
+        total += float(nll)
+        count += k
+    return total, count
+
+
+def score(model, text: EvalText, seq_len: int | None = None) -> tuple[float, int]:
+    """(summed NLL, tokens scored) of ``model`` on an evaluation text: windows of its tokens, or, for chat data,
+    its conversations' learned (assistant) tokens."""
+    if text.conversations is not None:
+        return chat_nll_sum(model, text.conversations, seq_len)
+    return nll_sum(model, text.ids, seq_len)
+
+
 # ------------------------------------------------------------------ which text
 
 
@@ -76,20 +99,28 @@ class EvalText:
     kind: str  # "data" (--data), "adapter-data", "run-prepared", "run-plays", "default-plays"
     source: str  # the file, folder or corpus read
     split: str  # "all" or "held-out"
+    conversations: list | None = None  # chat data: (ids, learned flags) each; ``ids`` then holds them all
 
     def report(self) -> dict[str, Any]:
-        return {"text": self.what, "text_kind": self.kind, "text_source": self.source, "split": self.split,
-                "tokens": len(self.ids)}
+        out = {"text": self.what, "text_kind": self.kind, "text_source": self.source, "split": self.split,
+               "tokens": len(self.ids), "format": "chat" if self.conversations is not None else "text"}
+        if self.conversations is not None:
+            out |= {"conversations": len(self.conversations), "learned_tokens": ChatSplit.learned(self.conversations)}
+        return out
 
 
 def evaluation_text(folder: Path, tok, data: str | None = None, text_field: str = "text", split: str | None = None,
-                    max_tokens: int = 32768, vocab: int | None = None, default_plays: bool = False) -> EvalText:
+                    max_tokens: int = 32768, vocab: int | None = None, default_plays: bool = False,
+                    fmt: str = "auto") -> EvalText:
     """The text to evaluate the model of ``folder`` on, at most ``max_tokens`` tokens of it.
 
     ``data`` given: its documents, all (``split`` "all", the default) or those the trainer's hash rule holds out
     (``held_fraction``: the fraction the model's adapter or run held out of it). No ``data``: the model's own
     held-out data (``held_out_of``); where there is none, the held-out plays if ``default_plays`` (quantize's
-    default), else one sentence asking for --data."""
+    default), else one sentence asking for --data. Chat data (``fmt`` "chat", or "auto" and a JSONL file of
+    conversations) is scored on its learned (assistant) tokens only."""
+    if fmt not in FORMATS:
+        raise TrainscaleError(f"--format must be auto, text or chat, not {fmt!r}")
     if split is not None and split not in SPLITS:
         raise TrainscaleError(f"--split must be all or held-out, not {split!r}")
     if max_tokens < 2:
@@ -97,6 +128,8 @@ def evaluation_text(folder: Path, tok, data: str | None = None, text_field: str 
     if data is not None:
         split = split or "all"
         fraction, why = held_fraction(folder, data)
+        if fmt == "chat" or (fmt == "auto" and is_chat_data(data, text_field)):
+            return _chat_text(folder, data, split, fraction, why, max_tokens, vocab, "data")
         got = split_data(data, tok, text_field, folder, vocab, held_out=fraction, max_tokens=max_tokens,
                          keep="held-out" if split == "held-out" else "all")
         ids = got.held if split == "held-out" else got.train
@@ -108,6 +141,9 @@ def evaluation_text(folder: Path, tok, data: str | None = None, text_field: str 
     if held.kind == "default-plays" and not default_plays:
         raise TrainscaleError(f"{folder} has no held-out data of its own (not a LoRA folder, nor from a run folder "
                               "that says what it trained on); name the text to evaluate on with --data")
+    if held.kind == "adapter-data" and held.chat:
+        return _chat_text(folder, held.data, "held-out", held.fraction, f"what the LoRA adapter {folder} held out",
+                          max_tokens, vocab, held.kind)
     if held.kind == "adapter-data":
         got = split_data(held.data, tok, held.text_field, folder, vocab, held_out=held.fraction,
                          max_tokens=max_tokens, keep="held-out")
@@ -116,6 +152,17 @@ def evaluation_text(folder: Path, tok, data: str | None = None, text_field: str 
     ids = held.ids if held.ids is not None else eval_ids(tok, None, max_tokens)
     source = held.data or "the Shakespeare plays (runtime/data/sources.py)"
     return EvalText(_enough(ids, held.what), f"{held.what}, {len(ids):,} tokens", held.kind, source, "held-out")
+
+
+def _chat_text(folder: Path, data: str, split: str, fraction: float, why: str, max_tokens: int, vocab: int | None,
+               kind: str) -> EvalText:
+    got = split_chat(data, folder, fraction, vocab, max_tokens, keep="held-out" if split == "held-out" else "all")
+    convs = got.held if split == "held-out" else got.train
+    what = got.describe(split) + (f" ({why})" if split == "held-out" else "")
+    if not ChatSplit.learned(convs):
+        raise TrainscaleError(f"the evaluation text, {what}, has no learned (assistant) token; name more "
+                              "conversations with --data (or --split all)")
+    return EvalText([i for ids, _ in convs for i in ids], what, kind, data, split, convs)
 
 
 def _enough(ids: list[int], what: str) -> list[int]:
@@ -155,8 +202,9 @@ def _same_data(a: str, b: str) -> bool:
         return False
 
 
-def _adapter_data(folder: Path) -> tuple[str, str, float] | None:
-    """(data, text field, held-out fraction) a LoRA folder's adapter.json records; None for another folder."""
+def _adapter_data(folder: Path) -> tuple[str, str, float, bool] | None:
+    """(data, text field, held-out fraction, chat or not) a LoRA folder's adapter.json records; None for another
+    folder."""
     if not (Path(folder) / "adapter.json").is_file():
         return None
     try:
@@ -167,7 +215,7 @@ def _adapter_data(folder: Path) -> tuple[str, str, float] | None:
     if not isinstance(data, str) or not isinstance(field, str) or not isinstance(frac, (int, float)) \
             or not 0 < frac < 1:
         return None
-    return data, field, float(frac)
+    return data, field, float(frac), cfg.get("format") == "chat"
 
 
 # ------------------------------------------------------------------ the model's own held-out data
@@ -184,6 +232,7 @@ class HeldOut:
     data: str | None = None  # adapter-data: the file the adapter trained on; run-prepared: the prepared folder
     text_field: str = "text"
     fraction: float = LORA_HELD_OUT
+    chat: bool = False  # adapter-data: conversations (the adapter trained with --format chat)
 
 
 def held_out_of(folder: Path, max_tokens: int) -> HeldOut:
@@ -192,8 +241,8 @@ def held_out_of(folder: Path, max_tokens: int) -> HeldOut:
     the plays, the held-out plays; else the default, the held-out plays (runtime/data/sources.py)."""
     adapter = _adapter_data(folder)
     if adapter is not None:
-        data, field, frac = adapter
-        return HeldOut(f"the held-out documents of {data}", "adapter-data", None, data, field, frac)
+        data, field, frac, chat = adapter
+        return HeldOut(f"the held-out documents of {data}", "adapter-data", None, data, field, frac, chat)
     run = run_folder_of(folder)
     if run is None:
         return HeldOut(f"the held-out Shakespeare plays (default: {folder} is not from a run folder)", "default-plays")

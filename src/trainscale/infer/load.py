@@ -131,7 +131,7 @@ def _load_adapter(folder: Path, spec: ModelSpec, dtype: torch.dtype, chain: tupl
     chain = _check_chain(folder, chain)
     cfg = read_adapter_config(folder)
     base, base_spec, _ = _load(cfg.base, torch.float32, chain)
-    if base_spec != spec:
+    if base_spec.model_copy(update={"source": ""}) != spec.model_copy(update={"source": ""}):  # provenance aside
         raise TrainscaleError(f"{folder / 'model.json'} does not describe the model its base {cfg.base} holds")
     _check_adapter_file(folder, base_spec, cfg)
     return fold_adapter(base, base_spec, folder, cfg).to(dtype).eval()

@@ -27,6 +27,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate.lora import lora_targets
 from trainscale.infer.quantize import GROUP_SIZES, QuantConfig, QuantizedLinear, quantize_linears
 from trainscale.runtime.data.sources import corpus_text
+from trainscale.runtime.model import IGNORE
 from trainscale.safeio import read_json_object
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -155,7 +156,6 @@ MAX_DATA_BYTES = 1 << 30  # LoRA holds its token ids in memory (a list of ints):
 # Settings.held_mask, a hash of each document's position, never chance), with a larger fraction than the
 # trainer's default 0.05 (runtime/config.py [data] held_out), as fine-tuning sets are small.
 LORA_HELD_OUT = 0.1
-IGNORE = -100  # target id with no loss: torch's cross_entropy ignore_index default
 EVAL_TOKENS = 32768  # held-out tokens LoRA measures itself on at most (evaluate's default --max-tokens)
 
 
@@ -280,6 +280,134 @@ def _unit_documents(data: str, tokenizer, text_field: str, folder: Path | None, 
         yield out, docs.held
 
 
+# ------------------------------------------------------------------ chat data
+
+
+def is_chat_data(data: str, text_field: str = "text") -> bool:
+    """Whether ``data`` is one JSONL file of conversations: its first record has ``messages``, or ``prompt`` and
+    ``response`` (runtime/data/chat.py's two forms), and no ``text_field``."""
+    import json
+
+    p = Path(data).expanduser()
+    try:
+        if p.suffix.lower() not in (".jsonl", ".ndjson") or not p.is_file():
+            return False
+        from trainscale.runtime.data.chat import MAX_LINE_BYTES
+        from trainscale.safeio import check_regular
+
+        with open(check_regular(p, "data file"), "rb") as f:
+            while line := f.readline(MAX_LINE_BYTES + 1):
+                if line.strip():
+                    obj = json.loads(line)
+                    return isinstance(obj, dict) and text_field not in obj and \
+                        ("messages" in obj or ("prompt" in obj and "response" in obj))
+    except (OSError, ValueError, RecursionError, TrainscaleError):
+        return False
+    return False
+
+
+Conversation = tuple[list[int], list[bool]]  # token ids, and which are learned (runtime/data/chat.encode_example)
+
+
+@dataclass
+class ChatSplit:
+    """A chat JSONL file's conversations, rendered with the base's chat template and tokenized, each with its
+    learned flags (the assistant's words and end-of-turn): those the trainer's hash rule holds out and the rest."""
+
+    data: str
+    fraction: float
+    train: list[Conversation]
+    held: list[Conversation]
+    documents: int = 0
+    held_documents: int = 0
+    truncated: bool = False
+
+    @staticmethod
+    def learned(convs: list[Conversation]) -> int:
+        """Learned targets: flags on every token but each conversation's first (which no position predicts)."""
+        return sum(sum(f[1:]) for _, f in convs)
+
+    def describe(self, which: str = "held-out") -> str:
+        convs = self.train + self.held if which == "all" else self.held if which == "held-out" else self.train
+        n = self.documents if which == "all" else self.held_documents if which == "held-out" else \
+            self.documents - self.held_documents
+        read = " read" if self.truncated else ""
+        rule = f"; the trainer's hash rule, {self.fraction:.0%} held out" if which != "all" else ""
+        which = f"the {which} conversations ({n:,} of {self.documents:,}{read}{rule})" if which != "all" else \
+            f"all {n:,} conversations{' (first)' if self.truncated else ''}"
+        return (f"{self.data} (chat): {which}, {sum(len(i) for i, _ in convs):,} tokens of which "
+                f"{self.learned(convs):,} learned (assistant)")
+
+
+def split_chat(data: str, folder: Path, held_out: float = LORA_HELD_OUT, vocab: int | None = None,
+               max_tokens: int | None = None, keep: str = "both") -> ChatSplit:
+    """The conversations of the chat JSONL file ``data`` as the trainer reads them (runtime/data/sources.py, format
+    "chat": a conversation per line, held out by ``Settings.held_mask``), rendered with the chat template of the
+    model folder ``folder`` (runtime/data/chat.py: ``encode_line``, learned flags). ``keep`` / ``max_tokens`` as
+    ``split_data``'s."""
+    from trainscale.runtime.data.chat import encode_line, load_chat_tokenizer
+    from trainscale.runtime.data.sources import Settings, line_of, plan_units, resolve_sources, unit_documents
+
+    chat = load_chat_tokenizer(folder)
+    settings = Settings(held_out=held_out)
+    sources = resolve_sources((data,), fmt="chat")
+    if sum(s.size for s in sources) > MAX_DATA_BYTES:
+        raise TrainscaleError(f"data {data} holds more than {MAX_DATA_BYTES >> 30} GiB; LoRA keeps its tokens in "
+                              "memory: give it a smaller file")
+    out, tokens = ChatSplit(data, held_out, [], []), 0
+    for unit in plan_units(sources, settings.unit_bytes, settings.documents, None):
+        docs = unit_documents(sources, unit, settings, None, vocab)
+        for line, (path, offset), h in zip(docs.texts, docs.origins, docs.held.tolist(), strict=True):
+            out.documents += 1
+            out.held_documents += bool(h)
+            if keep == "held-out" and not h:
+                continue
+            ids, flags = encode_line(line, chat, lambda p=path, o=offset: f"chat data file {p} line {line_of(p, o)}")
+            if vocab is not None and max(ids, default=0) >= vocab:
+                raise TrainscaleError(f"the chat tokenizer of {folder} made token id {max(ids)}, outside the model's "
+                                      f"vocabulary of {vocab:,}")
+            (out.held if h and keep != "all" else out.train).append((ids, flags))
+            tokens += len(ids)
+            if max_tokens is not None and tokens >= max_tokens:
+                out.truncated = True
+                return out
+    return out
+
+
+def chat_rows(convs: list[Conversation], seq_len: int, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One conversation per row, its first ``seq_len`` + 1 tokens: inputs [n, s] (right-padded with ``pad``) and
+    targets [n, s], the next token where it is learned, IGNORE elsewhere (prompts, template text, padding). Causal
+    attention keeps a row's real tokens from seeing the padding after them, and each row's positions start at 0:
+    the padded batch computes each conversation exactly as alone."""
+    cut = [(ids[: seq_len + 1], flags[: seq_len + 1]) for ids, flags in convs]
+    width = max(len(ids) for ids, _ in cut) - 1
+    inputs = torch.full((len(cut), max(width, 1)), pad, dtype=torch.long)
+    targets = torch.full((len(cut), max(width, 1)), IGNORE, dtype=torch.long)
+    for r, (ids, flags) in enumerate(cut):
+        n = len(ids) - 1
+        if n < 1:
+            continue
+        inputs[r, :n] = torch.tensor(ids[:-1])
+        t = torch.tensor(ids[1:])
+        t[~torch.tensor(flags[1:], dtype=torch.bool)] = IGNORE
+        targets[r, :n] = t
+    return inputs, targets
+
+
+def train_lora_chat(model, convs: list[Conversation], steps: int, batch: int, seq_len: int, lr: float,
+                    seed: int = 0, progress=None) -> dict[str, Any]:
+    """``train_adapters`` on ``batch`` random conversations a step (``chat_rows``): the loss over learned tokens."""
+    if not ChatSplit.learned(convs):
+        raise TrainscaleError("the training conversations have no assistant token to learn")
+    seq_len = min(seq_len, model.spec.max_seq_len)
+
+    def rows(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        pick = torch.randint(0, len(convs), (batch,), generator=gen).tolist()
+        return chat_rows([convs[i] for i in pick], seq_len)
+
+    return train_adapters(model, rows, steps, lr, seed, progress)
+
+
 def lora_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(summed next-token cross-entropy, number of tokens counted) of ``model`` on ``inputs`` [b, s], over the
     ``targets`` [b, s] that are not IGNORE (-100: padding, or a chat's prompt tokens). The one loss of LoRA's
@@ -332,7 +460,7 @@ def train_adapters(model, next_batch, steps: int, lr: float, seed: int = 0, prog
 
 # the tokenizer's files an adapter folder carries from its base: the vocabulary, and a Hugging Face folder's
 # settings (eos_token, chat_template: transformers' tokenizer_config.json / special_tokens_map.json)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def save_adapter_folder(out: Path, model, spec, base_folder: Path, config: dict[str, Any]) -> Path:
