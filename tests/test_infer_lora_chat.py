@@ -140,3 +140,8 @@ def test_lora_on_chat_lowers_held_out_loss_on_assistant_tokens(world, tmp_path):
     res = CliRunner().invoke(app, ["lora", str(world["hf"]), "--data", str(world["data"]), "--format", "text",
                                    "--steps", "1", "--out", str(tmp_path / "t")])
     assert "has no 'text' field" in str(res.exception)
+    for command in ("lora", "evaluate"):
+        res = CliRunner().invoke(app, [command, str(world["hf"]), "--data", str(world["data"]), "--format", "xml",
+                                       "--out" if command == "lora" else "--json", *([str(tmp_path / "x")]
+                                                                                     if command == "lora" else [])])
+        assert "--format must be auto, text or chat, not 'xml'" in str(res.exception)
