@@ -190,3 +190,24 @@ def check_llama_cpp_f16(path, model: torch.nn.Module, ids: list[int], n: int = 3
     assert np.abs(np.array(llm.scores[:len(ids)]) - ref).max() < 2e-2
     assert llama_greedy(llm, ids, n) == ours
     return llm, ours
+
+
+def make_hf_llama32(folder: Path, tokenizer_file: Path, vocab: int, shard: str | None = None):
+    """A random Llama 3.2-shaped model built by transformers (llama3 RoPE scaling, tied embeddings, GQA), every
+    weight perturbed, saved with save_pretrained (in shards of ``shard`` if given) with ``tokenizer_file`` as its
+    tokenizer.json; -> the folder. Nothing downloaded."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+        tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+    model.save_pretrained(str(folder), **({"max_shard_size": shard} if shard else {}))
+    (folder / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
+    return folder

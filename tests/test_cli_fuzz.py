@@ -186,7 +186,9 @@ NUMERIC = {
     "generate": (["MODEL", "--prompt", "hi", "--json", "--kv-dtype", "int3"],
                  ["--max-new-tokens", "--temperature", "--top-k", "--top-p", "--seed"]),
     "lora": (["MODEL", "--data", "DATA", "--json", "--targets", "none-such"],
-             ["--rank", "--alpha", "--steps", "--batch", "--seq-len", "--lr", "--seed"]),
+             ["--rank", "--alpha", "--steps", "--batch", "--seq-len", "--lr", "--seed", "--held-out", "--base-bits",
+              "--base-group-size"]),
+    "evaluate": (["MODEL", "--data", "DATA", "--json", "--split", "none-such"], ["--max-tokens", "--seq-len"]),
     "plan": (["--layout", "tp8,pp16,dp128", "--json"], ["--gpus", "--seq", "--top", "--global-batch-tokens",
                                                         "--tokens"]),
     "quantize": (["MODEL", "--json", "--format", "int3"], ["--group-size", "--eval-tokens",
@@ -333,6 +335,44 @@ def test_lying_model_folders(tmp, model_dir):
     case()
 
 
+def test_lying_hf_folders(tmp, model_dir):
+    """A Hugging Face folder given as a model (generate, evaluate, quantize, lora take one as it is) whose config.json
+    disagrees with its weights, or whose files are not what they say."""
+    import shutil
+
+    good_dir = tmp / "hf-good"
+    if not good_dir.exists():
+        code, _, err = cli("export", str(model_dir), str(good_dir), "--to", "hf", "--json")
+        assert code == 0, err
+    good = json.loads((good_dir / "config.json").read_text())
+
+    @FUZZ
+    @given(key=st.sampled_from(HF_KEYS), value=SCALARS, which=st.sampled_from(["config.json", "model.safetensors",
+                                                                             "tokenizer.json"]),
+           damage=st.sampled_from(["value", "truncate", "empty", "fifo"]))
+    def case(key, value, which, damage):
+        folder = tmp / "lying-hf"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(good_dir, folder)
+        target = folder / which
+        if damage == "value" and which == "config.json":
+            target.write_text(json.dumps({**good, key: value}, allow_nan=True))
+        elif damage in ("truncate", "value"):
+            target.write_bytes(target.read_bytes()[: max(1, target.stat().st_size // 3)])
+        elif damage == "empty":
+            target.write_bytes(b"")
+        else:
+            target.unlink()
+            os.mkfifo(target)
+        cli("generate", str(folder), "--prompt", "to be", "-n", "2", "--json")
+        cli("evaluate", str(folder), "--data", str(tmp / "data.txt"), "--max-tokens", "64", "--json")
+        cli("quantize", str(folder), "--eval-tokens", "64", "-n", "0", "--json", "--out", str(tmp / "lying-hf-q"))
+        cli("lora", str(folder), "--data", str(tmp / "data.txt"), "--steps", "1", "--batch", "1", "--seq-len", "8",
+            "--json", "--out", str(tmp / "lying-hf-lora"))
+
+    case()
+
+
 # ------------------------------------------------------------------ paths, every sub-command
 
 def test_paths(tmp, model_dir):
@@ -368,6 +408,8 @@ def test_paths(tmp, model_dir):
         "lora --data": lambda p: ["lora", m, "--data", p, "--steps", "1", "--out", str(tmp / "l")],
         "lora --out": lambda p: ["lora", m, "--data", str(tmp / "data.txt"), "--steps", "1", "--batch", "2",
                                  "--seq-len", "16", "--out", p, "--json"],
+        "evaluate MODEL": lambda p: ["evaluate", p, "--data", str(tmp / "data.txt"), "--max-tokens", "64"],
+        "evaluate --data": lambda p: ["evaluate", m, "--data", p, "--max-tokens", "64", "--json"],
         "export CHECKPOINT": lambda p: ["export", p, str(tmp / "e.gguf"), "--to", "gguf"],
         "export OUT hf": lambda p: ["export", m, p, "--to", "hf", "--json"],
         "export OUT gguf": lambda p: ["export", m, p, "--to", "gguf", "--json"],
@@ -865,6 +907,6 @@ def test_cases_per_sub_command():
     if SLOW:
         print("slowest:", sorted(SLOW, reverse=True)[:3])
     for command in ("train", "launch", "calibrate", "explain", "generate", "lora", "plan", "quantize", "reliability",
-                    "report", "export", "validate", "prepare-data", "compare"):
+                    "report", "export", "validate", "prepare-data", "compare", "evaluate"):
         assert command in names or command.replace("_", "-") in names
         assert CASES[command] >= 25, (command, CASES[command])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from infer_fixtures import make_hf_llama32
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -135,3 +136,35 @@ def test_peft_export_refuses_what_is_not_a_lora_folder(tmp_path, tokenizer_file)
     base = make_base(tmp_path / "base", "qwen2", tokenizer_file)
     with pytest.raises(TrainscaleError, match="has no adapter.json"):
         export_peft(base, tmp_path / "out")
+
+
+# ------------------------------------------------------------------ a Hugging Face folder as the base
+
+def test_lora_on_a_hugging_face_folder_exports_to_peft_on_that_folder(tmp_path, tokenizer_file):
+    """``lora`` takes the transformers folder itself as its base: adapter.json records it (format "hf"), the adapter
+    folder loads again (base read from the folder, adapters folded in), and ``export --to peft`` gives adapters that
+    peft loads onto transformers' model of that same folder, with our logits."""
+    from trainscale.infer.load import load_for_inference
+
+    base = make_hf_llama32(tmp_path / "hf-base", tokenizer_file, VOCAB)
+    data = jsonl_corpus(tmp_path / "data.jsonl")
+    ad = tmp_path / "ad"
+    rep = cli("lora", str(base), "--data", str(data), "--text-field", "body", "--steps", "6", "--batch", "2",
+              "--seq-len", "32", "--rank", "4", "--alpha", "16", "--lr", "2e-2", "-o", str(ad))
+    assert rep["last_loss"] < rep["first_loss"] and rep["base"] == str(base)
+    saved = json.loads((ad / "adapter.json").read_text())
+    assert (saved["base"], saved["base_format"]) == (str(base.resolve()), "hf")
+    assert (ad / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()
+    out = cli("export", str(ad), str(tmp_path / "peft"), "--to", "peft")
+    assert out["equal"] and out["base"] == str(base.resolve())
+
+    x = batch()
+    ours, spec, _ = load_for_inference(ad)
+    assert (spec.rope_scaling, spec.tied_embeddings) == ("llama3", True)
+    with torch.no_grad():
+        mine = ours(x)
+    plain, adapted = peft_logits(base, tmp_path / "peft", x)  # transformers' model of the HF folder itself
+    diff = (adapted - mine).abs().max().item()
+    moved = (plain - mine).abs().max().item()
+    print(f"HF base: |peft - trainscale| = {diff:.2e}; the adapters move the logits by {moved:.3f}")
+    assert diff < 1e-5 and moved > 1e-2

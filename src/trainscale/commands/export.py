@@ -18,7 +18,8 @@ def register(app: typer.Typer) -> None:
 
 def export(
     checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint), "
-                                      "checkpoint RUN/checkpoints/step-N, quantized or LoRA folder"),
+                                      "checkpoint RUN/checkpoints/step-N, quantized or LoRA folder, or a Hugging "
+                                      "Face model folder"),
     out: Path = typer.Argument(..., help="HF, PEFT: output folder; GGUF: output .gguf file"),
     to: str = typer.Option(..., "--to", help="hf, gguf, or peft (a LoRA folder's adapters alone, for peft's "
                            "PeftModel.from_pretrained on the base exported with --to hf: megabytes, and the base "
@@ -30,14 +31,15 @@ def export(
     """Export to Hugging Face (config.json, model.safetensors, tokenizer files) or to GGUF for llama.cpp.
     A mixture of experts exports if it is Mixtral-shaped (every layer MoE, no shared expert, top-k renormalised)."""
     from trainscale.commands._infer import check_table, kv_table, print_tables
-    from trainscale.runtime.artifact import checkpoint_source, find_model_folder, model_inputs, read_spec
+    from trainscale.infer.load import source_folder, spec_of
+    from trainscale.runtime.artifact import checkpoint_source, model_inputs
 
     to = to.lower()
     if to not in ("hf", "gguf", "peft"):
         raise TrainscaleError(f"--to must be hf, gguf or peft, not {to!r}")
-    src = find_model_folder(checkpoint)
+    src = source_folder(checkpoint)  # a Hugging Face folder too
     check_output(out, "the output", folder=to != "gguf", inputs=model_inputs(src), not_at=(checkpoint,))
-    spec = read_spec(src)
+    spec = spec_of(src)
     if to == "peft":
         from trainscale.estimate.lora import lora_trainable_params
         from trainscale.infer.export import HF_DTYPES

@@ -18,7 +18,8 @@ def register(app: typer.Typer) -> None:
 
 def generate(
     checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint), "
-                                      "checkpoint RUN/checkpoints/step-N, quantized or LoRA folder"),
+                                      "checkpoint RUN/checkpoints/step-N, quantized or LoRA folder, or a Hugging "
+                                      "Face model folder"),
     prompt: str = typer.Option(..., "--prompt", "-p", help="text to continue"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", callback=number(ge=0, le=1 << 20),
                                        help="tokens to generate"),
@@ -38,7 +39,7 @@ def generate(
     from trainscale.commands._infer import check_table, kv_table, print_tables
     from trainscale.estimate.memory import kv_cache_bytes
     from trainscale.infer.generate import Sampling, generate_ids
-    from trainscale.infer.load import load_for_inference, load_tokenizer_for
+    from trainscale.infer.load import load_for_inference, load_tokenizer_for, stop_token_id
     from trainscale.runtime.artifact import checkpoint_source
 
     if kv_dtype not in KV_DTYPES:
@@ -50,7 +51,7 @@ def generate(
     dt = getattr(torch, kv_dtype)
     t0 = time.perf_counter()
     g = generate_ids(model, ids, max_new_tokens, sampling, kv_dtype=dt,
-                     stop_id=tok.token_to_id("<|endoftext|>") if stop else None)
+                     stop_id=stop_token_id(tok, folder) if stop else None)
     secs = time.perf_counter() - t0
     predicted = kv_cache_bytes(spec, g.kv_capacity, 1, torch.empty((), dtype=dt).element_size())
     text = tok.decode(g.new_ids)

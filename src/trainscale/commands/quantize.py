@@ -18,8 +18,8 @@ def register(app: typer.Typer) -> None:
 
 
 def quantize(
-    checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint) "
-                                      "or checkpoint RUN/checkpoints/step-N"),
+    checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint), "
+                                      "checkpoint RUN/checkpoints/step-N, or a Hugging Face model folder"),
     fmt: str = typer.Option("int4", "--format", "-f", help="int8 or int4"),
     group_size: int = typer.Option(32, "--group-size", "-g", callback=number(gt=0, le=1 << 20),
                                    help="weights per scale: 32, 64 or 128"),
@@ -29,8 +29,9 @@ def quantize(
     eval_tokens: int = typer.Option(16384, callback=number(ge=0, le=1e8),
                                     help="held-out tokens for the perplexity check (0: skip it)"),
     eval_text: Path = typer.Option(None, callback=input_file("held-out text"),
-                                   help="held-out text file (default: the held-out split of the model's own run "
-                                        "when its run folder says where it is, else the held-out plays)"),
+                                   help="text file for the perplexity check, all its documents (default: the "
+                                        "model's own held-out data: a LoRA folder's held-out documents, a run's "
+                                        "held-out split; else the held-out plays)"),
     prompt: str = typer.Option("To be, or not to be", "--prompt", "-p", help="prompt for the sample generation"),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", callback=number(ge=0, le=1 << 20),
                                        help="tokens of the sample (0: none)"),
@@ -42,9 +43,9 @@ def quantize(
 
     from trainscale.commands._infer import check_table, kv_table, print_tables
     from trainscale.estimate.inference import quantized_model_bytes
-    from trainscale.infer.evaluate import perplexity
+    from trainscale.infer.evaluate import evaluation_text, perplexity
     from trainscale.infer.generate import Sampling, generate_ids
-    from trainscale.infer.load import load_for_inference, load_tokenizer_for
+    from trainscale.infer.load import load_for_inference, load_tokenizer_for, source_folder
     from trainscale.infer.quantize import (
         QuantConfig,
         model_from_state_dict,
@@ -52,14 +53,14 @@ def quantize(
         save_quantized,
         weight_error,
     )
-    from trainscale.runtime.artifact import beside, checkpoint_source, find_model_folder, model_inputs
+    from trainscale.runtime.artifact import beside, checkpoint_source, model_inputs
 
     cfg = QuantConfig(fmt, group_size, asymmetric).check()
     if fmt == "bf16":
         raise TrainscaleError("--format must be int8 or int4")
     if eval_tokens < 0:
         raise TrainscaleError(f"--eval-tokens must be >= 0, not {eval_tokens}")
-    src = find_model_folder(checkpoint)
+    src = source_folder(checkpoint)  # a Hugging Face folder too
     out = out or beside(src, f"-{fmt}-g{group_size}{'-asym' if asymmetric else ''}")
     check_output(out, "--out", folder=True, inputs=model_inputs(src), not_at=(checkpoint,))
     t0 = time.perf_counter()
@@ -82,14 +83,15 @@ def quantize(
         report["file"]["source_file_bytes"] = safetensors_layout(res.source / "model.safetensors")["file_bytes"]
     tok = load_tokenizer_for(out)
     if eval_tokens:
-        ids, used = _held_out_ids(src, tok, eval_text, eval_tokens)
+        text = evaluation_text(src, tok, str(eval_text) if eval_text is not None else None, split="all" if eval_text
+                               else None, max_tokens=eval_tokens, vocab=spec.vocab_size, default_plays=True)
+        ids = text.ids
         bf16 = {k: v.to(torch.bfloat16) for k, v in res.original.items()}
         with console.status("held-out perplexity ...") if not as_json else nullcontext():
             ppl = {"source": perplexity(model_from_state_dict(spec, res.original), ids),
                    "bf16": perplexity(model_from_state_dict(spec, bf16), ids),
                    fmt: perplexity(model_from_state_dict(spec, res.restored), ids)}
-        report["perplexity"] = {**ppl, "tokens": len(ids), "text": used["what"], "text_kind": used["kind"],
-                                "change_vs_bf16": ppl[fmt] / ppl["bf16"] - 1}
+        report["perplexity"] = {**ppl, **text.report(), "change_vs_bf16": ppl[fmt] / ppl["bf16"] - 1}
     else:
         report["perplexity"] = {"text": "none (--eval-tokens 0)", "text_kind": "none"}
     if max_new_tokens:
@@ -119,19 +121,3 @@ def quantize(
         console.print(Text("\nsample from the quantized model: ") + Text(prompt, style="bold")
                       + Text(report["sample"]["completion"]))
 
-
-def _held_out_ids(src: Path, tok, eval_text: Path | None, max_tokens: int) -> tuple[list[int], dict[str, str]]:
-    """-> (token ids, {kind, what}): --eval-text if given; else the model's own held-out data when its run folder
-    has it (runtime/artifact.held_out_of), else the held-out plays."""
-    from trainscale.infer.evaluate import eval_ids
-    from trainscale.infer.load import held_out_of
-
-    if eval_text is not None:
-        try:
-            text = eval_text.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise TrainscaleError(f"--eval-text {eval_text} cannot be read as UTF-8 text: {e}") from None
-        return eval_ids(tok, text, max_tokens), {"kind": "file", "what": f"--eval-text {eval_text}"}
-    held = held_out_of(src, max_tokens)
-    ids = held.ids if held.ids is not None else eval_ids(tok, None, max_tokens)
-    return ids, {"kind": held.kind, "what": held.what}

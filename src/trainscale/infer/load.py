@@ -1,14 +1,15 @@
 """One loader for every folder infer/ reads: a model folder (or a run folder's final/, or a checkpoint
 resharded into one: runtime/artifact.find_model_folder), a quantized
-folder (quantized.safetensors, dequantized to fp32 on load) and a LoRA adapter folder (adapter.json
-naming its base; the adapters are folded into the base weights on load).
+folder (quantized.safetensors, dequantized to fp32 on load), a LoRA adapter folder (adapter.json
+naming its base; the adapters are folded into the base weights on load) and a Hugging Face model folder
+(config.json + model.safetensors or shards named by model.safetensors.index.json, + tokenizer.json), read
+through the one Hugging Face bridge (runtime/hf_init.py: hf_folder_spec, load_into) into trainscale's model.
 
 It sits above the folder formats it reads (infer/quantize.py, infer/lora.py, runtime/artifact.py), which
 import nothing from it: the pipelines that start from a folder (commands/, export) load through here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,8 +20,6 @@ from trainscale.estimate.lora import lora_targets
 from trainscale.infer.lora import ADAPTER_FILE, adapter_state_dict, apply_lora, fold_adapter, read_adapter_config
 from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, quantize_state_dict, read_quant_config
 from trainscale.runtime.artifact import (
-    RUN_CONFIG,
-    RUN_TOKENIZER,
     check_finite,
     check_header,
     check_layer_count,
@@ -28,16 +27,60 @@ from trainscale.runtime.artifact import (
     load_model_dir,
     read_header,
     read_spec,
-    run_folder_of,
-    run_toml,
 )
 from trainscale.runtime.data.tokenizer import load_tokenizer
+from trainscale.runtime.hf_init import INDEX, SINGLE
 from trainscale.runtime.model import build_model
-from trainscale.safeio import read_json_object
 from trainscale.specs import ModelSpec
 
 
+def is_hf_folder(path: str | Path) -> bool:
+    """A Hugging Face model folder (config.json, no model.json): loaded through runtime/hf_init.py."""
+    p = Path(path)
+    try:
+        return p.is_dir() and (p / "config.json").exists() and not (p / "model.json").exists()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        return False
+
+
+def _hf_errors(e: TrainscaleError) -> TrainscaleError:
+    """runtime/hf_init.py's sentences name the training option ([model] init); here the folder is a base model."""
+    return TrainscaleError(str(e).replace("[model] init ", "the Hugging Face folder ", 1))
+
+
+def source_folder(path: str | Path) -> Path:
+    """The folder ``path`` names for infer/: a Hugging Face model folder as it is (its files checked regular, its
+    weights present), else ``find_model_folder`` (model, run, checkpoint, quantized or adapter folder)."""
+    if not is_hf_folder(path):
+        return find_model_folder(path)
+    p = Path(path)
+    from trainscale.safeio import check_regular
+
+    for name in ("config.json", SINGLE, INDEX, "tokenizer.json"):
+        if (p / name).exists():
+            check_regular(p / name, f"{p}'s {name}")
+    if not (p / SINGLE).exists() and not (p / INDEX).exists():
+        raise TrainscaleError(f"the Hugging Face folder {p} has no {SINGLE} or {INDEX} (only safetensors weights "
+                              "load)")
+    return p
+
+
+def spec_of(folder: Path) -> ModelSpec:
+    """The ModelSpec of a folder ``source_folder`` gave: model.json, or a Hugging Face folder's config.json
+    (``hf_folder_spec``: a model trainscale would compute differently is refused in one sentence)."""
+    if not is_hf_folder(folder):
+        return read_spec(folder)
+    from trainscale.runtime.hf_init import hf_folder_spec
+
+    try:
+        return hf_folder_spec(folder)
+    except TrainscaleError as e:
+        raise _hf_errors(e) from None
+
+
 def folder_kind(folder: Path) -> str:
+    if is_hf_folder(folder):
+        return "hf"
     if (folder / QUANT_FILE).exists():
         return "quantized"
     if (folder / "model.safetensors").exists():
@@ -59,9 +102,11 @@ def load_for_inference(path: str | Path, dtype: torch.dtype = torch.float32):
 
 
 def _load(path: str | Path, dtype: torch.dtype, chain: tuple[Path, ...]):
-    folder = find_model_folder(path)
-    spec = read_spec(folder)
+    folder = source_folder(path)
+    spec = spec_of(folder)
     kind = folder_kind(folder)
+    if kind == "hf":
+        return _load_hf(folder, spec, dtype), spec, folder
     if kind == "model":
         model, spec, folder = load_model_dir(folder, dtype=dtype)
         return model, spec, folder
@@ -86,7 +131,7 @@ def _load_adapter(folder: Path, spec: ModelSpec, dtype: torch.dtype, chain: tupl
     chain = _check_chain(folder, chain)
     cfg = read_adapter_config(folder)
     base, base_spec, _ = _load(cfg.base, torch.float32, chain)
-    if base_spec != spec:
+    if base_spec.model_copy(update={"source": ""}) != spec.model_copy(update={"source": ""}):  # provenance aside
         raise TrainscaleError(f"{folder / 'model.json'} does not describe the model its base {cfg.base} holds")
     _check_adapter_file(folder, base_spec, cfg)
     return fold_adapter(base, base_spec, folder, cfg).to(dtype).eval()
@@ -101,6 +146,23 @@ def _check_adapter_file(folder: Path, spec: ModelSpec, cfg) -> None:
         raise TrainscaleError(f"{folder / 'adapter.json'}: {e}") from None
     check_header(path, read_header(path), adapter_state_dict(meta))
     check_finite(path, load_file(str(path)))
+
+
+def _load_hf(folder: Path, spec: ModelSpec, dtype: torch.dtype):
+    """A Hugging Face folder's weights in trainscale's model: every tensor's shape checked from the headers
+    (``check_hf_weights``) before any is read, then read by name with Q/K rows permuted (``load_into``), then
+    checked finite."""
+    from trainscale.runtime.hf_init import HFWeights, check_hf_weights, load_into
+
+    try:
+        check_hf_weights(folder, spec)
+        model = build_model(spec, "meta")
+        model.to_empty(device="cpu")
+        load_into(model, HFWeights(folder), spec)
+    except TrainscaleError as e:
+        raise _hf_errors(e) from None
+    check_finite(folder, dict(model.state_dict()))
+    return model.to(dtype).eval()
 
 
 def _load_quantized(folder: Path, spec: ModelSpec, dtype: torch.dtype):
@@ -131,65 +193,12 @@ def load_tokenizer_for(folder: Path):
     return load_tokenizer(path)
 
 
-# ------------------------------------------------------------------ the model's own held-out data
-
-
-@dataclass(frozen=True)
-class HeldOut:
-    """The held-out text a model is evaluated on: token ids (None: tokenise the held-out plays), and a
-    sentence saying what it is."""
-
-    what: str
-    kind: str  # "run-prepared", "run-plays" or "default-plays"
-    ids: list[int] | None = None
-
-
-def held_out_of(folder: Path, max_tokens: int) -> HeldOut:
-    """The model's own held-out data when its run folder says what it trained on: the prepared corpus's held-out
-    split (its tokenizer must be the run's), or, for a run on the plays, the held-out plays; else the
-    default, the held-out plays (runtime/data/sources.py)."""
-    run = run_folder_of(folder)
-    if run is None:
-        return HeldOut(f"the held-out Shakespeare plays (default: {folder} is not from a run folder)", "default-plays")
-    try:
-        from trainscale.runtime.config import config_from_dict
-
-        cfg = config_from_dict(run_toml(run), f"run config {run / RUN_CONFIG}")
-    except TrainscaleError as e:
-        return HeldOut(f"the held-out Shakespeare plays (default: the run's config is unreadable: {e})",
-                       "default-plays")
-    req = cfg.data.request()
-    if req is None:
-        return HeldOut(f"the held-out Shakespeare plays, the held-out split of run {run}", "run-plays")
-    prepared = _prepared_folder(cfg, req)
-    if prepared is None or not _same_tokenizer(prepared / RUN_TOKENIZER, run / RUN_TOKENIZER):
-        return HeldOut(f"the held-out Shakespeare plays (default: the prepared data of run {run} is not found "
-                       "where its config.toml says)", "default-plays")
-    from trainscale.runtime.data.shards import ShardCorpus
+def stop_token_id(tok, folder: Path) -> int | None:
+    """The end-of-text token generation stops at: the folder's eos_token (tokenizer_config.json, a Hugging Face
+    folder's), else a usual name (runtime/data/tokenizer.eot_of); None when the tokenizer has none."""
+    from trainscale.runtime.data.tokenizer import eot_of
 
     try:
-        tokens = ShardCorpus(prepared).tokens("val")
-        ids = [int(i) for i in tokens[0:min(len(tokens), max_tokens)]]
-    except (OSError, KeyError, TypeError, ValueError, TrainscaleError):
-        ids = []
-    if len(ids) < 2:
-        return HeldOut(f"the held-out Shakespeare plays (default: the prepared data of run {run} has no held-out "
-                       "split)", "default-plays")
-    return HeldOut(f"the held-out split of run {run}'s prepared data {prepared}", "run-prepared", ids)
-
-
-def _prepared_folder(cfg, req) -> Path | None:
-    from trainscale.runtime.data.corpus import cache_root
-    from trainscale.runtime.data.shards import default_folder
-
-    cache = Path(cfg.data.cache) if cfg.data.cache else cache_root()
-    folder = Path(req.folder).expanduser() if req.folder else default_folder(req, cache)
-    return folder if (folder / "index.json").is_file() else None
-
-
-def _same_tokenizer(a: Path, b: Path) -> bool:
-    """Two tokenizer.json files hold the same tokenizer (the same JSON, however it was formatted)."""
-    try:
-        return read_json_object(a, "tokenizer") == read_json_object(b, "tokenizer")
+        return tok.token_to_id(eot_of(tok, str(folder), None))
     except TrainscaleError:
-        return False
+        return None

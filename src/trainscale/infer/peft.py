@@ -87,6 +87,10 @@ def export_peft(folder: Path, out: str | Path, dtype: str = "float32") -> dict[s
         raise TrainscaleError(f"--to peft exports a LoRA folder (trainscale lora's output); {folder} has no "
                               "adapter.json")
     cfg = read_adapter_config(folder)
+    if cfg.base_bits:
+        raise TrainscaleError(f"{folder} was trained on its base quantized to int{cfg.base_bits} (lora --base-bits); "
+                              "peft would add it to the full-precision base, another model: merge it (lora --merge) "
+                              "and export the merged folder --to hf")
     spec = read_spec(folder)
     check_llama(spec, "PEFT", allow_bias=not spec.is_moe)  # the base must export to HF for peft to load onto it
     check_mixtral(spec, "PEFT")

@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.model import build_model
@@ -179,6 +181,63 @@ def weight_error(original: dict[str, torch.Tensor], restored: dict[str, torch.Te
         den += float(w.float().pow(2).sum())
         worst = max(worst, float(d.abs().max()))
     return {"relative_frobenius": math.sqrt(num / den) if den else 0.0, "max_abs": worst}
+
+
+# ------------------------------------------------------------------------------------- a frozen base in memory
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen ``nn.Linear`` held as its group-quantized codes and fp16 scales (``quantize_matrix``: buffers, no
+    parameters), dequantized to fp32 in each forward: QLoRA's base (Dettmers et al. 2023, arXiv 2305.14314, Sec. 3:
+    a frozen quantized base, adapters in higher precision on top, the weight dequantized for the matmul), with
+    trainscale's round-to-nearest int4 / int8 groups instead of NF4 and double quantization."""
+
+    def __init__(self, linear: nn.Linear, cfg: QuantConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        for name, t in quantize_matrix(linear.weight.detach(), cfg).items():
+            self.register_buffer(name, t)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float().clone())
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.named_buffers() if k in ("qweight", "scales", "offsets")}
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] in fp32, as the codes and scales give it."""
+        return dequantize_matrix(self.parts(), self.cfg, (self.out_features, self.in_features))
+
+    def nbytes(self) -> int:
+        """Bytes of the codes and scales (offsets) held: what this layer's weight costs in memory."""
+        return sum(t.numel() * t.element_size() for t in self.parts().values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def to_linear(self) -> nn.Linear:
+        """An ``nn.Linear`` holding the dequantized weight (and the bias)."""
+        out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        with torch.no_grad():
+            out.weight.copy_(self.dequantized())
+            if self.bias is not None:
+                out.bias.copy_(self.bias)
+        return out.requires_grad_(False)
+
+
+def quantize_linears(model, cfg: QuantConfig, modules) -> dict[str, int]:
+    """Replace each (path, parent, attribute) of ``modules`` (an ``nn.Linear``) by its ``QuantizedLinear``;
+    -> {"weights": quantized weights, "bytes": bytes held, "bf16_bytes": those weights in bf16}."""
+    cfg.check()
+    if cfg.fmt == "bf16":
+        raise TrainscaleError("a quantized base is int8 or int4")
+    weights = held = 0
+    for _, parent, attr in modules:
+        lin = getattr(parent, attr)
+        q = QuantizedLinear(lin, cfg)
+        setattr(parent, attr, q)
+        weights += lin.weight.numel()
+        held += q.nbytes()
+    return {"weights": weights, "bytes": held, "bf16_bytes": 2 * weights}
 
 
 # ------------------------------------------------------------------------------------- files
