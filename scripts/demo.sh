@@ -30,7 +30,8 @@ $TS reliability --trials 300
 
 step "4. Train the tiny model on 4 processes (dp2 x tp2), checkpoint every 5 steps, one injected crash"
 rm -rf runs/demo runs/demo-int4 runs/own-data runs/demo-report runs/moe-tiny runs/demo-hf-step25 runs/demo-lora \
-  runs/demo-peft  # a fresh run folder each time (identity)
+  runs/demo-peft runs/llama32 runs/llama32-lora runs/llama32-peft runs/llama32.gguf \
+  runs/chat-llama32  # a fresh run folder each time
 $TS train --config configs/demo.toml --layout dp2,tp2 --inject crash@step=12,rank=3 --max-restarts 6
 
 step "4b. Your own data: a JSONL file (made here), tokenised once into shards, trained on for 60 steps"
@@ -63,6 +64,34 @@ step "6. Calibrate this machine, then check the plan against the runtime, rank b
 $TS calibrate --config configs/small.toml --processes 1,2
 $TS compare --config configs/small.toml --layouts "dp2,zero1,mb8;dp2,zero3,mb8;tp2,mb16;pp2,mb4"
 
-step "7. The report of the plan, the reliability model and this run"
+step "7. Fine-tune a model you have: a Llama-3.2-shaped Hugging Face folder (llama3 RoPE, tied embeddings, chat template)"
+.venv/bin/python scripts/tiny_llama32.py runs/llama32 --chat examples/chat.jsonl 2>/dev/null  # built by transformers
+# full fine-tuning on the chat file (assistant tokens learned, conversations masked from each other), dp2
+$TS train --config configs/chat-llama32.toml --layout dp2
+# LoRA on the folder itself, the adapter merged into a copy of the weights too
+$TS lora runs/llama32 --data examples/chat.jsonl --rank 8 --steps 60 --merge --out runs/llama32-lora
+$TS export runs/llama32-lora runs/llama32-peft --to peft
+$TS export runs/llama32-lora runs/llama32.gguf --to gguf
+.venv/bin/python - <<'PY' 2>/dev/null
+# peft puts the adapter on transformers' model of the folder; llama.cpp runs the merged GGUF: the same reply
+import torch
+from llama_cpp import Llama
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tok = AutoTokenizer.from_pretrained("runs/llama32")
+question = [{"role": "user", "content": "What is a good way to learn to cook?"}]
+prompt = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+ids = tok(prompt, add_special_tokens=False).input_ids
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("runs/llama32"), "runs/llama32-peft").eval()
+with torch.no_grad():
+    out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+print("transformers + peft (adapter):", repr(tok.decode(out[0, len(ids):], skip_special_tokens=True)))
+llm = Llama(model_path="runs/llama32.gguf", n_ctx=256, verbose=False)
+reply = llm.create_completion(prompt, max_tokens=24, temperature=0.0)["choices"][0]["text"]
+print("llama.cpp (merged GGUF):     ", repr(reply))
+PY
+
+step "8. The report of the plan, the reliability model and this run"
 $TS report --out runs/demo-report --plan runs/plan-405b.json --run runs/demo
 echo "open runs/demo-report/index.html"
