@@ -338,7 +338,8 @@ def encode_prompt(tok: ChatTokenizer, messages: list[dict], where: str = "chat p
     messages = [_message(m, j, where) for j, m in enumerate(messages, 1)]
     for j, m in enumerate(messages, 1):
         if t := next((t for t in tok.control if t in m["content"]), None):
-            raise TrainscaleError(f"{where}: message {j} holds {t!r}, a control token of the tokenizer; remove it")
+            raise TrainscaleError(f"{where}: message {j} ({m['role']}) holds {t!r}, a control token of the "
+                                  "tokenizer; remove it")
     text = tok.render(messages, add_generation_prompt=True, where=where)
     return text, list(tok.tokenizer.encode(text, add_special_tokens=False).ids)
 
