@@ -900,6 +900,35 @@ def test_fifo_inputs(kind, tmp, model_dir, hf_folder):
     assert code == 2 and "not a regular file" in err, (kind, code, err)
 
 
+def test_generate_chat_texts_and_templates(tmp, model_dir):
+    """generate --chat / --system: any prompt and system text, on a folder whose tokenizer_config.json holds a chat
+    template that is good, not Jinja, raises, reads what is not there, or is not a string; a folder without one."""
+    import shutil
+
+    folder = tmp / "chat-model"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(model_dir / "final", folder)
+    good = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|endoftext|>{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+    code, _, err = cli("generate", str(folder), "--chat", "-p", "hi", "-n", "1")
+    assert code == 2 and "no chat template" in err, err
+
+    @FUZZ
+    @given(text=st.one_of(st.text(max_size=20), st.sampled_from(["", "<|endoftext|>", "{{ 7*7 }}", "{% raw %}",
+                                                                  "\x00", "a" * 5000])),
+           template=st.sampled_from([good, good, "{% for %}", "{{ raise_exception('no') }}",
+                                     "{{ messages[5]['content'] }}", "{{ ''.__class__ }}", 7, None, ["x"]]),
+           eos=st.sampled_from(["<|endoftext|>", "not-a-token", 3]), system=st.booleans())
+    def case(text, template, eos, system):
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": eos}))
+        extra = ["--system", text] if system else []
+        code, out, _ = cli("generate", str(folder), "--chat", "-p", text, *extra, "-n", "2", "--json")
+        if code == 0:
+            assert template == good and json.loads(out)["prompt_tokens"] > 0
+
+    case()
+
+
 def test_cases_per_sub_command():
     """Runs last (file order): every sub-command was fuzzed, and no case hung."""
     names = {c.name for c in app.registered_commands} | {c.callback.__name__ for c in app.registered_commands}

@@ -20,7 +20,11 @@ def generate(
     checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint), "
                                       "checkpoint RUN/checkpoints/step-N, quantized or LoRA folder, or a Hugging "
                                       "Face model folder"),
-    prompt: str = typer.Option(..., "--prompt", "-p", help="text to continue"),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="text to continue (with --chat: the user's message)"),
+    chat: bool = typer.Option(False, "--chat", help="render the prompt as a user message with the model folder's "
+                              "chat template (an adapter's: its base's) and print the assistant's reply, stopping "
+                              "at the end of its turn"),
+    system: str = typer.Option(None, "--system", help="with --chat: a system message before the user's"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", callback=number(ge=0, le=1 << 20),
                                        help="tokens to generate"),
     temperature: float = typer.Option(0.8, callback=number(ge=0, le=100), help="softmax temperature; 0 = greedy"),
@@ -30,7 +34,7 @@ def generate(
                                 help="keep the smallest set with this probability (1: off)"),
     seed: int = typer.Option(0, callback=SEED, help="sampling seed"),
     kv_dtype: str = typer.Option("float32", help="KV cache precision: float32, bfloat16 or float16"),
-    stop: bool = typer.Option(True, "--stop/--no-stop", help="stop at the end-of-text token"),
+    stop: bool = typer.Option(True, "--stop/--no-stop", help="stop at the end-of-text token (--chat: end of turn)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Continue a prompt: temperature / top-k / top-p sampling with a KV cache sized by the estimator's formula."""
@@ -38,23 +42,29 @@ def generate(
 
     from trainscale.commands._infer import check_table, kv_table, print_tables
     from trainscale.estimate.memory import kv_cache_bytes
-    from trainscale.infer.generate import Sampling, generate_ids
+    from trainscale.infer.generate import Sampling, chat_prompt, generate_ids
     from trainscale.infer.load import load_for_inference, load_tokenizer_for, stop_token_id
     from trainscale.runtime.artifact import checkpoint_source
 
     if kv_dtype not in KV_DTYPES:
         raise TrainscaleError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
+    if system is not None and not chat:
+        raise TrainscaleError("--system is a chat message; give it with --chat")
     sampling = Sampling(temperature, top_k, top_p, seed).check()
     model, spec, folder = load_for_inference(checkpoint)
-    tok = load_tokenizer_for(folder)
-    ids = tok.encode(prompt).ids
+    if chat:
+        rendered = chat_prompt(folder, prompt, system)
+        tok, ids, stop_id = rendered.tokenizer, rendered.ids, rendered.stop_id
+    else:
+        tok = load_tokenizer_for(folder)
+        ids, stop_id = tok.encode(prompt).ids, stop_token_id(tok, folder)
     dt = getattr(torch, kv_dtype)
     t0 = time.perf_counter()
-    g = generate_ids(model, ids, max_new_tokens, sampling, kv_dtype=dt,
-                     stop_id=stop_token_id(tok, folder) if stop else None)
+    g = generate_ids(model, ids, max_new_tokens, sampling, kv_dtype=dt, stop_id=stop_id if stop else None)
     secs = time.perf_counter() - t0
     predicted = kv_cache_bytes(spec, g.kv_capacity, 1, torch.empty((), dtype=dt).element_size())
-    text = tok.decode(g.new_ids)
+    ended = stop and stop_id is not None and g.new_ids[-1:] == [stop_id]
+    text = tok.decode(g.new_ids[:-1] if ended else g.new_ids)
     out = {
         "checkpoint": str(folder), "prompt": prompt, "completion": text, "prompt_tokens": len(ids),
         "new_tokens": len(g.new_ids), "token_ids": g.new_ids, "seconds": secs,
@@ -64,6 +74,9 @@ def generate(
                      "predicted_bytes": predicted, "equal": g.kv_cache_bytes == predicted,
                      "formula": "2 x n_layers x n_kv_heads x head_dim x bytes x positions"},
     }
+    if chat:
+        out["chat"] = {"system": system, "rendered_prompt": rendered.text, "template_folder": str(rendered.folder),
+                       "reply": text, "end_of_turn": bool(ended)}
     if (origin := checkpoint_source(folder)) is not None:
         out["from_checkpoint"] = origin
     if as_json:
@@ -71,7 +84,7 @@ def generate(
         return
     from rich.text import Text
 
-    console.print(Text(prompt, style="bold") + Text(text))
+    console.print(Text(text) if chat else Text(prompt, style="bold") + Text(text))
     console.print()
     print_tables(
         kv_table({"model": f"{spec.name} ({folder})", "tokens": f"{len(ids)} prompt + {len(g.new_ids)} new",

@@ -4,6 +4,9 @@ The cache (runtime/model.py's ``KVCache``) holds K and V of every layer for ever
 preallocated for the prompt plus the new tokens, so its bytes are exactly ``estimate.memory.kv_cache_bytes``.
 The cached forward pass is runtime/model.py's own (``model(tokens, cache=cache)``): the same attention
 block as training, its keys and values read from the cache.
+A chat prompt (``chat_prompt``) is one user message (and an optional system message) rendered with the model
+folder's own chat template and its generation prompt (runtime/data/chat.py), so the new tokens are the assistant's
+reply; generation stops at the folder's eos_token, the template's end of turn.
 Sampling: temperature, then top-k, then top-p (nucleus, Holtzman et al. 2019, arXiv 1904.09751);
 temperature 0 is greedy.
 """
@@ -11,13 +14,16 @@ temperature 0 is greedy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.model import KVCache, Transformer
 
-__all__ = ["Generation", "KVCache", "Sampling", "check_token_ids", "forward_cached", "generate_ids", "sample_next"]
+__all__ = ["ChatPrompt", "Generation", "KVCache", "Sampling", "chat_prompt", "check_token_ids", "forward_cached",
+           "generate_ids", "sample_next"]
 
 
 def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -118,3 +124,39 @@ def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, sampling: Sa
         if len(out) < max_new_tokens:
             logits = forward_cached(model, nxt[:, None].to(device), cache)[:, -1]
     return Generation(list(prompt_ids), out, cache.nbytes, capacity, str(kv_dtype).removeprefix("torch."), kept)
+
+
+@dataclass
+class ChatPrompt:
+    folder: Path  # the folder whose chat template and tokenizer rendered it (an adapter's base when it has none)
+    text: str  # the rendered prompt, the assistant's header last
+    ids: list[int]
+    tokenizer: Any  # tokenizers.Tokenizer of ``folder``
+    stop_id: int | None  # the folder's eos_token (its end of turn)
+
+
+def chat_prompt(folder: Path, prompt: str, system: str | None = None) -> ChatPrompt:
+    """``prompt`` as a user message (after ``system`` as a system message when given) rendered with the chat template
+    of ``folder``, else of its adapter base (an adapter folder keeps the base's tokenizer.json but not its
+    tokenizer_config.json), with the generation prompt; one sentence when neither has a template."""
+    from trainscale.infer.load import MAX_ADAPTER_DEPTH, source_folder, stop_token_id
+    from trainscale.infer.lora import read_adapter_config
+    from trainscale.runtime.data.chat import NoChatTemplate, encode_prompt, load_chat_tokenizer
+
+    here = Path(folder)
+    for _ in range(MAX_ADAPTER_DEPTH + 1):
+        try:
+            tok = load_chat_tokenizer(here)
+            break
+        except NoChatTemplate:
+            if not (here / "adapter.json").exists():
+                raise TrainscaleError(f"{folder} has no chat template (neither chat_template.jinja nor a "
+                                      "'chat_template' in tokenizer_config.json, nor has its adapter base), so "
+                                      "--chat cannot render a prompt; generate without --chat") from None
+            here = source_folder(read_adapter_config(here).base)
+    else:
+        raise TrainscaleError(f"{folder}'s chain of adapter bases is deeper than {MAX_ADAPTER_DEPTH} levels")
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+        [{"role": "user", "content": prompt}]
+    text, ids = encode_prompt(tok, messages)
+    return ChatPrompt(here, text, ids, tok.tokenizer, stop_token_id(tok.tokenizer, here))

@@ -36,6 +36,10 @@ MAX_LINE_BYTES = 16 << 20  # one conversation per line; 128K tokens of text is ~
 MAX_MESSAGES = 10_000  # messages of one conversation: far beyond any context window's worth of turns
 
 
+class NoChatTemplate(TrainscaleError):
+    """A model folder without a chat template (callers that can look elsewhere, an adapter's base, catch it)."""
+
+
 @dataclass
 class ChatTokenizer:
     """A model folder's tokenizer, chat template and named special tokens."""
@@ -142,7 +146,7 @@ def _template_of(folder: Path, config: dict) -> str:
         named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
         tpl = named.get("default")
     if not isinstance(tpl, str) or not tpl.strip():
-        raise TrainscaleError(f"model folder {folder} has no chat template (neither chat_template.jinja nor a "
+        raise NoChatTemplate(f"model folder {folder} has no chat template (neither chat_template.jinja nor a "
                               "'chat_template' in tokenizer_config.json), so it cannot read chat data")
     if len(tpl.encode("utf-8")) > MAX_TEMPLATE_BYTES:
         raise TrainscaleError(f"the chat template of {folder} is longer than any real one ({MAX_TEMPLATE_BYTES:,} "
@@ -325,6 +329,19 @@ def encode_example(example: dict, tok: ChatTokenizer, where: str = "chat example
             s += 1
         flags.append(s < len(spans) and b > spans[s][0] and a < spans[s][1])
     return list(enc.ids), flags
+
+
+def encode_prompt(tok: ChatTokenizer, messages: list[dict], where: str = "chat prompt") -> tuple[str, list[int]]:
+    """A conversation to be answered (system / user messages) rendered with the generation prompt (the assistant's
+    header: transformers' ``apply_chat_template(add_generation_prompt=True)``) and tokenized without the tokenizer's
+    added special tokens (the template writes them) -> (text, token ids)."""
+    messages = [_message(m, j, where) for j, m in enumerate(messages, 1)]
+    for j, m in enumerate(messages, 1):
+        if t := next((t for t in tok.control if t in m["content"]), None):
+            raise TrainscaleError(f"{where}: message {j} ({m['role']}) holds {t!r}, a control token of the "
+                                  "tokenizer; remove it")
+    text = tok.render(messages, add_generation_prompt=True, where=where)
+    return text, list(tok.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 _HERE = "\x00where\x00"  # stands for a record's place until an error needs it (counting lines costs a read)
