@@ -91,6 +91,8 @@ llm = Llama(model_path="runs/llama32.gguf", n_ctx=256, verbose=False)
 reply = llm.create_completion(prompt, max_tokens=24, temperature=0.0)["choices"][0]["text"]
 print("llama.cpp (merged GGUF):     ", repr(reply))
 PY
+$TS generate runs/llama32-lora --chat --prompt "What is a good way to learn to cook?" --temperature 0 \
+  --max-new-tokens 24   # trainscale's own generate, the prompt rendered with the folder's chat template
 
 step "8. The report of the plan, the reliability model and this run"
 $TS report --out runs/demo-report --plan runs/plan-405b.json --run runs/demo
