@@ -66,8 +66,8 @@ def rope_frequencies(spec: ModelSpec, device: torch.device | str | None = None) 
     """RoPE's inverse frequencies theta^(-2i/d) (Su et al. 2021, arXiv 2104.09864), computed as transformers'
     modeling_rope_utils does (1 / theta^(2i/d) in fp32), then scaled by ``spec.rope_scaling``: "linear" divides
     each by rope_factor (_compute_linear_scaling_rope_parameters); "yarn" (``yarn_frequencies``); "llama3" (Meta's
-    Llama 3.1 apply_scaling, _compute_llama3_parameters) divides those of wavelength above L/low_freq_factor by the factor,
-    keeps those below L/high_freq_factor and blends in between (L: rope_original_max_len)."""
+    Llama 3.1 apply_scaling, _compute_llama3_parameters) divides those of wavelength above L/low_freq_factor by the
+    factor, keeps those below L/high_freq_factor and blends in between (L: rope_original_max_len)."""
     hd = spec.head_dim
     pos = spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
     inv = 1.0 / pos
