@@ -1,6 +1,7 @@
 """GGUF for every family trainscale's ModelSpec represents and llama.cpp runs: a random model built by transformers
 (nothing downloaded) is loaded into trainscale's model, exported as GGUF, and llama.cpp (llama-cpp-python) computes
-our logits on 64 tokens: Llama 3.1 and 3.2 (RoPE "llama3": rope_freqs.weight; 3.2 tied), a linearly scaled Llama,
+our logits on 64 tokens: Llama 3.1 and 3.2 (RoPE "llama3": rope_freqs.weight; 3.2 tied), a linearly scaled Llama, a
+YaRN-scaled Llama and Qwen2 (llama.cpp's yarn keys),
 a Llama with biases, Mistral (a window as long as its context), Qwen2 (Q/K/V biases; tied too), Qwen3 (per-head
 Q/K norms, head_dim != d / heads), Gemma ((1 + w) norms, scaled tied embeddings, GeGLU) and Gemma 2 (output norms,
 soft-capped scores and logits, a window of 16 on the even layers).

@@ -12,11 +12,13 @@ for its config.json, one ``FAMILIES`` entry for its tensor names, and what it ad
 ModelSpec fields (``family_fields``; runtime/model.py computes them).
 
 Families the runtime loads and export writes back, each computed as transformers computes it (fp32 logits
-equal to 1e-5, tests/test_hf_families.py): Llama 1-3.x (RoPE unscaled, "linear" or "llama3"; tied embeddings),
-Mistral (its sliding window), Qwen2/2.5 (Q/K/V biases), Qwen3 (per-head Q/K RMSNorm), Gemma ((1 + w) RMSNorm,
+equal to 1e-5, tests/test_hf_families.py, tests/test_hf_rope_scaling.py): Llama 1-3.x (RoPE unscaled, "linear",
+"llama3" or "yarn"; tied embeddings), Mistral (its sliding window), Qwen2/2.5 (Q/K/V biases; "yarn" as Qwen2.5's
+long-context configs set it), Qwen3 (per-head Q/K RMSNorm), Gemma ((1 + w) RMSNorm,
 sqrt(d)-scaled tied embeddings, GeGLU) and Gemma 2 (with output norms, soft-capped scores and logits,
 query_pre_attn_scalar, the window on alternate layers). Refused in one sentence (``check_loadable``): other
-model types (Phi-3's fused qkv_proj / gate_up_proj among them), RoPE "dynamic" / "yarn" / "longrope", Qwen's
+model types (Phi-3's fused qkv_proj / gate_up_proj among them), RoPE "longrope" and "dynamic" (transformers
+recomputes its frequencies per forward from the longest sequence seen, a state a fixed RoPE cannot hold), Qwen's
 per-layer sliding window, biases that trainscale's one ``bias`` switch does not express.
 
 RoPE. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head, as Meta's original Llama code does;
@@ -255,7 +257,7 @@ def yarn_fields(cfg: dict[str, Any], rope: dict[str, Any], path: str | Path) -> 
 
 def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, Any]:
     """What a Llama-family config adds to the Llama block (transformers' configuration_llama / _mistral /
-    _qwen2 / _qwen3 and modeling_rope_utils): the family, RoPE scaling (linear, llama3; other types change no
+    _qwen2 / _qwen3 and modeling_rope_utils): the family, RoPE scaling (linear, llama3, yarn; other types change no
     shape, so the planner reads them as unscaled and ``check_loadable`` refuses them), Qwen2's Q/K/V biases,
     Qwen3's per-head Q/K norms, Mistral's sliding window. {} for other model types."""
     if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"):
@@ -470,7 +472,7 @@ def rope_half_to_interleaved(w: Any, n_heads: int, head_dim: int) -> Any:
 
 def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     """The family of a config.json whose model trainscale's runtime computes exactly as transformers does (a
-    family with ``loads``, SwiGLU, RoPE unscaled or scaled linear / llama3, biases as the family has them);
+    family with ``loads``, SwiGLU, RoPE unscaled or scaled linear / llama3 / yarn, biases as the family has them);
     one sentence otherwise."""
     kind = cfg.get("model_type")
     if kind not in LOADED_TYPES:

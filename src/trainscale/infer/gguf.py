@@ -7,7 +7,9 @@ llama.cpp's graph for that architecture computes; tests/test_infer_gguf_families
   ``rope.scaling.factor`` (llama.cpp divides every position by it); "llama3" is the ``rope_freqs.weight`` tensor,
   one divisor per frequency (convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: 1 for the high
   frequencies, the factor for the low ones, blended between), which llama.cpp's llama graph hands to
-  ggml_rope_ext as its frequency factors. A tied model has no ``output.weight`` (llama.cpp then uses
+  ggml_rope_ext as its frequency factors; "yarn" (here and in qwen2) is ``rope.scaling.type`` = yarn with its factor,
+  original context length and yarn_beta_fast / _slow, and llama.cpp's own attention factor 0.1 ln(factor) + 1
+  (another, or truncate = false, is refused). A tied model has no ``output.weight`` (llama.cpp then uses
   token_embd). Mistral's sliding window has no key in llama.cpp's llama: a window shorter than the context is
   refused, one as long as it changes nothing and is left out. A Mixtral-shaped MoE is llama with experts
   (``llama.expert_count``: see infer/export.py's docstring).
