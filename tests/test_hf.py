@@ -72,7 +72,7 @@ def test_rope_theta_under_rope_parameters_and_what_the_runtime_refuses(tmp_path)
     assert hf.check_loadable(cfg, "F") is hf.FAMILIES["llama"]
     for bad, words in (({"model_type": "mixtral"}, "holds a 'mixtral' model; only Llama-family"),
                        ({"hidden_act": "gelu"}, "is not Llama's SwiGLU"),
-                       ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn'"),
+                       ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "RoPE scaling 'dynamic'"),
                        ({"mlp_bias": True}, "but not both")):
         with pytest.raises(TrainscaleError, match=words):
             hf.check_loadable({**cfg, **bad}, "F")

@@ -242,7 +242,6 @@ def _folder(tmp_path: Path, source: Path, **config) -> Path:
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling 'yarn'"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling 'dynamic'"),
     ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "RoPE scaling 'longrope'"),
     ({"model_type": "phi3"}, "holds a 'phi3' model"),

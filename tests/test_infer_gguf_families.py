@@ -1,6 +1,7 @@
 """GGUF for every family trainscale's ModelSpec represents and llama.cpp runs: a random model built by transformers
 (nothing downloaded) is loaded into trainscale's model, exported as GGUF, and llama.cpp (llama-cpp-python) computes
-our logits on 64 tokens: Llama 3.1 and 3.2 (RoPE "llama3": rope_freqs.weight; 3.2 tied), a linearly scaled Llama,
+our logits on 64 tokens: Llama 3.1 and 3.2 (RoPE "llama3": rope_freqs.weight; 3.2 tied), a linearly scaled Llama, a
+YaRN-scaled Llama and Qwen2 (llama.cpp's yarn keys),
 a Llama with biases, Mistral (a window as long as its context), Qwen2 (Q/K/V biases; tied too), Qwen3 (per-head
 Q/K norms, head_dim != d / heads), Gemma ((1 + w) norms, scaled tied embeddings, GeGLU) and Gemma 2 (output norms,
 soft-capped scores and logits, a window of 16 on the even layers).
@@ -44,11 +45,16 @@ BASE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_h
 # blended, the other six divided by the factor
 LLAMA3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 # name -> (transformers config class, its fields, llama.cpp architecture)
 FAMILIES = {
     "llama31": ("LlamaConfig", {"rope_scaling": LLAMA3, "rope_theta": 10000.0}, "llama"),
     "llama32": ("LlamaConfig", {"rope_scaling": LLAMA3, "rope_theta": 500000.0, "tie_word_embeddings": True}, "llama"),
     "llama_linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "llama"),
+    # YaRN from original length 32 (< the 64 positions run), theta 1e4, head_dim 16: ramp over dims 0-2, so dim 0
+    # kept, dim 1 blended, dims 2-7 divided by 4; cos / sin times 0.1 ln 4 + 1. Qwen2.5's form, the "type" key.
+    "llama_yarn": ("LlamaConfig", {"rope_scaling": YARN}, "llama"),
+    "qwen2_yarn": ("Qwen2Config", {"rope_scaling": {**YARN, "type": "yarn"}}, "qwen2"),
     "llama_bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}, "llama"),
     "mistral": ("MistralConfig", {"sliding_window": CTX}, "llama"),
     "qwen2": ("Qwen2Config", {}, "qwen2"),
@@ -268,6 +274,8 @@ def _spec(folder, name: str, **update):
     ("llama31", {"norm_offset": True}, "Gemma's \\(1 \\+ w\\) norms"),
     ("qwen3", {"n_experts": 4, "experts_per_token": 2}, "experts in a qwen3 model"),
     ("llama31", {"positions": "learned"}, "positions=learned"),
+    ("llama_yarn", {"rope_attention_factor": 1.5}, "a YaRN attention factor other than 0.1 ln"),
+    ("qwen2_yarn", {"rope_truncate": False}, "YaRN with truncate = false"),
 ])
 def test_what_llama_cpp_cannot_compute_is_refused_in_one_sentence(folder, name, update, message):
     with pytest.raises(TrainscaleError, match=message) as e:

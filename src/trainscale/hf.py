@@ -12,11 +12,13 @@ for its config.json, one ``FAMILIES`` entry for its tensor names, and what it ad
 ModelSpec fields (``family_fields``; runtime/model.py computes them).
 
 Families the runtime loads and export writes back, each computed as transformers computes it (fp32 logits
-equal to 1e-5, tests/test_hf_families.py): Llama 1-3.x (RoPE unscaled, "linear" or "llama3"; tied embeddings),
-Mistral (its sliding window), Qwen2/2.5 (Q/K/V biases), Qwen3 (per-head Q/K RMSNorm), Gemma ((1 + w) RMSNorm,
+equal to 1e-5, tests/test_hf_families.py, tests/test_hf_rope_scaling.py): Llama 1-3.x (RoPE unscaled, "linear",
+"llama3" or "yarn"; tied embeddings), Mistral (its sliding window), Qwen2/2.5 (Q/K/V biases; "yarn" as Qwen2.5's
+long-context configs set it), Qwen3 (per-head Q/K RMSNorm), Gemma ((1 + w) RMSNorm,
 sqrt(d)-scaled tied embeddings, GeGLU) and Gemma 2 (with output norms, soft-capped scores and logits,
 query_pre_attn_scalar, the window on alternate layers). Refused in one sentence (``check_loadable``): other
-model types (Phi-3's fused qkv_proj / gate_up_proj among them), RoPE "dynamic" / "yarn" / "longrope", Qwen's
+model types (Phi-3's fused qkv_proj / gate_up_proj among them), RoPE "longrope" and "dynamic" (transformers
+recomputes its frequencies per forward from the longest sequence seen, a state a fixed RoPE cannot hold), Qwen's
 per-layer sliding window, biases that trainscale's one ``bias`` switch does not express.
 
 RoPE. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head, as Meta's original Llama code does;
@@ -27,6 +29,7 @@ modeling_llama.py), so the HF form of each head's Q and K rows (and biases) is p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -227,9 +230,34 @@ def gemma2_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
             "window_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention")}
 
 
+def yarn_fields(cfg: dict[str, Any], rope: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """RoPE "yarn" as transformers reads it (modeling_rope_utils: standardize_rope_params and
+    _compute_yarn_parameters): the original length from the top-level ``original_max_position_embeddings`` (Phi-3's
+    place) or rope_scaling's, else max_position_embeddings; a missing factor is max_position_embeddings over it;
+    beta_fast / beta_slow 32 / 1 when absent or 0; the attention factor as given, else mscale / mscale_all_dim's
+    ratio of yarn_get_mscale when both are set, else None (0.1 ln(factor) + 1, computed by the runtime)."""
+    longest = config_int(cfg, "max_position_embeddings", path, 2048)
+    if cfg.get("original_max_position_embeddings") is not None:
+        old = config_int(cfg, "original_max_position_embeddings", path, longest)
+    else:
+        old = config_int(rope, "original_max_position_embeddings", path, longest)
+    factor = _number(rope, "factor", longest / old, path)
+    attn = rope.get("attention_factor")
+    if attn is not None:
+        attn = _number(rope, "attention_factor", 1.0, path)
+    elif rope.get("mscale") and rope.get("mscale_all_dim"):
+        def mscale(m: float) -> float:  # yarn_get_mscale: 0.1 m ln(factor) + 1, 1 for a factor <= 1
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+        attn = mscale(_number(rope, "mscale", 1.0, path)) / mscale(_number(rope, "mscale_all_dim", 1.0, path))
+    return {"rope_scaling": "yarn", "rope_factor": factor, "rope_original_max_len": old,
+            "rope_beta_fast": _number(rope, "beta_fast", 32.0, path) or 32.0,
+            "rope_beta_slow": _number(rope, "beta_slow", 1.0, path) or 1.0,
+            "rope_attention_factor": attn, "rope_truncate": bool(rope.get("truncate", True))}
+
+
 def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, Any]:
     """What a Llama-family config adds to the Llama block (transformers' configuration_llama / _mistral /
-    _qwen2 / _qwen3 and modeling_rope_utils): the family, RoPE scaling (linear, llama3; other types change no
+    _qwen2 / _qwen3 and modeling_rope_utils): the family, RoPE scaling (linear, llama3, yarn; other types change no
     shape, so the planner reads them as unscaled and ``check_loadable`` refuses them), Qwen2's Q/K/V biases,
     Qwen3's per-head Q/K norms, Mistral's sliding window. {} for other model types."""
     if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"):
@@ -242,6 +270,8 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
     rope = rope_settings(cfg)
     if rope["rope_type"] in ("linear", "llama3"):
         out.update(rope_scaling=rope["rope_type"], rope_factor=_number(rope, "factor", 1.0, path))
+    if rope["rope_type"] == "yarn":
+        out.update(yarn_fields(cfg, rope, path))
     if rope["rope_type"] == "llama3":
         out.update(rope_low_freq_factor=_number(rope, "low_freq_factor", 1.0, path),
                    rope_high_freq_factor=_number(rope, "high_freq_factor", 4.0, path),
@@ -442,7 +472,7 @@ def rope_half_to_interleaved(w: Any, n_heads: int, head_dim: int) -> Any:
 
 def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     """The family of a config.json whose model trainscale's runtime computes exactly as transformers does (a
-    family with ``loads``, SwiGLU, RoPE unscaled or scaled linear / llama3, biases as the family has them);
+    family with ``loads``, SwiGLU, RoPE unscaled or scaled linear / llama3 / yarn, biases as the family has them);
     one sentence otherwise."""
     kind = cfg.get("model_type")
     if kind not in LOADED_TYPES:
@@ -458,9 +488,13 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Llama's SwiGLU (silu)")
     rope = rope_settings(cfg).get("rope_type")
-    if rope not in ("default", "linear", "llama3"):
+    if rope == "dynamic":
+        raise TrainscaleError(f"[model] init {path} uses RoPE scaling 'dynamic', whose frequencies transformers "
+                              "recomputes on each forward from the longest sequence seen so far (keys already cached "
+                              "keep the old ones), which trainscale's fixed per-model RoPE cannot reproduce exactly")
+    if rope not in ("default", "linear", "llama3", "yarn"):
         raise TrainscaleError(f"[model] init {path} uses RoPE scaling {rope!r}, which trainscale's RoPE does not "
-                              "implement (it computes default, linear and llama3 exactly)")
+                              "implement (it computes default, linear, llama3 and yarn exactly)")
     layer_types = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else []
     if kind in ("qwen2", "qwen3") and (cfg.get("use_sliding_window") or "sliding_attention" in layer_types):
         raise TrainscaleError(f"[model] init {path} uses Qwen's sliding window on some layers (use_sliding_window), "
@@ -486,6 +520,13 @@ def hf_rope(spec: ModelShape) -> dict[str, Any]:
     if kind == "llama3":
         rope.update(low_freq_factor=spec.rope_low_freq_factor, high_freq_factor=spec.rope_high_freq_factor,
                     original_max_position_embeddings=spec.rope_original_max_len)
+    if kind == "yarn":
+        rope.update(original_max_position_embeddings=spec.rope_original_max_len, beta_fast=spec.rope_beta_fast,
+                    beta_slow=spec.rope_beta_slow)
+        if spec.rope_attention_factor is not None:
+            rope["attention_factor"] = spec.rope_attention_factor
+        if not spec.rope_truncate:
+            rope["truncate"] = False
     return rope
 
 

@@ -68,13 +68,21 @@ class ModelSpec(_Spec):
     family: Literal["", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"] = Field(
         default="", description="the Hugging Face model_type the model was read from; export writes it back "
         "('': Llama)")
-    rope_scaling: Literal["none", "linear", "llama3"] = Field(
+    rope_scaling: Literal["none", "linear", "llama3", "yarn"] = Field(
         default="none", description="RoPE frequency scaling (transformers' modeling_rope_utils: linear divides every "
-        "frequency by rope_factor; llama3 divides the low ones, keeps the high ones, blends between)")
+        "frequency by rope_factor; llama3 divides the low ones, keeps the high ones, blends between; yarn blends "
+        "divided and kept frequencies over a ramp set by beta_fast / beta_slow and scales cos / sin)")
     rope_factor: float = Field(default=1.0, gt=0, le=1e6)
     rope_low_freq_factor: float = Field(default=1.0, gt=0, le=1e6)
     rope_high_freq_factor: float = Field(default=4.0, gt=0, le=1e6)
     rope_original_max_len: int = Field(default=8192, gt=0, le=_SEQ)
+    # YaRN (Peng et al. 2023, arXiv 2309.00071; transformers' _compute_yarn_parameters and its defaults)
+    rope_beta_fast: float = Field(default=32.0, gt=0, le=1e6)
+    rope_beta_slow: float = Field(default=1.0, gt=0, le=1e6)
+    rope_attention_factor: float | None = Field(
+        default=None, gt=0, le=1e6, description="yarn: what cos and sin are multiplied by; None: 0.1 ln(factor) + 1 "
+        "(YaRN eq. 21, transformers' yarn_get_mscale)")
+    rope_truncate: bool = Field(default=True, description="yarn: the ramp's ends rounded down / up to whole dims")
     qkv_bias: bool = Field(default=False, description="biases on Q, K and V only, none on the output or the MLP "
                            "(Qwen2)")
     qk_norm: bool = Field(default=False, description="an RMSNorm over each head's query and key before RoPE (Qwen3)")

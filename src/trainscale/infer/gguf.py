@@ -7,7 +7,9 @@ llama.cpp's graph for that architecture computes; tests/test_infer_gguf_families
   ``rope.scaling.factor`` (llama.cpp divides every position by it); "llama3" is the ``rope_freqs.weight`` tensor,
   one divisor per frequency (convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: 1 for the high
   frequencies, the factor for the low ones, blended between), which llama.cpp's llama graph hands to
-  ggml_rope_ext as its frequency factors. A tied model has no ``output.weight`` (llama.cpp then uses
+  ggml_rope_ext as its frequency factors; "yarn" (here and in qwen2) is ``rope.scaling.type`` = yarn with its factor,
+  original context length and yarn_beta_fast / _slow, and llama.cpp's own attention factor 0.1 ln(factor) + 1
+  (another, or truncate = false, is refused). A tied model has no ``output.weight`` (llama.cpp then uses
   token_embd). Mistral's sliding window has no key in llama.cpp's llama: a window shorter than the context is
   refused, one as long as it changes nothing and is left out. A Mixtral-shaped MoE is llama with experts
   (``llama.expert_count``: see infer/export.py's docstring).
@@ -37,6 +39,7 @@ port of ggml's reference quantizers).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +90,12 @@ def _unsaid(spec: ModelSpec, arch: str) -> list[str]:
         bad.append("per-head Q/K norms (Qwen3's)")
     if spec.rope_scaling == "llama3" and arch != "llama":
         bad.append("RoPE scaling 'llama3' (llama.cpp applies rope_freqs in its llama graph only)")
+    if spec.rope_scaling == "yarn" and not spec.rope_truncate:
+        bad.append("YaRN with truncate = false (llama.cpp's ggml_rope_yarn_corr_dims always rounds the ramp's ends)")
+    if spec.rope_scaling == "yarn" and spec.rope_attention_factor is not None and not math.isclose(
+            spec.rope_attention_factor, 1.0 if spec.rope_factor <= 1 else 0.1 * math.log(spec.rope_factor) + 1):
+        bad.append("a YaRN attention factor other than 0.1 ln(factor) + 1 (llama.cpp's versions disagree on the key "
+                   "that carries another: yarn_attn_factor before llama.cpp PR 17945, rope.scaling.attn_factor after)")
     trio = (spec.norm_offset, spec.embed_scale, spec.gate_act == "gelu_tanh")
     if any(trio) and not gemma:
         bad.append("Gemma's (1 + w) norms, sqrt(d)-scaled embeddings or GeGLU")
@@ -198,6 +207,12 @@ def _write_hparams(w: Any, spec: ModelSpec, arch: str) -> None:
     if spec.rope_scaling == "linear":  # llama.cpp: freq_scale = 1 / factor, every position divided by it
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope_factor)
+    if spec.rope_scaling == "yarn":  # convert_hf_to_gguf.py's keys; the attention factor is llama.cpp's own default
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(spec.rope_factor)
+        w.add_rope_scaling_orig_ctx_len(spec.rope_original_max_len)
+        w.add_rope_scaling_yarn_beta_fast(spec.rope_beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(spec.rope_beta_slow)
     w.add_layer_norm_rms_eps(spec.norm_eps)
     if arch == "gemma2":
         w.add_attn_logit_softcapping(spec.attn_softcap)

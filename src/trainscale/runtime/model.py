@@ -65,13 +65,16 @@ def make_norm(spec: ModelSpec) -> nn.Module:
 def rope_frequencies(spec: ModelSpec, device: torch.device | str | None = None) -> torch.Tensor:
     """RoPE's inverse frequencies theta^(-2i/d) (Su et al. 2021, arXiv 2104.09864), computed as transformers'
     modeling_rope_utils does (1 / theta^(2i/d) in fp32), then scaled by ``spec.rope_scaling``: "linear" divides
-    each by rope_factor (_compute_linear_scaling_rope_parameters); "llama3" (Meta's Llama 3.1
-    apply_scaling, _compute_llama3_parameters) divides those of wavelength above L/low_freq_factor by the factor,
-    keeps those below L/high_freq_factor and blends in between (L: rope_original_max_len)."""
+    each by rope_factor (_compute_linear_scaling_rope_parameters); "yarn" (``yarn_frequencies``); "llama3" (Meta's
+    Llama 3.1 apply_scaling, _compute_llama3_parameters) divides those of wavelength above L/low_freq_factor by the
+    factor, keeps those below L/high_freq_factor and blends in between (L: rope_original_max_len)."""
     hd = spec.head_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    pos = spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
+    inv = 1.0 / pos
     if spec.rope_scaling == "linear":
         return inv / spec.rope_factor
+    if spec.rope_scaling == "yarn":
+        return yarn_frequencies(spec, pos)
     if spec.rope_scaling != "llama3":
         return inv
     factor, lo, hi, old = (spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor,
@@ -84,14 +87,49 @@ def rope_frequencies(spec: ModelSpec, device: torch.device | str | None = None) 
     return torch.where(medium, blended, scaled)
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float,
-                inv: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def yarn_frequencies(spec: ModelSpec, pos: torch.Tensor) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al. 2023, arXiv 2309.00071, "NTK-by-parts"; transformers'
+    _compute_yarn_parameters, same fp32 operations): dims that turn fewer than beta_slow times over the original
+    length L take inv / factor, those turning more than beta_fast times keep inv, a linear ramp between. The
+    dim of r turns is d ln(L / (2 pi r)) / (2 ln theta), rounded outward when ``rope_truncate``. ``pos``:
+    theta^(2i/d) in fp32 (transformers' pos_freqs)."""
+    hd, factor, base, old = spec.head_dim, spec.rope_factor, spec.rope_theta, spec.rope_original_max_len
+
+    def dim_of(turns: float) -> float:
+        return hd * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(spec.rope_beta_fast), dim_of(spec.rope_beta_slow)
+    if spec.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, hd - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(hd // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(pos.device)
+    keep = 1 - ramp  # 1: the dim keeps theta^(-2i/d) (extrapolates), 0: it is divided by the factor (interpolates)
+    return 1.0 / (factor * pos) * (1 - keep) + 1.0 / pos * keep
+
+
+def rope_scale(spec: ModelSpec) -> float:
+    """What RoPE's cos and sin are multiplied by: 1, or YaRN's attention factor, given or 0.1 ln(factor) + 1
+    (YaRN eq. 21; transformers' yarn_get_mscale, 1 for a factor <= 1)."""
+    if spec.rope_scaling != "yarn":
+        return 1.0
+    if spec.rope_attention_factor is not None:
+        return spec.rope_attention_factor
+    return 1.0 if spec.rope_factor <= 1 else 0.1 * math.log(spec.rope_factor) + 1.0
+
+
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float, inv: torch.Tensor | None = None,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of RoPE's rotation angles pos * inv_freq: ``inv`` (``rope_frequencies``), else unscaled
-    theta^(-2i/d) for ``head_dim``. Positions [s] -> [s, d/2]; [b, s] (packed documents) -> [b, s, d/2]."""
+    theta^(-2i/d) for ``head_dim``, times ``scale`` (``rope_scale``). Positions [s] -> [s, d/2]; [b, s] (packed
+    documents) -> [b, s, d/2]."""
     if inv is None:
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
                                / head_dim))
     ang = positions.float()[..., None] * inv.to(positions.device)
+    if scale != 1.0:
+        return ang.cos() * scale, ang.sin() * scale
     return ang.cos(), ang.sin()
 
 
@@ -365,7 +403,7 @@ class Transformer(nn.Module):
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions if positions.ndim == 2 else positions[None])
         cos, sin = rope_angles(positions, self.spec.head_dim, self.spec.rope_theta,
-                               rope_frequencies(self.spec, positions.device))
+                               rope_frequencies(self.spec, positions.device), rope_scale(self.spec))
         for key, layer in self.layers.items():
             if cache is not None:
                 h = layer(h, cos, sin, cache, int(key))
