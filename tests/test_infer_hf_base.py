@@ -75,8 +75,10 @@ def test_generate_quantize_export_take_the_hf_folder(hf_base, tmp_path):
     x = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert (back(x).logits - orig(x).logits).abs().max().item() < 1e-5  # in through the bridge, out again
-    # GGUF's plain llama architecture has no llama3 RoPE scaling: refused, as for a trainscale folder of that shape
-    assert "without RoPE scaling 'llama3'" in fails("export", str(hf_base), str(tmp_path / "m.gguf"), "--to", "gguf")
+    # the llama3-scaled folder goes to GGUF too, its scaling as llama.cpp's rope_freqs tensor
+    # (tests/test_infer_gguf_families.py checks llama.cpp's logits against ours)
+    g = cli("export", str(hf_base), str(tmp_path / "m.gguf"), "--to", "gguf")
+    assert g["file_bytes"] == (tmp_path / "m.gguf").stat().st_size and g["tensor_bytes"] == g["predicted_tensor_bytes"]
 
 
 def test_hf_folders_infer_cannot_read_are_one_sentence(hf_base, tmp_path):
