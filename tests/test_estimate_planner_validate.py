@@ -187,7 +187,7 @@ def test_validation_set_is_public_sourced_and_predicted():
     # With every FITTED constant fitted to the smallest MEAN |error| (validate.FIT_RULE; hopper clock 0.65 -> 0.71,
     # fa_triton_speed 1.34 -> 1.26, ampere clock 0.82 -> 0.90; benchmarks/RESULTS.md "Fit rule"): mean 7.1% -> 5.8%,
     # worst MPT-30B at 8,192 tokens on 8 A100s, +23.2% -> +31.5% (the ampere clock follows the 59 llm-foundry A100 rows)
-    assert out["mean_abs_error"] == pytest.approx(0.0578, abs=0.003)
+    assert out["mean_abs_error"] == pytest.approx(0.0582, abs=0.003)
     assert out["worst_run"] == "foundry-30b-a100-s8192-g8-mb1" and out["worst_abs_error"] == pytest.approx(
         0.315, abs=0.005)
     assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(-0.055, abs=0.005)
@@ -202,7 +202,10 @@ def test_validation_set_is_public_sourced_and_predicted():
     # torchtitan's A100 rows +2.7% / +6.6% at the ampere clock 0.82; +11.1% / +14.0% at the mean-|error| fit (0.90),
     # which the 59 llm-foundry A100 rows set
     assert abs(by_id["deepseek-v3-h800x2048"]["error"]) < 0.06
-    assert by_id["titan-70b-a100x64"]["error"] == pytest.approx(0.111, abs=0.005)
+    # torchtitan @157a12c5 wraps each block for full recompute in the non-reentrant checkpoint, so torch's early stop
+    # applies (software recompute_early_stop, as the later torchtitan preset): the 70B row +11.1% -> +17.9%, the
+    # leave-one-out mean 5.94% -> 5.99% (a fact from the code, kept although it widens the A100 split)
+    assert by_id["titan-70b-a100x64"]["error"] == pytest.approx(0.179, abs=0.005)
     assert by_id["titan-8b-h100x8"]["error"] == pytest.approx(-0.018, abs=0.005)  # -6.6% at clock fraction 0.65
     # MPT-7B on 8 H100s (llm-foundry's table, one micro-batch of 6): -5.3% -> -9.4% at the catalog's Hopper clock
     # fraction once each micro-batch pays FSDP1's 18 + 32 / 8 bytes per parameter in HBM (stages.param_pass_time); its
