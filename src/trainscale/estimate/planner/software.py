@@ -97,10 +97,10 @@ _KNOBS = tuple(f.name for f in fields(Software) if f.name not in ("name", "sourc
 _OPTIONAL = {"attention_speed": 1.0, "attention_kernel": "fa2", "precision": "bf16", "moe_node_limit": 0,
              "a2a_overlap": 0.0, "pipeline": "standard", "comm_sms": 0, "linear_act_bytes": 2.0,
              "attn_out_act_bytes": 2.0, "swiglu_in_act_bytes": 2.0, "recompute_norms": False, "recompute_mla_up": False,
-             "recompute_swiglu_output": False, "recompute_early_stop": False, "recompute_attention_core": True, "moe_weighted_combine": True,
+             "recompute_swiglu_output": False, "recompute_early_stop": False, "moe_weighted_combine": True,
              "dropout": False, "tp_wgrad_overlap": False, "dp_chunk_sync": "none", "dp_chunk_gather": False,
              "optimizer_state_bytes": 12.0, "fp16_grad_bytes": 0, "fp16_grad_reduce_bytes": 0,
-             "microbatch_grad_bytes": 0.0, "microbatch_shard_bytes": 0.0}
+             "microbatch_grad_bytes": 0.0, "microbatch_shard_bytes": 0.0, "recompute_attention_core": True}
 PRECISIONS = ("bf16", "fp16", "fp8")
 
 
@@ -195,8 +195,8 @@ KNOB_ALLOWED: dict[str, str] = {
     "comm_sms": "a whole number of SMs from 0 to 4096",
     "linear_act_bytes": _BYTES, "attn_out_act_bytes": _BYTES, "swiglu_in_act_bytes": _BYTES,
     "recompute_norms": _BOOL, "recompute_mla_up": _BOOL, "recompute_swiglu_output": _BOOL,
-    "recompute_early_stop": _BOOL, "recompute_attention_core": _BOOL, "moe_weighted_combine": _BOOL, "dropout": _BOOL, "tp_wgrad_overlap": _BOOL,
-    "dp_chunk_sync": "none, after or during", "dp_chunk_gather": _BOOL,
+    "recompute_early_stop": _BOOL, "moe_weighted_combine": _BOOL, "dropout": _BOOL, "tp_wgrad_overlap": _BOOL,
+    "dp_chunk_sync": "none, after or during", "dp_chunk_gather": _BOOL, "recompute_attention_core": _BOOL,
     "optimizer_state_bytes": "bytes per parameter of optimizer state, a finite number in [0, 32] (12: fp32 master, "
                              "Adam m and v)",
     "microbatch_grad_bytes": "HBM bytes per parameter per micro-batch, a finite number in [0, 256]",
