@@ -276,3 +276,18 @@ def test_fsdp1_parameter_passes_cost_each_micro_batch_its_bytes_over_hbm():
         other = load_software(name)
         knobs = (other.microbatch_grad_bytes, other.microbatch_shard_bytes)
         assert knobs == ((18, 32) if name.startswith("llm-foundry") else (0, 0)), name
+
+
+def test_torchtitan_selective_explains_no_attention_recompute():
+    """torchtitan's op-level SAC saves the SDPA output (software recompute_attention_core = false): its layout's
+    items still add up to the step, with no attention recompute, and the same layout redoing the core (Korthikanti's
+    selective) adds exactly that item's time, one attention forward per layer and micro-batch."""
+    case = ("llama3.1-8b", 8, 8192, "torchtitan", "tp1,cp1,pp1,dp8,mb2,zero3,rc=selective")
+    test_items_add_up_to_the_step_time_plan_prints(case)
+    _, _, bd = _explain(*case)
+    assert bd.item("attention recompute").time_s == 0.0
+    assert bd.item("GEMM recompute").time_s > 0 and bd.item("element-wise recompute").time_s > 0
+    p = planner.problem("llama3.1-8b", "h100-sxm", 8, 8192, 2**24,
+                        software=with_knobs(load_software("torchtitan"), recompute_attention_core=True))
+    redo = breakdown.explain_layout(p, Layout.parse(case[4]))
+    assert redo.item("attention recompute").time_s == pytest.approx(bd.item("attention forward").time_s, rel=1e-9)

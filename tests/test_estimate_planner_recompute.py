@@ -10,8 +10,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+from trainscale.estimate import flops
 from trainscale.estimate.planner import layer
-from trainscale.estimate.planner.candidates import FULL, candidates
+from trainscale.estimate.planner.candidates import FULL, SELECTIVE, candidates
 from trainscale.estimate.planner.efficiencies import load_efficiencies
 from trainscale.estimate.planner.software import load_software, with_knobs
 from trainscale.estimate.planner.step import recompute_flops_per_token
@@ -112,3 +113,37 @@ def test_megatron_recompute_keeps_its_whole_forward() -> None:
     """Megatron's own CheckpointFunction (reentrant) has no early stop: its presets leave the knob off."""
     for name in ("megatron-lm-2021", "megatron-core", "nemo"):
         assert not load_software(name).recompute_early_stop
+
+
+def test_torchtitan_selective_saves_the_attention_core() -> None:
+    """torchtitan's op-level selective AC (@157a12c5 parallelize_llama.py no_recompute_list; later
+    distributed/activation_checkpoint.py _save_list) always saves aten._scaled_dot_product_flash_attention's output,
+    so its backward does not rerun attention: Llama 3.1 8B at 2 x 8192 tokens on an H100 (torchtitan's docs/
+    performance.md layout), rc=selective. The knob removes exactly the FlashAttention-2 forward, counted by hand:
+    the causal attention FLOPs of one layer over the kernel's rate, times the forward's share of its time."""
+    m, gpu = load_model("llama3.1-8b"), load_gpu("h100-sxm")
+    sw = load_software("torchtitan")
+    assert not sw.recompute_attention_core
+    assert not load_software("torchtitan-2024-04").recompute_attention_core
+    assert not load_software("torchtitan-compile").recompute_attention_core
+    for name in ("megatron-lm-2021", "megatron-core", "llm-foundry"):
+        assert load_software(name).recompute_attention_core  # Korthikanti's selective: the core redone
+    cfg = {"tp": [1], "cp": [1], "pp": [1], "dp": [8], "mb": [2], "v": [1], "schedule": [0], "recompute": [SELECTIVE],
+           "zero": [3], "hsdp": [1], "sp": [False]}
+    c = candidates(m, {k: np.asarray(v) for k, v in cfg.items()}, 8192, 16)
+    eff = load_efficiencies(gpu)
+    r = layer.rates(gpu, eff, sw)
+    g = layer.dense_gemms(m, c, r, sw)
+    lay = layer.dense_layer(m, c, r, eff, sw, 8192, g)
+    flops_fb = flops.attention_flops_per_token(m, 8192, causal=True) / m.n_layers * 2 * 8192
+    rate = layer.attention_rate(m, 8192, r.peak_attn, eff, r.attn) * sw.attention_speed
+    attn_f = flops_fb / rate * layer.forward_share(r.attn, 8192, m.qk_head_dim)
+    assert 0 < attn_f < float(lay.attn[0])
+    redo = float(layer.recompute_time(c, lay, with_knobs(sw, recompute_attention_core=True))[0])
+    saved = float(layer.recompute_time(c, lay, sw)[0])
+    assert redo - saved == pytest.approx(float(attn_f))
+    assert saved == pytest.approx(float((lay.sel + lay.ew_f)[0]))  # every second GEMM and the ops between them
+    # HFU: the recomputed FLOPs per token lose the attention core's forward (1/3 of its causal training FLOPs)
+    drop = (float(recompute_flops_per_token(m, c, with_knobs(sw, recompute_attention_core=True), 8192)[0])
+            - float(recompute_flops_per_token(m, c, sw, 8192)[0]))
+    assert drop == pytest.approx(flops.attention_flops_per_token(m, 8192, causal=True) / 3)

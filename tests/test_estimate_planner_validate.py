@@ -187,7 +187,10 @@ def test_validation_set_is_public_sourced_and_predicted():
     # With every FITTED constant fitted to the smallest MEAN |error| (validate.FIT_RULE; hopper clock 0.65 -> 0.71,
     # fa_triton_speed 1.34 -> 1.26, ampere clock 0.82 -> 0.90; benchmarks/RESULTS.md "Fit rule"): mean 7.1% -> 5.8%,
     # worst MPT-30B at 8,192 tokens on 8 A100s, +23.2% -> +31.5% (the ampere clock follows the 59 llm-foundry A100 rows)
-    assert out["mean_abs_error"] == pytest.approx(0.0582, abs=0.003)
+    # torchtitan's op-level SAC saves the SDPA output (software recompute_attention_core = false): its four selective
+    # H100 rows -1.8% / +1.1% / +1.5% / +4.2% -> +2.3% / +6.2% / +5.7% / +9.3%, the A100 8B +14.0% -> +18.8%, mean
+    # 5.82% -> 5.94% (a fact from torchtitan's code, kept although it widens the errors)
+    assert out["mean_abs_error"] == pytest.approx(0.0594, abs=0.003)
     assert out["worst_run"] == "foundry-30b-a100-s8192-g8-mb1" and out["worst_abs_error"] == pytest.approx(
         0.315, abs=0.005)
     assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(-0.055, abs=0.005)
@@ -206,12 +209,13 @@ def test_validation_set_is_public_sourced_and_predicted():
     # applies (software recompute_early_stop, as the later torchtitan preset): the 70B row +11.1% -> +17.9%, the
     # leave-one-out mean 5.94% -> 5.99% (a fact from the code, kept although it widens the A100 split)
     assert by_id["titan-70b-a100x64"]["error"] == pytest.approx(0.179, abs=0.005)
-    assert by_id["titan-8b-h100x8"]["error"] == pytest.approx(-0.018, abs=0.005)  # -6.6% at clock fraction 0.65
+    assert by_id["titan-8b-h100x8"]["error"] == pytest.approx(0.023, abs=0.005)  # -1.8% redoing the attention core
+    assert by_id["titan-8b-h100x128-compile"]["error"] == pytest.approx(0.093, abs=0.005)
     # MPT-7B on 8 H100s (llm-foundry's table, one micro-batch of 6): -5.3% -> -9.4% at the catalog's Hopper clock
     # fraction once each micro-batch pays FSDP1's 18 + 32 / 8 bytes per parameter in HBM (stages.param_pass_time); its
     # leave-one-out error, the clock refit on the other rows, -0.4% -> -3.3%; -4.1% at the mean-|error| fit (0.71)
     assert by_id["mpt-7b-h100x8"]["error"] == pytest.approx(-0.041, abs=0.005)
-    assert by_id["titan-8b-a100x64"]["error"] == pytest.approx(0.140, abs=0.005)
+    assert by_id["titan-8b-a100x64"]["error"] == pytest.approx(0.188, abs=0.005)  # +14.0% redoing the attention core
     # Llama 3 Table 4 at 8K as the paper shards it (zero2, Sec. 3.3.2): -2.7% and -3.0%, each micro-batch's
     # gradients reduce-scattered on FSDP2's own stream under the stage's next forward and backward chunk
     # (dp.zero2_window); -21% while the model hid each only under its own micro-batch's backward; -7.1% and -7.2% at

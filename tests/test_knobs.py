@@ -209,6 +209,7 @@ def software_file(tmp_path: Path, **changes: object) -> Path:
     ("linear_act_bytes", 0.1), ("attn_out_act_bytes", "2"), ("recompute_norms", "false"),
     ("microbatch_grad_bytes", -1.0), ("microbatch_grad_bytes", "18"), ("microbatch_shard_bytes", 300.0),
     ("dp_chunk_sync", "before"), ("dp_chunk_sync", True), ("dp_chunk_gather", "yes"),
+    ("recompute_attention_core", "no"), ("recompute_attention_core", 0),
 ])
 def test_software_file_bad_knob_is_refused(tmp_path: Path, knob: str, value: object) -> None:
     path = software_file(tmp_path, **{knob: value})

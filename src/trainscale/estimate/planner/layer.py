@@ -407,12 +407,14 @@ def tp_cp_exposed(m: ModelSpec, c: Candidates, topo: comms.Topology, eff: Effici
 def recompute_time(c: Candidates, lay: LayerTime, sw: Software, knobs: Any = None) -> Any:
     """Recomputation (Korthikanti Sec. 5): full redoes the layer forward (its TP/CP traffic is in
     ``tp_cp_exposed``), less its last GEMM under ``sw.recompute_early_stop`` (``early_stop_skip``); selective redoes
-    the attention core and the GEMMs the software names (torchtitan: every second one), and then also the
-    element-wise ops between them (only saved ops are kept). ``knobs``: the software's memory-saving recomputation
+    the attention core (unless ``sw.recompute_attention_core`` is false: torchtitan's op-level SAC saves the SDPA
+    output) and the GEMMs the software names (torchtitan: every second one), and then also the element-wise ops
+    between them (only saved ops are kept). ``knobs``: the software's memory-saving recomputation
     of a MoE / MLA layer (``recompute_knobs``), None for neither."""
     sel_ew = lay.ew_f if sw.selective_gemms else 0.0
     full = lay.mm_f + lay.attn_f + lay.ew_f - (lay.last_f if sw.recompute_early_stop else 0.0)
-    t = np.select([c.rc == FULL, c.rc == SELECTIVE], [full, lay.attn_f + lay.sel + sel_ew], 0.0)
+    sel_attn = lay.attn_f if sw.recompute_attention_core else 0.0
+    t = np.select([c.rc == FULL, c.rc == SELECTIVE], [full, sel_attn + lay.sel + sel_ew], 0.0)
     return t if knobs is None else t + knobs
 
 

@@ -68,6 +68,8 @@ class Software:
     #                                     non-reentrant checkpoint with early stop (catalog/software.toml)
     moe_weighted_combine: bool = True  # the combine weights expert outputs by the gate (keeps them); False: the gate
     #                                    is applied on the expert side and the combine is a plain sum (DeepEP)
+    recompute_attention_core: bool = True  # rc=selective redoes the attention core (Korthikanti); False: its output is
+    #                                        saved (torchtitan's op-level SAC saves the SDPA ops)
     dropout: bool = False  # the layers run dropout (hidden and attention): its masks kept, its kernels run
     optimizer_state_bytes: float = 12.0  # bytes per parameter of optimizer state: 12 = fp32 master, Adam m and v
     microbatch_grad_bytes: float = 0.0  # HBM bytes per unsharded parameter each micro-batch moves outside the layers
@@ -98,7 +100,7 @@ _OPTIONAL = {"attention_speed": 1.0, "attention_kernel": "fa2", "precision": "bf
              "recompute_swiglu_output": False, "recompute_early_stop": False, "moe_weighted_combine": True,
              "dropout": False, "tp_wgrad_overlap": False, "dp_chunk_sync": "none", "dp_chunk_gather": False,
              "optimizer_state_bytes": 12.0, "fp16_grad_bytes": 0, "fp16_grad_reduce_bytes": 0,
-             "microbatch_grad_bytes": 0.0, "microbatch_shard_bytes": 0.0}
+             "microbatch_grad_bytes": 0.0, "microbatch_shard_bytes": 0.0, "recompute_attention_core": True}
 PRECISIONS = ("bf16", "fp16", "fp8")
 
 
@@ -164,6 +166,7 @@ class SoftwareKnobs(BaseModel):
     recompute_mla_up: bool
     recompute_swiglu_output: bool
     recompute_early_stop: bool
+    recompute_attention_core: bool
     moe_weighted_combine: bool
     dropout: bool
     optimizer_state_bytes: Annotated[float, Field(ge=0, le=32)]
@@ -193,7 +196,7 @@ KNOB_ALLOWED: dict[str, str] = {
     "linear_act_bytes": _BYTES, "attn_out_act_bytes": _BYTES, "swiglu_in_act_bytes": _BYTES,
     "recompute_norms": _BOOL, "recompute_mla_up": _BOOL, "recompute_swiglu_output": _BOOL,
     "recompute_early_stop": _BOOL, "moe_weighted_combine": _BOOL, "dropout": _BOOL, "tp_wgrad_overlap": _BOOL,
-    "dp_chunk_sync": "none, after or during", "dp_chunk_gather": _BOOL,
+    "dp_chunk_sync": "none, after or during", "dp_chunk_gather": _BOOL, "recompute_attention_core": _BOOL,
     "optimizer_state_bytes": "bytes per parameter of optimizer state, a finite number in [0, 32] (12: fp32 master, "
                              "Adam m and v)",
     "microbatch_grad_bytes": "HBM bytes per parameter per micro-batch, a finite number in [0, 256]",

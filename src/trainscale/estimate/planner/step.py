@@ -81,14 +81,17 @@ def layer_times(m: ModelSpec, c: Candidates, r: layer.Rates, topo: comms.Topolog
 
 def recompute_flops_per_token(m: ModelSpec, c: Candidates, sw: Software, seq: int) -> Any:
     """FLOPs per token the recomputation adds (HFU's numerator over MFU's): the mode's forward again
-    (``flops.recompute_flops_per_token``, causal halving), the GEMMs selective recompute redoes, the MLA
-    up-projections under sw.recompute_mla_up; 2 FLOPs per weight per token, every layer; full recompute with early
-    stop (sw.recompute_early_stop) skips each dense layer's w2."""
+    (``flops.recompute_flops_per_token``, causal halving; selective's attention core not where
+    sw.recompute_attention_core is false), the GEMMs selective recompute redoes, the MLA up-projections under
+    sw.recompute_mla_up; 2 FLOPs per weight per token, every layer; full recompute with early stop
+    (sw.recompute_early_stop) skips each dense layer's w2."""
     n_mm, L = matmul_params(m), m.n_layers
     rpt = per_mode(lambda mode: np.full(c.rc.shape, flops.recompute_flops_per_token(m, n_mm, seq, mode, causal=True)),
                    c.rc, RECOMPUTE)
     sel_params = sum(int(np.prod(sh)) for name, sh in full_gemm_shapes(m).items() if name in sw.selective_gemms)
     rpt = rpt + np.where(c.rc == SELECTIVE, 2.0 * sel_params * L, 0.0)
+    if not sw.recompute_attention_core:  # the selective mode's attention core saved, not redone
+        rpt = rpt - np.where(c.rc == SELECTIVE, flops.recompute_flops_per_token(m, n_mm, seq, "selective", True), 0.0)
     if sw.recompute_early_stop:
         w2 = int(np.prod(ffn_gemm_shapes(m, 1)["w2"]))
         rpt = rpt - np.where(c.full, 2.0 * w2 * (L - m.n_moe_layers), 0.0)
