@@ -69,7 +69,8 @@ def test_items_add_up_to_the_step_time_plan_prints(case):
     assert recompute == pytest.approx(parts["recompute"], rel=1e-9, abs=1e-12)
     assert bd.item("GEMM backward").time_s > bd.item("GEMM forward").time_s > 0  # dgrad + wgrad: two GEMMs
     assert bd.item("attention backward").time_s > bd.item("attention forward").time_s > 0
-    assert bd.item("parameter passes").time_s == 0.0  # FSDP1's passes: llm-foundry's presets only
+    # FSDP1's (llm-foundry's presets) and FSDP2's (torchtitan's) passes over the parameters only
+    assert (bd.item("parameter passes").time_s > 0) == case[3].startswith(("llm-foundry", "torchtitan"))
 
 
 def test_the_searched_winner_is_explained_as_plan_prints_it():
@@ -271,11 +272,44 @@ def test_fsdp1_parameter_passes_cost_each_micro_batch_its_bytes_over_hbm():
     assert row["step_time_s"] - off.evaluate_layout(lay)["step_time_s"] == pytest.approx(
         micro * per_micro_bytes / hbm, rel=1e-9)
     assert breakdown.explain_layout(off, lay).item("parameter passes").time_s == 0.0
-    # only llm-foundry's presets (FSDP1 through Composer) set them; every other preset's step is as before
+    # only llm-foundry's presets (FSDP1 through Composer) and torchtitan's (FSDP2) set them; every other preset's step
+    # is as before
     for name in software_names():
         other = load_software(name)
         knobs = (other.microbatch_grad_bytes, other.microbatch_shard_bytes)
-        assert knobs == ((18, 32) if name.startswith("llm-foundry") else (0, 0)), name
+        want = (18, 32) if name.startswith("llm-foundry") else (14, 32) if name.startswith("torchtitan") else (0, 0)
+        assert knobs == want, name
+
+
+@pytest.mark.parametrize("preset", ["torchtitan", "torchtitan-2024-04", "torchtitan-compile"])
+def test_fsdp2_parameter_copies_cost_each_micro_batch_its_bytes_over_hbm(preset):
+    """torchtitan's FSDP2 (fully_shard, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), resharded after
+    the forward) moves, every micro-batch, 14 bytes per unsharded parameter (the all-gather copy-out of the bf16
+    parameters, 2 + 2, in the forward and again in the backward; the chunk_cat of the bf16 gradients into the fp32
+    reduce-scatter input, 2 + 4) and 32 per parameter of the rank's shard (the fp32 -> bf16 cast, 4 + 2, and the copy
+    into the all-gather input, 2 + 2, before each of the two all-gathers; the fp32 accumulation 4 + 4 + 4; no divide,
+    the fp32 reduce-scatter averages): catalog/software.toml's count from torch's
+    _fully_shard/_fsdp_collectives.py.
+    Llama 3.1 8B (8,030,261,248 parameters, Meta's model card) on 8 H100s, dp8 zero3, two micro-batches of 1 x 8192
+    tokens: that many bytes at the H100's 3.35 TB/s (catalog/gpus.toml) x the planner's HBM efficiency, on each."""
+    d, layers, ffn, kv, vocab, dp, micro = 4096, 32, 14336, 1024, 128256, 8, 2
+    params = layers * (2 * d * d + 2 * d * kv + 3 * d * ffn + 2 * d) + 2 * vocab * d + d
+    assert params == 8_030_261_248
+    per_micro_bytes = (2 * (2 + 2) + (2 + 4)) * params + (2 * ((4 + 2) + (2 + 2)) + (4 + 4 + 4)) * params / dp
+    sw = load_software(preset)
+    assert (sw.microbatch_grad_bytes, sw.microbatch_shard_bytes) == (14, 32)
+    lay = Layout.parse("tp1,cp1,pp1,dp8,mb1,zero3,rc=selective")
+    on = planner.problem("llama3.1-8b", "h100-sxm", dp, 8192, dp * 8192 * micro, cluster="dgx-h100", software=sw)
+    off = planner.problem("llama3.1-8b", "h100-sxm", dp, 8192, dp * 8192 * micro, cluster="dgx-h100",
+                          software=with_knobs(sw, microbatch_grad_bytes=0.0, microbatch_shard_bytes=0.0))
+    hbm = 3.35e12 * on.eff.hbm_efficiency
+    bd, row = breakdown.explain_layout(on, lay), on.evaluate_layout(lay)
+    it = bd.item("parameter passes")
+    assert bd.micro_batches == micro and it.counted == breakdown.STAGE
+    assert it.per_micro_s == pytest.approx(per_micro_bytes / hbm, rel=1e-12)
+    assert bd.total_s == pytest.approx(row["step_time_s"], rel=1e-9)
+    assert row["step_time_s"] - off.evaluate_layout(lay)["step_time_s"] == pytest.approx(
+        micro * per_micro_bytes / hbm, rel=1e-9)
 
 
 def test_torchtitan_selective_explains_no_attention_recompute():

@@ -190,7 +190,10 @@ def test_validation_set_is_public_sourced_and_predicted():
     # torchtitan's op-level SAC saves the SDPA output (software recompute_attention_core = false): its four selective
     # H100 rows -1.8% / +1.1% / +1.5% / +4.2% -> +2.3% / +6.2% / +5.7% / +9.3%, the A100 8B +14.0% -> +18.8%, mean
     # 5.82% -> 5.94% (a fact from torchtitan's code, kept although it widens the errors)
-    assert out["mean_abs_error"] == pytest.approx(0.0594, abs=0.003)
+    # FSDP2's per-micro-batch copies (torchtitan presets: microbatch_grad_bytes 14, microbatch_shard_bytes 32, counted
+    # from torch's _fully_shard/_fsdp_collectives.py): the six torchtitan rows 2.3 to 3.5 points slower, mean 5.94% ->
+    # 5.83%, leave-one-out 6.11% -> 6.00%
+    assert out["mean_abs_error"] == pytest.approx(0.0583, abs=0.003)
     assert out["worst_run"] == "foundry-30b-a100-s8192-g8-mb1" and out["worst_abs_error"] == pytest.approx(
         0.315, abs=0.005)
     assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(-0.055, abs=0.005)
@@ -208,14 +211,17 @@ def test_validation_set_is_public_sourced_and_predicted():
     # torchtitan @157a12c5 wraps each block for full recompute in the non-reentrant checkpoint, so torch's early stop
     # applies (software recompute_early_stop, as the later torchtitan preset): the 70B row +11.1% -> +17.9%, the
     # leave-one-out mean 5.94% -> 5.99% (a fact from the code, kept although it widens the A100 split)
-    assert by_id["titan-70b-a100x64"]["error"] == pytest.approx(0.179, abs=0.005)
-    assert by_id["titan-8b-h100x8"]["error"] == pytest.approx(0.023, abs=0.005)  # -1.8% redoing the attention core
-    assert by_id["titan-8b-h100x128-compile"]["error"] == pytest.approx(0.093, abs=0.005)
+    # (+14.5% with FSDP2's copies)
+    assert by_id["titan-70b-a100x64"]["error"] == pytest.approx(0.145, abs=0.005)
+    # -1.8% redoing the attention core; +2.3% saving it; -0.4% with FSDP2's copies (+9.3% -> +6.6% compiled, 128 GPUs)
+    assert by_id["titan-8b-h100x8"]["error"] == pytest.approx(-0.004, abs=0.005)
+    assert by_id["titan-8b-h100x128-compile"]["error"] == pytest.approx(0.066, abs=0.005)
     # MPT-7B on 8 H100s (llm-foundry's table, one micro-batch of 6): -5.3% -> -9.4% at the catalog's Hopper clock
     # fraction once each micro-batch pays FSDP1's 18 + 32 / 8 bytes per parameter in HBM (stages.param_pass_time); its
     # leave-one-out error, the clock refit on the other rows, -0.4% -> -3.3%; -4.1% at the mean-|error| fit (0.71)
     assert by_id["mpt-7b-h100x8"]["error"] == pytest.approx(-0.041, abs=0.005)
-    assert by_id["titan-8b-a100x64"]["error"] == pytest.approx(0.188, abs=0.005)  # +14.0% redoing the attention core
+    # +14.0% redoing the attention core, +18.8% saving it, +15.2% with FSDP2's copies
+    assert by_id["titan-8b-a100x64"]["error"] == pytest.approx(0.152, abs=0.005)
     # Llama 3 Table 4 at 8K as the paper shards it (zero2, Sec. 3.3.2): -2.7% and -3.0%, each micro-batch's
     # gradients reduce-scattered on FSDP2's own stream under the stage's next forward and backward chunk
     # (dp.zero2_window); -21% while the model hid each only under its own micro-batch's backward; -7.1% and -7.2% at

@@ -137,7 +137,7 @@ def compute_items(s: StepParts, sw: Any) -> list[Item]:
         ("LM head + loss", _f(k.head), "output GEMM and cross-entropy, fwd + bwd (embedding lookup not modelled)"),
         ("micro-batch overhead", _f(stages.fixed_time(c, sw)), "the software's fixed cost per chunk pass"),
         ("parameter passes", _f(s.st.param_passes), "the software's gradient and shard copies per micro-batch, "
-                                                     "HBM-bound (FSDP1: cast, divide, accumulate)"),
+                                                     "HBM-bound (FSDP1: cast, divide, accumulate; FSDP2: copy, cast)"),
     ]
     return [Item(n, "compute", STAGE, t * micro, t * micro, t, note=note) for n, t, note in per]
 
