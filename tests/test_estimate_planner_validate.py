@@ -193,16 +193,20 @@ def test_validation_set_is_public_sourced_and_predicted():
     # FSDP2's per-micro-batch copies (torchtitan presets: microbatch_grad_bytes 14, microbatch_shard_bytes 32, counted
     # from torch's _fully_shard/_fsdp_collectives.py): the six torchtitan rows 2.3 to 3.5 points slower, mean 5.94% ->
     # 5.83%, leave-one-out 6.11% -> 6.00%
-    assert out["mean_abs_error"] == pytest.approx(0.0583, abs=0.003)
+    # The Triton kernel at head dim 128 no slower than at 64 (it runs 128 x 128 tiles at both, where FlashAttention
+    # v1's CUDA kernels halve their key block at 128: catalog/planner.toml [attention.fa-triton]), the FITTED constants
+    # refit (hopper clock 0.71 -> 0.70, fa_triton_speed 1.26 -> 1.13, ampere clock 0.90 -> 0.87): mean 5.83% -> 4.93%
+    # (the 59 llm-foundry A100 rows 6.3% -> 4.0%), leave-one-out 6.00% -> 5.08%, worst MPT-30B A100 s8192 +32.5%
+    assert out["mean_abs_error"] == pytest.approx(0.0493, abs=0.003)
     assert out["worst_run"] == "foundry-30b-a100-s8192-g8-mb1" and out["worst_abs_error"] == pytest.approx(
-        0.315, abs=0.005)
-    assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(-0.055, abs=0.005)
+        0.325, abs=0.005)
+    assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(-0.062, abs=0.005)
     by_id = {r["id"]: r for r in out["runs"]}
     # DeepSeek-V3 with its MTP module on the last rank, cut first3,last2 (61 layers + embedding + MTP + loss = 16 x 4
     # units, as Megatron-Core splits DeepSeek-V3; catalog/runs.toml's note): +1.6%. placement's default cut would put
     # 90 GB on rank 15 (no fit) and predict -8.9%. -2.6% at the hopper clock fraction refit with fa_triton_speed;
-    # +3.6% at the mean-|error| fit (0.71)
-    assert by_id["deepseek-v3-h800x2048"]["error"] == pytest.approx(0.036, abs=0.005)
+    # +3.6% at the mean-|error| fit (0.71), +2.6% at 0.70
+    assert by_id["deepseek-v3-h800x2048"]["error"] == pytest.approx(0.026, abs=0.005)
     # torchtitan's A100 8B row (selective recompute redoes the attention core): +5.9% -> +6.6% since the recomputed
     # FlashAttention-2 forward costs 1/3.5 of the kernel's time, not 1/3 (layer.forward_share)
     # torchtitan's A100 rows +2.7% / +6.6% at the ampere clock 0.82; +11.1% / +14.0% at the mean-|error| fit (0.90),
@@ -211,30 +215,33 @@ def test_validation_set_is_public_sourced_and_predicted():
     # torchtitan @157a12c5 wraps each block for full recompute in the non-reentrant checkpoint, so torch's early stop
     # applies (software recompute_early_stop, as the later torchtitan preset): the 70B row +11.1% -> +17.9%, the
     # leave-one-out mean 5.94% -> 5.99% (a fact from the code, kept although it widens the A100 split)
-    # (+14.5% with FSDP2's copies)
-    assert by_id["titan-70b-a100x64"]["error"] == pytest.approx(0.145, abs=0.005)
-    # -1.8% redoing the attention core; +2.3% saving it; -0.4% with FSDP2's copies (+9.3% -> +6.6% compiled, 128 GPUs)
-    assert by_id["titan-8b-h100x8"]["error"] == pytest.approx(-0.004, abs=0.005)
-    assert by_id["titan-8b-h100x128-compile"]["error"] == pytest.approx(0.066, abs=0.005)
+    # (+14.5% with FSDP2's copies; +11.4% at the ampere clock 0.87)
+    assert by_id["titan-70b-a100x64"]["error"] == pytest.approx(0.114, abs=0.005)
+    # -1.8% redoing the attention core; +2.3% saving it; -0.4% with FSDP2's copies (+9.3% -> +6.6% compiled, 128 GPUs);
+    # -1.2% / +5.6% at the hopper clock 0.70
+    assert by_id["titan-8b-h100x8"]["error"] == pytest.approx(-0.012, abs=0.005)
+    assert by_id["titan-8b-h100x128-compile"]["error"] == pytest.approx(0.056, abs=0.005)
     # MPT-7B on 8 H100s (llm-foundry's table, one micro-batch of 6): -5.3% -> -9.4% at the catalog's Hopper clock
     # fraction once each micro-batch pays FSDP1's 18 + 32 / 8 bytes per parameter in HBM (stages.param_pass_time); its
-    # leave-one-out error, the clock refit on the other rows, -0.4% -> -3.3%; -4.1% at the mean-|error| fit (0.71)
-    assert by_id["mpt-7b-h100x8"]["error"] == pytest.approx(-0.041, abs=0.005)
-    # +14.0% redoing the attention core, +18.8% saving it, +15.2% with FSDP2's copies
-    assert by_id["titan-8b-a100x64"]["error"] == pytest.approx(0.152, abs=0.005)
+    # leave-one-out error, the clock refit on the other rows, -0.4% -> -3.3%; -4.1% at the mean-|error| fit (0.71);
+    # -3.7% with the Triton kernel's head-128 rate at its head-64 curve (0.70, fa_triton_speed 1.13)
+    assert by_id["mpt-7b-h100x8"]["error"] == pytest.approx(-0.037, abs=0.005)
+    # +14.0% redoing the attention core, +18.8% saving it, +15.2% with FSDP2's copies, +12.4% at the ampere clock 0.87
+    assert by_id["titan-8b-a100x64"]["error"] == pytest.approx(0.124, abs=0.005)
     # Llama 3 Table 4 at 8K as the paper shards it (zero2, Sec. 3.3.2): -2.7% and -3.0%, each micro-batch's
     # gradients reduce-scattered on FSDP2's own stream under the stage's next forward and backward chunk
     # (dp.zero2_window); -21% while the model hid each only under its own micro-batch's backward; -7.1% and -7.2% at
-    # the hopper clock fraction refit jointly with fa_triton_speed (0.69 -> 0.65); -0.6% and -1.0% at 0.71
-    assert by_id["llama3-405b-8k-8192"]["error"] == pytest.approx(-0.006, abs=0.005)
-    assert by_id["llama3-405b-8k-16384"]["error"] == pytest.approx(-0.010, abs=0.005)
+    # the hopper clock fraction refit jointly with fa_triton_speed (0.69 -> 0.65); -0.6% and -1.0% at 0.71; -1.7% and
+    # -2.0% at 0.70
+    assert by_id["llama3-405b-8k-8192"]["error"] == pytest.approx(-0.017, abs=0.005)
+    assert by_id["llama3-405b-8k-16384"]["error"] == pytest.approx(-0.020, abs=0.005)
     # Llama 3 Table 4 at 128K: +6.8% read with torchtitan's convention, -23.8% with causal halving (the attention
     # kernel at a CP rank's shapes, seq / cp = 8K: layer.cp_kernel_seq; it was +10.5% / -21.2% at the 16K plateau);
-    # +4.5% / -25.5% at the hopper clock fraction 0.65; +7.9% / -23.0% at 0.71
+    # +4.5% / -25.5% at the hopper clock fraction 0.65; +7.9% / -23.0% at 0.71; +7.4% / -23.4% at 0.70
     l128 = by_id["llama3-405b-128k-16384"]
-    assert l128["error"] == pytest.approx(0.079, abs=0.005)
+    assert l128["error"] == pytest.approx(0.074, abs=0.005)
     assert l128["alt_convention"]["flop_convention"] == "trainscale"
-    assert l128["alt_convention"]["error"] == pytest.approx(-0.230, abs=0.005)
+    assert l128["alt_convention"]["error"] == pytest.approx(-0.234, abs=0.005)
     gens = {r["generation"] for r in out["runs"]}
     assert gens == {"hopper", "ampere"}
     # peak memory where the source publishes it (torchtitan's H100 tables): the heaviest stage within 6%
@@ -394,15 +401,17 @@ def test_kernel_and_norm_knobs_come_from_the_rows_software():
     # llm-foundry's attn_impl triton (the FA1-era Triton kernel, as fast as FlashAttention v1 by its docstring) against
     # attn_impl flash (flash-attn 2.4.2): at 2k tokens and head dim 128 on an H100 the published curves give FA2 265
     # and FA1 108 TFLOP/s (flash2_h100_fwd_bwd_benchmark.png (d)), and the Triton kernel runs at FA1's x the FITTED
-    # fa_triton_speed (1.26 on hopper), so the Triton rows' attention takes 265 / (108 x 1.26) as long
+    # fa_triton_speed (1.13 on hopper); the Triton kernel's head-128 column is v1's head-64 one (136 at 2k: it tiles
+    # 128 x 128 at both head dims), so the Triton rows' attention takes 265 / (136 x 1.13) as long
     fa2, tri = (plan.problem("mpt-7b", "h100-sxm", 8, 2048, 48 * 2048, cluster="dgx-h100", software=s)
                 .evaluate_layout(Layout.parse("dp8,zero3,mb6")) for s in ("llm-foundry", "llm-foundry-triton"))
     assert tri["compute_parts_s"]["attention"] == pytest.approx(
-        265 / (108 * 1.26) * fa2["compute_parts_s"]["attention"])
-    # on an A100 the factor is 1 ([defaults]: not fitted there): FA2 155 against FA1 69 at 2k, head dim 128 (Fig. 4 (d))
+        265 / (136 * 1.13) * fa2["compute_parts_s"]["attention"])
+    # on an A100 the factor is 1 ([defaults]: not fitted there): FA2 155 at 2k, head dim 128 (Fig. 4 (d)) against FA1's
+    # head-64 77 (Fig. 4 (c))
     fa2, tri = (plan.problem("mpt-7b", "a100-sxm-80gb", 8, 2048, 48 * 2048, software=s)
                 .evaluate_layout(Layout.parse("dp8,zero3,mb6")) for s in ("llm-foundry", "llm-foundry-triton"))
-    assert tri["compute_parts_s"]["attention"] == pytest.approx(155 / 69 * fa2["compute_parts_s"]["attention"])
+    assert tri["compute_parts_s"]["attention"] == pytest.approx(155 / 77 * fa2["compute_parts_s"]["attention"])
     assert tri["compute_parts_s"]["gemm"] == pytest.approx(fa2["compute_parts_s"]["gemm"])
     # torchtitan's April 2024 configs ran the Triton fused RMSNorm: 28 element-wise passes per layer, not 60
     assert load_software("torchtitan-2024-04").elementwise_passes == 28
@@ -420,8 +429,8 @@ def test_cli_validate_json_and_bad_input(tmp_path):
     assert f"Fitted (rule: {FIT_RULE}): sustained_clock_fraction" in line and "LOO" not in line  # no per-row columns
     # the Triton kernel's H100 factor, fitted with the hopper clock: its in-sample and leave-one-out values, and the 65
     # llm-foundry-triton H100 rows it moves of hopper's 105
-    assert re.search(r"fa_triton_speed \(hopper\) catalog 1\.26, refit on its 105 rows \(65 moved by it\) in-sample "
-                     r"1\.2\d\d, leave-one-out 1\.\d{3}-1\.\d{3}", line), line
+    assert re.search(r"fa_triton_speed \(hopper\) catalog 1\.13, refit on its 105 rows \(65 moved by it\) in-sample "
+                     r"1\.1\d\d, leave-one-out 1\.\d{3}-1\.\d{3}", line), line
     tri = next(f for f in out["fit"] if f["key"] == "fa_triton_speed")
     assert tri["rows_moved"] == sum((r["software"], r["generation"]) == ("llm-foundry-triton", "hopper")
                                     for r in out["runs"])
