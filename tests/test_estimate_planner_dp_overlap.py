@@ -132,7 +132,8 @@ def test_planner_exposes_what_the_schedule_leaves_of_bytes_over_bandwidth(softwa
 
 
 def test_presets_without_the_knobs_keep_the_stage_wide_overlap():
-    knobbed = {"megatron-core": ("after", True), "nemo": ("during", True), "mlperf-nemo-gpt3": ("after", True)}
+    knobbed = {"megatron-core": ("after", True), "nemo": ("during", True), "mlperf-nemo-gpt3": ("after", True),
+               "mlperf-nemo-llama31-tp4": ("during", True), "mlperf-nemo-llama31-tp8": ("during", True)}
     for name in software_names():
         sw = load_software(name)
         assert (sw.dp_chunk_sync, sw.dp_chunk_gather) == knobbed.get(name, ("none", False)), name

@@ -229,3 +229,40 @@ def test_gemm_shape_lists_are_the_planners_sharded_gemms():
     assert shapes["wq.fwd"] == (8192, 16384, 2048) and shapes["wk.fwd"] == (8192, 16384, 128)
     assert shapes["w1.fwd"] == (8192, 16384, 6656) and shapes["w1.dX"] == (8192, 6656, 16384)  # = w2's forward
     assert shapes["w1.dW"] == (16384, 8192, 6656) and shapes["head.fwd"] == (8192, 16384, 16032)
+
+
+def test_h200_fp8_gemm_rate_is_hoppers_times_the_published_h200_over_h100_mamf():
+    # ml-engineering compute/accelerator README (stas00/ml-engineering @744d01e), Maximum Achievable Matmul FLOPS, FP8
+    # rows: H200 SXM 1453.4, H100 SXM 1402.6 TFLOPS of 1979; the BF16 row: 'H100 SXM 794.5 ... H200 is the same'
+    h200, h100 = load_efficiencies("h200"), load_efficiencies("h100-sxm")
+    assert h200.fp8_matmul_efficiency == pytest.approx(h100.fp8_matmul_efficiency * 1453.4 / 1402.6, abs=5e-4)
+    assert h200.matmul_efficiency == h100.matmul_efficiency
+    assert h200.sustained_clock_fraction == h100.sustained_clock_fraction  # the FITTED constant stays per generation
+    # NVIDIA H200 datasheet (SXM): the H100's compute, HBM3e 141 GB at 4.8 TB/s, 700 W
+    g, h = load_gpu("h200"), load_gpu("h100-sxm")
+    assert (g.peak_bf16_flops, g.peak_fp8_flops, g.sm_count, g.tdp_watts) == (
+        h.peak_bf16_flops, h.peak_fp8_flops, h.sm_count, h.tdp_watts)
+    assert (g.memory_bytes, g.hbm_bandwidth) == (141e9, 4.8e12)
+
+
+def test_mlperf_llama31_presets_take_sms_as_their_userbuffers_configs_say():
+    # MLPerf Training v5.0 llama31_405b: TP4 (Nebius, conf/tp_overlap/h100tp4mbs1.yaml) keeps SMs from proj_fprop
+    # (pipeline, num_sm 24, set_sm_margin 1) and fc2_fprop (ring_exchange, num_sm 1, set_sm_margin 1); TP8 (NVIDIA,
+    # h100tp8mbs1.yaml) sets no margin and Transformer Engine's ring-exchange default is none
+    m = load_model("llama3.1-405b")
+    hd = m.d_model // m.n_heads
+    qkv, wo = m.d_model * (m.n_heads + 2 * m.n_kv_heads) * hd, m.n_heads * hd * m.d_model
+    w13, w2 = 2 * m.d_model * m.d_ff, m.d_ff * m.d_model
+    total = qkv + wo + w13 + w2
+    held = 24 * wo / total / 3 + 1 * w2 / total / 3  # each forward GEMM a third of its forward + backward
+    assert held == pytest.approx(0.765, abs=0.001)
+    tp4, tp8 = load_software("mlperf-nemo-llama31-tp4"), load_software("mlperf-nemo-llama31-tp8")
+    assert (tp4.comm_sms, tp8.comm_sms) == (round(held), 0)
+    # the same implementation otherwise (custom.yaml, pretrain.py, config_common.sh): every other knob equal
+    same = {k: v for k, v in vars(tp4).items() if k not in ("name", "source", "sources", "comm_sms")}
+    assert same == {k: v for k, v in vars(tp8).items() if k not in ("name", "source", "sources", "comm_sms")}
+    assert tp4.precision == "fp8" and tp4.attention_kernel == "cudnn" and tp4.zero == (1,)
+    runs = tomllib.loads(resources.files("trainscale.catalog").joinpath("runs.toml").read_text())["run"]
+    sw = {r["id"]: r["software"] for r in runs if r["id"].startswith("mlperf-v50-llama31-405b-")}
+    assert len(sw) == 7 and all(v == ("mlperf-nemo-llama31-tp4" if "-h200x" in k else "mlperf-nemo-llama31-tp8")
+                                for k, v in sw.items())
