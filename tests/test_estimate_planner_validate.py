@@ -210,9 +210,12 @@ def test_validation_set_is_public_sourced_and_predicted():
     # MLPerf v5.0 Llama 3.1 405B on Nebius's H200s (TP4): -10.6% / -10.3% at the hopper constants; -7.7% / -7.3% with
     # the H200's FP8 GEMM rate over the H100's from one published MAMF table (catalog/planner.toml [gpu.h200]) and the
     # run's own TP4 userbuffers config (software mlperf-nemo-llama31-tp4, comm_sms 1); NVIDIA's five H100 rows (TP8)
-    # -4.2% to +3.4%. What is left is not explained by a published figure (TP4's larger GEMMs are not modelled)
-    assert by_id["mlperf-v50-llama31-405b-h200x512"]["error"] == pytest.approx(-0.077, abs=0.01)
-    assert by_id["mlperf-v50-llama31-405b-h200x1024"]["error"] == pytest.approx(-0.073, abs=0.01)
+    # -4.2% to +3.4%. What is left is not explained by a published figure (TP4's larger GEMMs are not modelled).
+    # With the benchmark's own vocabulary (model llama3.1-405b-mlperf: the Mixtral 8x22B tokenizer, padded to 32,256
+    # as every run log prints): -7.4% / -7.0% (the H100 rows' critical stage holds no output head: unchanged)
+    assert by_id["mlperf-v50-llama31-405b-h200x512"]["error"] == pytest.approx(-0.074, abs=0.005)
+    assert by_id["mlperf-v50-llama31-405b-h200x1024"]["error"] == pytest.approx(-0.070, abs=0.005)
+    assert {r["model"] for r in out["runs"] if r["id"].startswith("mlperf-v50-")} == {"llama3.1-405b-mlperf"}
     # torchtitan's A100 8B row (selective recompute redoes the attention core): +5.9% -> +6.6% since the recomputed
     # FlashAttention-2 forward costs 1/3.5 of the kernel's time, not 1/3 (layer.forward_share)
     # torchtitan's A100 rows +2.7% / +6.6% at the ampere clock 0.82; +11.1% / +14.0% at the mean-|error| fit (0.90),
