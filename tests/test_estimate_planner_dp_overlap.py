@@ -98,7 +98,8 @@ def test_chunk_gather_is_the_schedules_event_count_on_chosen_numbers():
     assert _gather_by_events(8.0, 4, 2, 2.0) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("software", ["nemo", "mlperf-nemo-gpt3", "megatron-core"])
+@pytest.mark.parametrize("software", ["nemo", "mlperf-nemo-gpt3-v31", "mlperf-nemo-gpt3-v40", "mlperf-nemo-gpt3-v41",
+                                      "megatron-core"])
 def test_planner_exposes_what_the_schedule_leaves_of_bytes_over_bandwidth(software):
     sw = load_software(software)
     p, _, s = _parts(sw)
@@ -111,7 +112,13 @@ def test_planner_exposes_what_the_schedule_leaves_of_bytes_over_bandwidth(softwa
     topo = p.topo
     bw, lat = topo.scale_up_bandwidth * topo.scale_up_efficiency, topo.scale_up_latency_s
     rs = 3 / 4 * sw.grad_reduce_bytes * p_crit / bw + 3 * lat
-    ag = 3 / 4 * 2 * p_crit / bw + 3 * lat  # the bf16 weights gathered back
+    # the weights gathered back: bf16, or (mlperf v4.0 / v4.1: FP8_PARAMS=True) the decoder layers' GEMM weights in
+    # FP8, 1 byte each (wq, wo 4,096 x 4,096, wk, wv 1,024 x 4,096, w1, w3 14,336 x 4,096, w2 4,096 x 14,336 =
+    # 218,103,808 of the layer's 218,112,000; the two norms' 4,096 gains and the output head stay bf16)
+    fp8 = 16 * 218_103_808 if sw.fp8_weights else 0
+    assert sw.fp8_weights == (software in ("mlperf-nemo-gpt3-v40", "mlperf-nemo-gpt3-v41"))
+    assert _f(s.params.gather_bytes) == 2 * p_crit - fp8
+    ag = 3 / 4 * (2 * p_crit - fp8) / bw + 3 * lat
     part = s.dp_parts
     assert _f(part["rs"].total) == pytest.approx(rs, rel=1e-12)
     assert _f(part["ag"].total) == pytest.approx(ag, rel=1e-12)
@@ -132,7 +139,8 @@ def test_planner_exposes_what_the_schedule_leaves_of_bytes_over_bandwidth(softwa
 
 
 def test_presets_without_the_knobs_keep_the_stage_wide_overlap():
-    knobbed = {"megatron-core": ("after", True), "nemo": ("during", True), "mlperf-nemo-gpt3": ("after", True)}
+    knobbed = {"megatron-core": ("after", True), "nemo": ("during", True), "mlperf-nemo-gpt3-v31": ("after", True),
+               "mlperf-nemo-gpt3-v40": ("after", True), "mlperf-nemo-gpt3-v41": ("after", True)}
     for name in software_names():
         sw = load_software(name)
         assert (sw.dp_chunk_sync, sw.dp_chunk_gather) == knobbed.get(name, ("none", False)), name
