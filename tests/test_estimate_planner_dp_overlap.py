@@ -166,3 +166,18 @@ def test_presets_without_the_knobs_keep_the_stage_wide_overlap():
     on_v, off_v = _parts(nemo)[2], _parts(replace(nemo, dp_chunk_sync="none", dp_chunk_gather=False))[2]
     assert _f(on_v.step) != _f(off_v.step)
     assert _f(on_v.step - on_v.dp_x) == pytest.approx(_f(off_v.step - off_v.dp_x), rel=1e-12)
+
+
+def test_mlperf_gpt3_rounds_keep_what_each_ran():
+    """The three MLPerf GPT-3 rounds' facts (catalog/software.toml, each from that round's mlcommons files): v3.1's
+    TE @09ba842 runs flash-attn 2.0.8 first, v4.0's TE v1.6rc1 and later pick cuDNN on sm90; FP8_PARAMS from v4.0."""
+    v31, v40, v41 = (load_software(f"mlperf-nemo-gpt3-v{r}") for r in (31, 40, 41))
+    assert (v31.attention_kernel, v40.attention_kernel, v41.attention_kernel) == ("fa2", "cudnn", "cudnn")
+    assert (v31.fp8_weights, v40.fp8_weights, v41.fp8_weights) == (False, True, True)
+    assert (v31.optimizer_state_bytes, v40.optimizer_state_bytes) == (10.0, 12.0)  # store_param_remainders vs FP8
+    assert "09ba842" in v31.sources["attention_kernel"] and "v1.6rc1" in v40.sources["attention_kernel"]
+    # FP8 weights need an fp8 run (NeMo: cfg.fp8 and cfg.fp8_params): a bf16 plan of the v4.1 preset gathers bf16
+    p = planner.problem(MODEL, "h100-sxm", GPUS, SEQ, GBT, software="mlperf-nemo-gpt3-v41", precision="bf16")
+    assert not p.software.fp8_weights
+    s = step_parts(p.model, p.gpu, p.topo, p.eff, p.seq, p.global_seqs, _cfg([Layout.parse(LAYOUT)]), p.software)
+    assert _f(s.params.gather_bytes) == 2 * _f(s.params.crit)

@@ -197,10 +197,16 @@ def test_validation_set_is_public_sourced_and_predicted():
     # v1's CUDA kernels halve their key block at 128: catalog/planner.toml [attention.fa-triton]), the FITTED constants
     # refit (hopper clock 0.71 -> 0.70, fa_triton_speed 1.26 -> 1.13, ampere clock 0.90 -> 0.87): mean 5.83% -> 4.93%
     # (the 59 llm-foundry A100 rows 6.3% -> 4.0%), leave-one-out 6.00% -> 5.08%, worst MPT-30B A100 s8192 +32.5%
-    assert out["mean_abs_error"] == pytest.approx(0.0493, abs=0.003)
+    assert out["mean_abs_error"] == pytest.approx(0.0494, abs=0.003)
     assert out["worst_run"] == "foundry-30b-a100-s8192-g8-mb1" and out["worst_abs_error"] == pytest.approx(
         0.325, abs=0.005)
-    assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(-0.062, abs=0.005)
+    # The MLPerf GPT-3 preset split by round (catalog/software.toml mlperf-nemo-gpt3-v31 / -v40 / -v41, each knob from
+    # that round's mlcommons training_results files): v3.1's TE @09ba842 runs flash-attn 2.0.8 before cuDNN (fa2, not
+    # cudnn), its NeMo r1.20 keeps 2-byte master remainders (optimizer state 10); v4.0 / v4.1 set FP8_PARAMS=True, so
+    # NeMo's distributed Adam all-gathers the GEMM weights as uint8 (fp8_weights): v3.1 rows +3.2..+7.9% ->
+    # +1.3..+6.6%, v4.0 on 10,752 H100s -6.2% -> +13.3% (its chunked weight all-gather 0.19 s -> 0.02 s exposed; a fact
+    # kept although it widens the error), v4.1 -12.9 / -11.2% -> -12.8 / -11.0%; mean 4.93% -> 4.94%
+    assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(0.133, abs=0.005)
     by_id = {r["id"]: r for r in out["runs"]}
     # DeepSeek-V3 with its MTP module on the last rank, cut first3,last2 (61 layers + embedding + MTP + loss = 16 x 4
     # units, as Megatron-Core splits DeepSeek-V3; catalog/runs.toml's note): +1.6%. placement's default cut would put

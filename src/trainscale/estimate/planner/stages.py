@@ -288,8 +288,10 @@ def stage_params(m: ModelSpec, c: Candidates, d: DenseLayers, sw: Software) -> S
 
 
 def gemm_weights(tensors: list[tuple[str, tuple[int, ...]]]) -> int:
-    """The parameters of a list of tensors that are GEMM weights (two-dimensional: no norm gains, no biases)."""
-    return numel([t for t in tensors if len(t[1]) == 2])
+    """The parameters of a list of tensors that Transformer Engine's linears hold: two-dimensional weights (no norm
+    gains, no biases) other than a MoE's router and shared-expert gate (Megatron-Core runs those as plain bf16
+    GEMMs), and the routed experts stacked [E, out, in] (TE's grouped linears)."""
+    return numel([t for t in tensors if len(t[1]) >= 2 and "router" not in t[0] and "shared_gate" not in t[0]])
 
 
 def with_fp8_weights(m: ModelSpec, c: Candidates, d: DenseLayers, s: StageParams) -> StageParams:
