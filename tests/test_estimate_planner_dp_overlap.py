@@ -98,7 +98,8 @@ def test_chunk_gather_is_the_schedules_event_count_on_chosen_numbers():
     assert _gather_by_events(8.0, 4, 2, 2.0) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("software", ["nemo", "mlperf-nemo-gpt3", "megatron-core"])
+@pytest.mark.parametrize("software", ["nemo", "mlperf-nemo-gpt3-v31", "mlperf-nemo-gpt3-v40", "mlperf-nemo-gpt3-v41",
+                                      "megatron-core"])
 def test_planner_exposes_what_the_schedule_leaves_of_bytes_over_bandwidth(software):
     sw = load_software(software)
     p, _, s = _parts(sw)
@@ -111,7 +112,13 @@ def test_planner_exposes_what_the_schedule_leaves_of_bytes_over_bandwidth(softwa
     topo = p.topo
     bw, lat = topo.scale_up_bandwidth * topo.scale_up_efficiency, topo.scale_up_latency_s
     rs = 3 / 4 * sw.grad_reduce_bytes * p_crit / bw + 3 * lat
-    ag = 3 / 4 * 2 * p_crit / bw + 3 * lat  # the bf16 weights gathered back
+    # the weights gathered back: bf16, or (mlperf v4.0 / v4.1: FP8_PARAMS=True) the decoder layers' GEMM weights in
+    # FP8, 1 byte each (wq, wo 4,096 x 4,096, wk, wv 1,024 x 4,096, w1, w3 14,336 x 4,096, w2 4,096 x 14,336 =
+    # 218,103,808 of the layer's 218,112,000; the two norms' 4,096 gains and the output head stay bf16)
+    fp8 = 16 * 218_103_808 if sw.fp8_weights else 0
+    assert sw.fp8_weights == (software in ("mlperf-nemo-gpt3-v40", "mlperf-nemo-gpt3-v41"))
+    assert _f(s.params.gather_bytes) == 2 * p_crit - fp8
+    ag = 3 / 4 * (2 * p_crit - fp8) / bw + 3 * lat
     part = s.dp_parts
     assert _f(part["rs"].total) == pytest.approx(rs, rel=1e-12)
     assert _f(part["ag"].total) == pytest.approx(ag, rel=1e-12)
@@ -132,7 +139,8 @@ def test_planner_exposes_what_the_schedule_leaves_of_bytes_over_bandwidth(softwa
 
 
 def test_presets_without_the_knobs_keep_the_stage_wide_overlap():
-    knobbed = {"megatron-core": ("after", True), "nemo": ("during", True), "mlperf-nemo-gpt3": ("after", True),
+    knobbed = {"megatron-core": ("after", True), "nemo": ("during", True), "mlperf-nemo-gpt3-v31": ("after", True),
+               "mlperf-nemo-gpt3-v40": ("after", True), "mlperf-nemo-gpt3-v41": ("after", True),
                "mlperf-nemo-llama31-tp4": ("during", True), "mlperf-nemo-llama31-tp8": ("during", True)}
     for name in software_names():
         sw = load_software(name)
@@ -159,3 +167,18 @@ def test_presets_without_the_knobs_keep_the_stage_wide_overlap():
     on_v, off_v = _parts(nemo)[2], _parts(replace(nemo, dp_chunk_sync="none", dp_chunk_gather=False))[2]
     assert _f(on_v.step) != _f(off_v.step)
     assert _f(on_v.step - on_v.dp_x) == pytest.approx(_f(off_v.step - off_v.dp_x), rel=1e-12)
+
+
+def test_mlperf_gpt3_rounds_keep_what_each_ran():
+    """The three MLPerf GPT-3 rounds' facts (catalog/software.toml, each from that round's mlcommons files): v3.1's
+    TE @09ba842 runs flash-attn 2.0.8 first, v4.0's TE v1.6rc1 and later pick cuDNN on sm90; FP8_PARAMS from v4.0."""
+    v31, v40, v41 = (load_software(f"mlperf-nemo-gpt3-v{r}") for r in (31, 40, 41))
+    assert (v31.attention_kernel, v40.attention_kernel, v41.attention_kernel) == ("fa2", "cudnn", "cudnn")
+    assert (v31.fp8_weights, v40.fp8_weights, v41.fp8_weights) == (False, True, True)
+    assert (v31.optimizer_state_bytes, v40.optimizer_state_bytes) == (10.0, 12.0)  # store_param_remainders vs FP8
+    assert "09ba842" in v31.sources["attention_kernel"] and "v1.6rc1" in v40.sources["attention_kernel"]
+    # FP8 weights need an fp8 run (NeMo: cfg.fp8 and cfg.fp8_params): a bf16 plan of the v4.1 preset gathers bf16
+    p = planner.problem(MODEL, "h100-sxm", GPUS, SEQ, GBT, software="mlperf-nemo-gpt3-v41", precision="bf16")
+    assert not p.software.fp8_weights
+    s = step_parts(p.model, p.gpu, p.topo, p.eff, p.seq, p.global_seqs, _cfg([Layout.parse(LAYOUT)]), p.software)
+    assert _f(s.params.gather_bytes) == 2 * _f(s.params.crit)

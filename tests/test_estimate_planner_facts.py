@@ -262,6 +262,9 @@ def test_mlperf_llama31_presets_take_sms_as_their_userbuffers_configs_say():
     same = {k: v for k, v in vars(tp4).items() if k not in ("name", "source", "sources", "comm_sms")}
     assert same == {k: v for k, v in vars(tp8).items() if k not in ("name", "source", "sources", "comm_sms")}
     assert tp4.precision == "fp8" and tp4.attention_kernel == "cudnn" and tp4.zero == (1,)
+    # config_common.sh FP8_PARAMS=True -> pretrain.py DistributedDataParallelConfig(fp8_param_gather=True): the
+    # distributed optimizer all-gathers the layers' FP8 weights at 1 byte, as the v4.0 / v4.1 GPT-3 presets say
+    assert tp4.fp8_weights and tp8.fp8_weights and "fp8_param_gather" in tp8.sources["fp8_weights"]
     runs = tomllib.loads(resources.files("trainscale.catalog").joinpath("runs.toml").read_text())["run"]
     sw = {r["id"]: r["software"] for r in runs if r["id"].startswith("mlperf-v50-llama31-405b-")}
     assert len(sw) == 7 and all(v == ("mlperf-nemo-llama31-tp4" if "-h200x" in k else "mlperf-nemo-llama31-tp8")

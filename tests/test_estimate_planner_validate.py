@@ -197,24 +197,34 @@ def test_validation_set_is_public_sourced_and_predicted():
     # v1's CUDA kernels halve their key block at 128: catalog/planner.toml [attention.fa-triton]), the FITTED constants
     # refit (hopper clock 0.71 -> 0.70, fa_triton_speed 1.26 -> 1.13, ampere clock 0.90 -> 0.87): mean 5.83% -> 4.93%
     # (the 59 llm-foundry A100 rows 6.3% -> 4.0%), leave-one-out 6.00% -> 5.08%, worst MPT-30B A100 s8192 +32.5%
-    assert out["mean_abs_error"] == pytest.approx(0.0493, abs=0.003)
+    assert out["mean_abs_error"] == pytest.approx(0.0490, abs=0.003)
     assert out["worst_run"] == "foundry-30b-a100-s8192-g8-mb1" and out["worst_abs_error"] == pytest.approx(
         0.325, abs=0.005)
-    assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(-0.062, abs=0.005)
+    # The MLPerf GPT-3 preset split by round (catalog/software.toml mlperf-nemo-gpt3-v31 / -v40 / -v41, each knob from
+    # that round's mlcommons training_results files): v3.1's TE @09ba842 runs flash-attn 2.0.8 before cuDNN (fa2, not
+    # cudnn), its NeMo r1.20 keeps 2-byte master remainders (optimizer state 10); v4.0 / v4.1 set FP8_PARAMS=True, so
+    # NeMo's distributed Adam all-gathers the GEMM weights as uint8 (fp8_weights): v3.1 rows +3.2..+7.9% ->
+    # +1.3..+6.6%, v4.0 on 10,752 H100s -6.2% -> +13.3% (its chunked weight all-gather 0.19 s -> 0.02 s exposed; a fact
+    # kept although it widens the error), v4.1 -12.9 / -11.2% -> -12.8 / -11.0%; mean 4.93% -> 4.94%. The MLPerf v5.0
+    # Llama 3.1 presets gather FP8 weights too (FP8_PARAMS=True -> fp8_param_gather), and the hopper constants refit
+    # (clock 0.70 -> 0.69, fa_triton_speed 1.13 -> 1.14): mean 4.90%, leave-one-out 5.21%, v4.0 on 10,752 +11.9%
+    assert by_id_error(out, "mlperf-v40-gpt3-h100x10752") == pytest.approx(0.119, abs=0.005)
     by_id = {r["id"]: r for r in out["runs"]}
     # DeepSeek-V3 with its MTP module on the last rank, cut first3,last2 (61 layers + embedding + MTP + loss = 16 x 4
     # units, as Megatron-Core splits DeepSeek-V3; catalog/runs.toml's note): +1.6%. placement's default cut would put
     # 90 GB on rank 15 (no fit) and predict -8.9%. -2.6% at the hopper clock fraction refit with fa_triton_speed;
     # +3.6% at the mean-|error| fit (0.71), +2.6% at 0.70
-    assert by_id["deepseek-v3-h800x2048"]["error"] == pytest.approx(0.026, abs=0.005)
+    # +1.6% at 0.69
+    assert by_id["deepseek-v3-h800x2048"]["error"] == pytest.approx(0.016, abs=0.005)
     # MLPerf v5.0 Llama 3.1 405B on Nebius's H200s (TP4): -10.6% / -10.3% at the hopper constants; -7.7% / -7.3% with
     # the H200's FP8 GEMM rate over the H100's from one published MAMF table (catalog/planner.toml [gpu.h200]) and the
     # run's own TP4 userbuffers config (software mlperf-nemo-llama31-tp4, comm_sms 1); NVIDIA's five H100 rows (TP8)
     # -4.2% to +3.4%. What is left is not explained by a published figure (TP4's larger GEMMs are not modelled).
     # With the benchmark's own vocabulary (model llama3.1-405b-mlperf: the Mixtral 8x22B tokenizer, padded to 32,256
-    # as every run log prints): -7.4% / -7.0% (the H100 rows' critical stage holds no output head: unchanged)
-    assert by_id["mlperf-v50-llama31-405b-h200x512"]["error"] == pytest.approx(-0.074, abs=0.005)
-    assert by_id["mlperf-v50-llama31-405b-h200x1024"]["error"] == pytest.approx(-0.070, abs=0.005)
+    # as every run log prints): -7.4% / -7.0% (the H100 rows' critical stage holds no output head: unchanged);
+    # -8.5% / -8.0% at the hopper clock 0.69
+    assert by_id["mlperf-v50-llama31-405b-h200x512"]["error"] == pytest.approx(-0.085, abs=0.005)
+    assert by_id["mlperf-v50-llama31-405b-h200x1024"]["error"] == pytest.approx(-0.080, abs=0.005)
     assert {r["model"] for r in out["runs"] if r["id"].startswith("mlperf-v50-")} == {"llama3.1-405b-mlperf"}
     # torchtitan's A100 8B row (selective recompute redoes the attention core): +5.9% -> +6.6% since the recomputed
     # FlashAttention-2 forward costs 1/3.5 of the kernel's time, not 1/3 (layer.forward_share)
@@ -228,13 +238,15 @@ def test_validation_set_is_public_sourced_and_predicted():
     assert by_id["titan-70b-a100x64"]["error"] == pytest.approx(0.114, abs=0.005)
     # -1.8% redoing the attention core; +2.3% saving it; -0.4% with FSDP2's copies (+9.3% -> +6.6% compiled, 128 GPUs);
     # -1.2% / +5.6% at the hopper clock 0.70
-    assert by_id["titan-8b-h100x8"]["error"] == pytest.approx(-0.012, abs=0.005)
-    assert by_id["titan-8b-h100x128-compile"]["error"] == pytest.approx(0.056, abs=0.005)
+    # -2.0% / +4.5% at 0.69
+    assert by_id["titan-8b-h100x8"]["error"] == pytest.approx(-0.020, abs=0.005)
+    assert by_id["titan-8b-h100x128-compile"]["error"] == pytest.approx(0.045, abs=0.005)
     # MPT-7B on 8 H100s (llm-foundry's table, one micro-batch of 6): -5.3% -> -9.4% at the catalog's Hopper clock
     # fraction once each micro-batch pays FSDP1's 18 + 32 / 8 bytes per parameter in HBM (stages.param_pass_time); its
     # leave-one-out error, the clock refit on the other rows, -0.4% -> -3.3%; -4.1% at the mean-|error| fit (0.71);
     # -3.7% with the Triton kernel's head-128 rate at its head-64 curve (0.70, fa_triton_speed 1.13)
-    assert by_id["mpt-7b-h100x8"]["error"] == pytest.approx(-0.037, abs=0.005)
+    # -4.5% at 0.69 / 1.14
+    assert by_id["mpt-7b-h100x8"]["error"] == pytest.approx(-0.045, abs=0.005)
     # +14.0% redoing the attention core, +18.8% saving it, +15.2% with FSDP2's copies, +12.4% at the ampere clock 0.87
     assert by_id["titan-8b-a100x64"]["error"] == pytest.approx(0.124, abs=0.005)
     # Llama 3 Table 4 at 8K as the paper shards it (zero2, Sec. 3.3.2): -2.7% and -3.0%, each micro-batch's
@@ -242,15 +254,17 @@ def test_validation_set_is_public_sourced_and_predicted():
     # (dp.zero2_window); -21% while the model hid each only under its own micro-batch's backward; -7.1% and -7.2% at
     # the hopper clock fraction refit jointly with fa_triton_speed (0.69 -> 0.65); -0.6% and -1.0% at 0.71; -1.7% and
     # -2.0% at 0.70
-    assert by_id["llama3-405b-8k-8192"]["error"] == pytest.approx(-0.017, abs=0.005)
-    assert by_id["llama3-405b-8k-16384"]["error"] == pytest.approx(-0.020, abs=0.005)
+    # -2.8% and -3.0% at 0.69
+    assert by_id["llama3-405b-8k-8192"]["error"] == pytest.approx(-0.028, abs=0.005)
+    assert by_id["llama3-405b-8k-16384"]["error"] == pytest.approx(-0.030, abs=0.005)
     # Llama 3 Table 4 at 128K: +6.8% read with torchtitan's convention, -23.8% with causal halving (the attention
     # kernel at a CP rank's shapes, seq / cp = 8K: layer.cp_kernel_seq; it was +10.5% / -21.2% at the 16K plateau);
     # +4.5% / -25.5% at the hopper clock fraction 0.65; +7.9% / -23.0% at 0.71; +7.4% / -23.4% at 0.70
     l128 = by_id["llama3-405b-128k-16384"]
-    assert l128["error"] == pytest.approx(0.074, abs=0.005)
+    # +6.8% / -23.8% at 0.69
+    assert l128["error"] == pytest.approx(0.068, abs=0.005)
     assert l128["alt_convention"]["flop_convention"] == "trainscale"
-    assert l128["alt_convention"]["error"] == pytest.approx(-0.234, abs=0.005)
+    assert l128["alt_convention"]["error"] == pytest.approx(-0.238, abs=0.005)
     gens = {r["generation"] for r in out["runs"]}
     assert gens == {"hopper", "ampere"}
     # peak memory where the source publishes it (torchtitan's H100 tables): the heaviest stage within 6%
@@ -410,12 +424,12 @@ def test_kernel_and_norm_knobs_come_from_the_rows_software():
     # llm-foundry's attn_impl triton (the FA1-era Triton kernel, as fast as FlashAttention v1 by its docstring) against
     # attn_impl flash (flash-attn 2.4.2): at 2k tokens and head dim 128 on an H100 the published curves give FA2 265
     # and FA1 108 TFLOP/s (flash2_h100_fwd_bwd_benchmark.png (d)), and the Triton kernel runs at FA1's x the FITTED
-    # fa_triton_speed (1.13 on hopper); the Triton kernel's head-128 column is v1's head-64 one (136 at 2k: it tiles
-    # 128 x 128 at both head dims), so the Triton rows' attention takes 265 / (136 x 1.13) as long
+    # fa_triton_speed (1.14 on hopper); the Triton kernel's head-128 column is v1's head-64 one (136 at 2k: it tiles
+    # 128 x 128 at both head dims), so the Triton rows' attention takes 265 / (136 x 1.14) as long
     fa2, tri = (plan.problem("mpt-7b", "h100-sxm", 8, 2048, 48 * 2048, cluster="dgx-h100", software=s)
                 .evaluate_layout(Layout.parse("dp8,zero3,mb6")) for s in ("llm-foundry", "llm-foundry-triton"))
     assert tri["compute_parts_s"]["attention"] == pytest.approx(
-        265 / (136 * 1.13) * fa2["compute_parts_s"]["attention"])
+        265 / (136 * 1.14) * fa2["compute_parts_s"]["attention"])
     # on an A100 the factor is 1 ([defaults]: not fitted there): FA2 155 at 2k, head dim 128 (Fig. 4 (d)) against FA1's
     # head-64 77 (Fig. 4 (c))
     fa2, tri = (plan.problem("mpt-7b", "a100-sxm-80gb", 8, 2048, 48 * 2048, software=s)
@@ -438,7 +452,7 @@ def test_cli_validate_json_and_bad_input(tmp_path):
     assert f"Fitted (rule: {FIT_RULE}): sustained_clock_fraction" in line and "LOO" not in line  # no per-row columns
     # the Triton kernel's H100 factor, fitted with the hopper clock: its in-sample and leave-one-out values, and the 65
     # llm-foundry-triton H100 rows it moves of hopper's 105
-    assert re.search(r"fa_triton_speed \(hopper\) catalog 1\.13, refit on its 105 rows \(65 moved by it\) in-sample "
+    assert re.search(r"fa_triton_speed \(hopper\) catalog 1\.14, refit on its 105 rows \(65 moved by it\) in-sample "
                      r"1\.1\d\d, leave-one-out 1\.\d{3}-1\.\d{3}", line), line
     tri = next(f for f in out["fit"] if f["key"] == "fa_triton_speed")
     assert tri["rows_moved"] == sum((r["software"], r["generation"]) == ("llm-foundry-triton", "hopper")

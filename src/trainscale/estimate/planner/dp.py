@@ -72,7 +72,7 @@ def collectives(c: Candidates, topo: comms.Topology, sw: Software, s: StageParam
     bw_r, lat_r = comms.link(topo, hsdp, world)
     bw_d, lat_d = comms.link(topo, cp * dp, extent_dp)
     p_crit = s.crit
-    gb, wb = sw.grad_reduce_bytes * p_crit, memory.WEIGHT_BYTES * p_crit
+    gb, wb = sw.grad_reduce_bytes * p_crit, s.gather_bytes
     rs = comms.reduce_scatter_time(gb, ns, bw_s, lat_s)
     ag = comms.all_gather_time(wb, ns, bw_s, lat_s)
     ar_rep = comms.all_reduce_time(gb / ns, hsdp, bw_r, lat_r)
@@ -80,7 +80,7 @@ def collectives(c: Candidates, topo: comms.Topology, sw: Software, s: StageParam
     if not s.moe:
         return Collectives(rs, ag, ar_rep, ar, gb, wb, gb / ns, gb)
     e_crit, ns_e, dp_e = s.e_crit, n_shard_experts(c), n_expert_dp(c)
-    gb_e, wb_e = sw.grad_reduce_bytes * e_crit, memory.WEIGHT_BYTES * e_crit
+    gb_e, wb_e = sw.grad_reduce_bytes * e_crit, s.e_gather_bytes
     # the expert-DP ranks sit ep apart (EP ranks are neighbours, moe.py) over the stage's ranks, which pp interleaves
     bw_se, lat_se = comms.link(topo, ns_e, np.where(ns_e > 1, world // hsdp, 1))
     bw_de, lat_de = comms.link(topo, dp_e, np.where(dp_e > 1, world, 1))

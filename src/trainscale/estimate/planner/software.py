@@ -75,6 +75,7 @@ class Software:
     microbatch_grad_bytes: float = 0.0  # HBM bytes per unsharded parameter each micro-batch moves outside the layers
     #                                     (FSDP1's gradient concat, cast and divide: stages.param_pass_time)
     microbatch_shard_bytes: float = 0.0  # HBM bytes per parameter of the rank's ZeRO shard each micro-batch moves
+    fp8_weights: bool = False  # under precision fp8, the layers' GEMM weights kept in FP8: ZeRO gathers them at 1 byte
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -100,7 +101,8 @@ _OPTIONAL = {"attention_speed": 1.0, "attention_kernel": "fa2", "precision": "bf
              "recompute_swiglu_output": False, "recompute_early_stop": False, "moe_weighted_combine": True,
              "dropout": False, "tp_wgrad_overlap": False, "dp_chunk_sync": "none", "dp_chunk_gather": False,
              "optimizer_state_bytes": 12.0, "fp16_grad_bytes": 0, "fp16_grad_reduce_bytes": 0,
-             "microbatch_grad_bytes": 0.0, "microbatch_shard_bytes": 0.0, "recompute_attention_core": True}
+             "microbatch_grad_bytes": 0.0, "microbatch_shard_bytes": 0.0, "recompute_attention_core": True,
+             "fp8_weights": False}
 PRECISIONS = ("bf16", "fp16", "fp8")
 
 
@@ -172,6 +174,7 @@ class SoftwareKnobs(BaseModel):
     optimizer_state_bytes: Annotated[float, Field(ge=0, le=32)]
     microbatch_grad_bytes: Annotated[float, Field(ge=0, le=256)]
     microbatch_shard_bytes: Annotated[float, Field(ge=0, le=256)]
+    fp8_weights: bool
 
 
 _FRACTION = "a fraction, a finite number in [0, 1]"
@@ -197,6 +200,7 @@ KNOB_ALLOWED: dict[str, str] = {
     "recompute_norms": _BOOL, "recompute_mla_up": _BOOL, "recompute_swiglu_output": _BOOL,
     "recompute_early_stop": _BOOL, "moe_weighted_combine": _BOOL, "dropout": _BOOL, "tp_wgrad_overlap": _BOOL,
     "dp_chunk_sync": "none, after or during", "dp_chunk_gather": _BOOL, "recompute_attention_core": _BOOL,
+    "fp8_weights": _BOOL,
     "optimizer_state_bytes": "bytes per parameter of optimizer state, a finite number in [0, 32] (12: fp32 master, "
                              "Adam m and v)",
     "microbatch_grad_bytes": "HBM bytes per parameter per micro-batch, a finite number in [0, 256]",
@@ -266,7 +270,11 @@ def with_knobs(sw: Software, **kw: Any) -> Software:
 def resolve_precision(sw: Software) -> Software:
     """The software as an fp16 run of it keeps its gradients: a framework that accumulates and reduces in fp32 only
     when it must (Megatron-LM forces --accumulate-allreduce-grads-in-fp32 for bf16, not for fp16) keeps 2-byte
-    gradients in fp16 (``fp16_grad_bytes`` / ``fp16_grad_reduce_bytes``); bf16 and fp8 runs keep the preset's."""
+    gradients in fp16 (``fp16_grad_bytes`` / ``fp16_grad_reduce_bytes``); bf16 and fp8 runs keep the preset's.
+    FP8 weights (``fp8_weights``) need an fp8 run: NeMo builds the model under Transformer Engine's fp8_model_init only
+    when fp8 is on too (megatron_gpt_model.py: ``cfg.fp8 and cfg.fp8_params``), so another precision keeps bf16 ones."""
+    if sw.fp8_weights and sw.precision != "fp8":
+        sw = replace(sw, fp8_weights=False)
     if sw.precision != "fp16":
         return sw
     return replace(sw, grad_bytes=sw.fp16_grad_bytes or sw.grad_bytes,

@@ -12,17 +12,18 @@ layout gives (firstN / lastN) is ``candidates.explicit_cut``'s. Arrays over the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from trainscale.estimate import comms
+from trainscale.estimate import comms, memory
 from trainscale.estimate.params import (
     embedding_params,
     expert_tensors,
     head_params,
     layer_params,
+    layer_tensors,
     mtp_block_extra,
     numel,
 )
@@ -215,6 +216,26 @@ class StageParams:
     e_first: Any = 0.0
     e_mid: Any = 0.0
     e_last: Any = 0.0
+    fp8_first: Any = 0.0  # of ``first`` ... ``e_last``, the GEMM weights kept in FP8 (software fp8_weights), per rank
+    fp8_mid: Any = 0.0
+    fp8_last: Any = 0.0
+    e_fp8_share: float = 0.0  # the share of the routed experts' parameters that are FP8 GEMM weights
+
+    @property
+    def gather_bytes(self) -> Any:
+        """The bytes of the most any stage's ZeRO weight all-gather moves per rank: 2 a weight (bf16), 1 an FP8 one
+        (NeMo's distributed Adam all-gathers Transformer Engine's FP8 weights as uint8: nemo/core/optim/
+        distributed_adam.py MegatronDistributedFusedAdam.init_params, param_sync_dtype=torch.uint8)."""
+        def g(p: Any, f: Any) -> Any:
+            return memory.WEIGHT_BYTES * p - (memory.WEIGHT_BYTES - 1) * f
+
+        first, mid, last = g(self.first, self.fp8_first), g(self.mid, self.fp8_mid), g(self.last, self.fp8_last)
+        return np.where(self.pp > 1, np.maximum(mid, np.maximum(first, last)), first)
+
+    @property
+    def e_gather_bytes(self) -> Any:
+        """As ``gather_bytes``, the routed experts' all-gather (``e_crit``'s parameters)."""
+        return (memory.WEIGHT_BYTES - (memory.WEIGHT_BYTES - 1) * self.e_fp8_share) * self.e_crit
 
     @property
     def crit(self) -> Any:
@@ -251,6 +272,8 @@ def stage_params(m: ModelSpec, c: Candidates, d: DenseLayers, sw: Software) -> S
                         (d.last * lp_d + (place["last"] - d.last) * lp_m + head + tied_copy) / tp,
                         (place["first"] - d.first) * lp_e / ep, (n1 - d.second) * lp_e / ep,
                         (place["last"] - d.last) * lp_e / ep)
+    if sw.fp8_weights:
+        s = with_fp8_weights(m, c, d, s)
     if sw.pipeline == "dualpipe":  # rank r holds stages r and pp - 1 - r: the end ranks the first and the last
         def two(a: Any, b: Any) -> Any:
             return np.where(pp > 1, a + b, a)
@@ -258,8 +281,37 @@ def stage_params(m: ModelSpec, c: Candidates, d: DenseLayers, sw: Software) -> S
         ends, e_ends = two(s.first, s.last), two(s.e_first, s.e_last)
         if m.mtp_layers:  # the MTP's embedding is the first stage's, on the same rank (Sec. 2.2)
             ends = ends - np.where(pp > 1, emb / tp, 0.0) * (not m.tied_embeddings)
-        s = StageParams(m.is_moe, pp, ends, two(s.mid, s.mid), ends, e_ends, two(s.e_mid, s.e_mid), e_ends)
+        f_ends = two(s.fp8_first, s.fp8_last)
+        s = StageParams(m.is_moe, pp, ends, two(s.mid, s.mid), ends, e_ends, two(s.e_mid, s.e_mid), e_ends,
+                        f_ends, two(s.fp8_mid, s.fp8_mid), f_ends, s.e_fp8_share)
     return s
+
+
+def gemm_weights(tensors: list[tuple[str, tuple[int, ...]]]) -> int:
+    """The parameters of a list of tensors that Transformer Engine's linears hold: two-dimensional weights (no norm
+    gains, no biases) other than a MoE's router and shared-expert gate (Megatron-Core runs those as plain bf16
+    GEMMs), and the routed experts stacked [E, out, in] (TE's grouped linears)."""
+    return numel([t for t in tensors if len(t[1]) >= 2 and "router" not in t[0] and "shared_gate" not in t[0]])
+
+
+def with_fp8_weights(m: ModelSpec, c: Candidates, d: DenseLayers, s: StageParams) -> StageParams:
+    """``s`` with each stage's decoder-layer GEMM weights (split over TP, a MoE's routed experts over EP) counted as
+    kept in FP8 (Transformer Engine's fp8_model_init, NeMo's fp8_params); the embedding, the output head and the
+    norms stay bf16 (TE builds only its Linear / LayerNormLinear / LayerNormMLP weights as Float8Tensor)."""
+    place, tp = c.place, c.tp
+    if not m.is_moe:
+        lin = gemm_weights(layer_tensors(m, 0))
+        return replace(s, fp8_first=place["first"] * lin / tp, fp8_mid=place["max"] * lin / tp,
+                       fp8_last=place["last"] * lin / tp)
+    last = m.n_layers - 1
+    lin_d = gemm_weights(layer_tensors(m, 0)) if m.first_dense_layers else 0
+    experts = expert_tensors(m, last)
+    lin_m = gemm_weights(layer_tensors(m, last)) - gemm_weights(experts)
+    n1 = np.where(c.pp > 2, place["max"], place["last"])
+    return replace(s, fp8_first=(d.first * lin_d + (place["first"] - d.first) * lin_m) / tp,
+                   fp8_mid=(d.second * lin_d + (n1 - d.second) * lin_m) / tp,
+                   fp8_last=(d.last * lin_d + (place["last"] - d.last) * lin_m) / tp,
+                   e_fp8_share=gemm_weights(experts) / max(numel(experts), 1))
 
 
 def moe_layer_params(m: ModelSpec) -> tuple[int, int, int]:
