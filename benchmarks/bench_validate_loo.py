@@ -1,22 +1,55 @@
 """Leave-one-out errors of `trainscale validate` row by row (issue 20, item 4).
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_validate_loo.py
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_validate_loo.py [--markdown]
 
 It runs validate's own code (``trainscale.estimate.planner.validate.validate(loo=True)``): every constant
 catalog/planner.toml marks FITTED is refit, a GPU generation's together, by validate's one rule (``FIT_RULE``) on every
 row (in-sample) and on every row but the one predicted (leave-one-out). Per row: its catalog, in-sample and
 leave-one-out error and the values its leave-one-out fold fitted; then the mean / worst of each, and the
 leave-one-out mean |error| per software / generation (what `plan`'s intervals are made of). Only catalog/runs.toml
-(the public set) is read.
+(the public set) is read. --markdown prints the same as benchmarks/RESULTS.md tables (every row: its figure, the
+published and predicted value, the catalog / in-sample / leave-one-out errors; then the summaries).
 """
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 from trainscale.estimate.planner.validate import FIT_RULE, validate
+
+SHORT = {"tokens_per_s_per_gpu": "tok/s/GPU", "step_time_s": "s/step", "tflops_per_gpu": "TFLOP/s/GPU",
+         "gpu_hours": "GPU-hours"}
+
+
+def markdown(out: dict[str, Any]) -> None:
+    print(f"Fit rule: {FIT_RULE}.\n")
+    print("| run | software / GPU generation | GPUs | figure | published | predicted | catalog | in-sample | LOO |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in out["runs"]:
+        fig = SHORT.get(r["figure"], r["figure"])
+        print(f"| {r['id']} | {r['software']} / {r['generation']} | {r['gpus']:,} | {fig} | {r['published']:,.4g} "
+              f"| {r['predicted']:,.4g} | {r['error']:+.1%} | {r['in_sample_error']:+.1%} | {r['loo_error']:+.1%} |")
+    print("\n| | mean \\|error\\| | worst \\|error\\| | worst row |\n|---|---:|---:|---|")
+    for name, s in (("catalog constants", out), ("in-sample", out["in_sample"]), ("leave-one-out", out["loo"])):
+        print(f"| {name} | {s['mean_abs_error']:.2%} | {s['worst_abs_error']:.1%} | {s['worst_run']} |")
+    by: dict[str, list[float]] = {}
+    for r in out["runs"]:
+        by.setdefault(f"{r['software']} / {r['generation']}", []).append(abs(r["loo_error"]))
+    print("\n| software / GPU generation | rows | leave-one-out mean \\|error\\| |\n|---|---:|---:|")
+    for k, v in sorted(by.items(), key=lambda kv: -len(kv[1])):
+        print(f"| {k} | {len(v)} | {sum(v) / len(v):.1%} |")
+    print("\n| FITTED constant | catalog | in-sample fit | leave-one-out fits |\n|---|---:|---:|---|")
+    for f in out["fit"]:
+        print(f"| {f['key']} ({f['scope']}) | {f['catalog']:g} | {f['fit_all_rows']:.4f} | "
+              f"{f['loo_min']:.4f}-{f['loo_max']:.4f} |")
 
 
 def main() -> None:
     out = validate(loo=True)
+    if "--markdown" in sys.argv[1:]:
+        markdown(out)
+        return
     print(f"rule: {FIT_RULE}")
     print(f"{'run':<34} {'software/gen':<30} {'catalog':>8} {'in-smp':>7} {'LOO':>7}  LOO fit")
     for r in out["runs"]:
