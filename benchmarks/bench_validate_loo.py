@@ -16,10 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from trainscale.estimate.planner.validate import FIT_RULE, validate
-
-SHORT = {"tokens_per_s_per_gpu": "tok/s/GPU", "step_time_s": "s/step", "tflops_per_gpu": "TFLOP/s/GPU",
-         "gpu_hours": "GPU-hours"}
+from trainscale.estimate.planner.validate import FIGURE_LABELS, FIT_RULE, loo_by_software, validate
 
 
 def markdown(out: dict[str, Any]) -> None:
@@ -27,18 +24,15 @@ def markdown(out: dict[str, Any]) -> None:
     print("| run | software / GPU generation | GPUs | figure | published | predicted | catalog | in-sample | LOO |")
     print("|---|---|---:|---|---:|---:|---:|---:|---:|")
     for r in out["runs"]:
-        fig = SHORT.get(r["figure"], r["figure"])
-        print(f"| {r['id']} | {r['software']} / {r['generation']} | {r['gpus']:,} | {fig} | {r['published']:,.4g} "
+        print(f"| {r['id']} | {r['software']} / {r['generation']} | {r['gpus']:,} | {FIGURE_LABELS[r['figure']]} "
+              f"| {r['published']:,.4g} "
               f"| {r['predicted']:,.4g} | {r['error']:+.1%} | {r['in_sample_error']:+.1%} | {r['loo_error']:+.1%} |")
     print("\n| | mean \\|error\\| | worst \\|error\\| | worst row |\n|---|---:|---:|---|")
     for name, s in (("catalog constants", out), ("in-sample", out["in_sample"]), ("leave-one-out", out["loo"])):
         print(f"| {name} | {s['mean_abs_error']:.2%} | {s['worst_abs_error']:.1%} | {s['worst_run']} |")
-    by: dict[str, list[float]] = {}
-    for r in out["runs"]:
-        by.setdefault(f"{r['software']} / {r['generation']}", []).append(abs(r["loo_error"]))
     print("\n| software / GPU generation | rows | leave-one-out mean \\|error\\| |\n|---|---:|---:|")
-    for k, v in sorted(by.items(), key=lambda kv: -len(kv[1])):
-        print(f"| {k} | {len(v)} | {sum(v) / len(v):.1%} |")
+    for (sw, gen), v in sorted(loo_by_software(out["runs"]).items(), key=lambda kv: -len(kv[1])):
+        print(f"| {sw} / {gen} | {len(v)} | {sum(v) / len(v):.1%} |")
     print("\n| FITTED constant | catalog | in-sample fit | leave-one-out fits |\n|---|---:|---:|---|")
     for f in out["fit"]:
         print(f"| {f['key']} ({f['scope']}) | {f['catalog']:g} | {f['fit_all_rows']:.4f} | "
@@ -58,12 +52,9 @@ def main() -> None:
               f"{r['in_sample_error']:>+7.1%} {r['loo_error']:>+7.1%}  {fit}")
     for name, s in (("catalog", out), ("in-sample", out["in_sample"]), ("leave-one-out", out["loo"])):
         print(f"{name}: mean {s['mean_abs_error']:.2%}, worst {s['worst_abs_error']:.1%} ({s['worst_run']})")
-    by: dict[str, list[float]] = {}
-    for r in out["runs"]:
-        by.setdefault(f"{r['software']}/{r['generation']}", []).append(abs(r["loo_error"]))
     print("leave-one-out mean |error| by software/generation:")
-    for k, v in sorted(by.items(), key=lambda kv: -len(kv[1])):
-        print(f"  {k:<32} {sum(v) / len(v):>6.1%} ({len(v)} rows)")
+    for (sw, gen), v in sorted(loo_by_software(out["runs"]).items(), key=lambda kv: -len(kv[1])):
+        print(f"  {sw + '/' + gen:<32} {sum(v) / len(v):>6.1%} ({len(v)} rows)")
     for f in out["fit"]:
         print(f"{f['key']} [{f['scope']}]: catalog {f['catalog']:g}, in-sample {f['fit_all_rows']:.4f}, "
               f"leave-one-out {f['loo_min']:.4f}-{f['loo_max']:.4f}")

@@ -5,8 +5,8 @@
 validate fits its FITTED constants (catalog/planner.toml) by FIT_RULE, the smallest mean |error| over the rows; one
 source, llm-foundry's benchmarking README, holds 136 of the 168 public rows, so its rows set the constants. This script
 refits with the rule "the smallest mean over sources of each source's mean |error| (ties to the smaller worst row)",
-in-sample and in every leave-one-out fold, through validate's own grid, candidates and zoom (``fit`` below is
-validate.fit with the weights added), and with a half-way rule (weights 1 / sqrt(rows of the source)). It prints,
+in-sample and in every leave-one-out fold, through validate's own fit (its grid, candidates and zoom, with the
+row weights passed to its ``weigh`` hook), and with a half-way rule (weights 1 / sqrt(rows of the source)). It prints,
 for the shipped rule and each variant: the catalog, in-sample and leave-one-out mean / worst over all rows, the fits,
 the leave-one-out mean per source and per software/generation, the llm-foundry and other rows apart, the rows over
 10 %, and whether the variant meets the bar to replace the shipped rule (LOO mean over all rows <= 6.0 % and the
@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import sys
 from collections import defaultdict
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -48,36 +49,9 @@ def source_weights(groups: list[str], power: float) -> np.ndarray:
     return w / w.sum()
 
 
-def best_candidate(abs_errors: np.ndarray, weights: np.ndarray) -> int:
-    """The column with the smallest weighted mean |error| (to 1e-6), ties to the smaller worst row."""
-    mean, worst = (weights @ abs_errors).round(6), abs_errors.max(axis=0)
-    return int(np.lexsort((worst, mean))[0])
-
-
-def make_fit(power: float):
-    """validate.fit with each kept row of a scope weighted by ``source_weights(.., power)``."""
-
-    def fit(runs: list[V.Run], published_tps: list[float], table: list[V.FitGroup],
-            leave_out: int | None = None) -> dict[V.Fitted, float]:
-        values = {}
-        for g in table:
-            keep = np.array([i != leave_out for i in g.rows])
-            if not keep.any():
-                values.update({f: f.catalog_value for f in g.constants})
-                continue
-            pub = np.array([published_tps[i] for i in g.rows])[keep, None]
-            w = source_weights([source_group(runs[i].source) for i in g.rows if i != leave_out], power)
-            cands, pred = g.candidates(), g.on_candidates
-            for zoom in range(V.FIT_ZOOM[1] + 1):
-                best = np.unravel_index(best_candidate(np.abs(pred[keep] / pub - 1), w), tuple(len(c) for c in cands))
-                if zoom < V.FIT_ZOOM[1]:
-                    cands = tuple(np.linspace(c[max(k - 1, 0)], c[min(k + 1, len(c) - 1)], V.FIT_ZOOM[0])
-                                  for c, k in zip(cands, best, strict=True))
-                    pred = g.interpolate(cands)
-            values.update({f: float(c[k]) for f, c, k in zip(g.constants, cands, best, strict=True)})
-        return values
-
-    return fit
+def make_fit(power: float, fit=V.fit):
+    """validate.fit with each kept row of a scope weighted by ``source_weights(.., power)`` (its ``weigh`` hook)."""
+    return partial(fit, weigh=lambda runs: source_weights([source_group(r.source) for r in runs], power))
 
 
 def _mean(v: list[float]) -> float:
@@ -127,7 +101,7 @@ def main() -> int:
     try:
         for power, name in ((1.0, "each source once (mean over sources of each source's mean |error|)"),
                             (0.5, "half-way (row weight 1 / sqrt(rows of its source))")):
-            V.fit = make_fit(power)
+            V.fit = make_fit(power, original)
             report(name, V.validate(loo=True), shipped)
     finally:
         V.fit = original

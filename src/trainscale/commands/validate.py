@@ -22,7 +22,7 @@ def validate(
 ) -> None:
     """Predict published training runs from their own layouts and software; show predicted vs published."""
     from trainscale.commands.plan import _settings
-    from trainscale.estimate.planner.validate import CONVENTION_LABELS, CONVENTIONS
+    from trainscale.estimate.planner.validate import CONVENTION_LABELS, CONVENTIONS, FIGURE_LABELS
     from trainscale.estimate.planner.validate import validate as run_validation
 
     # the catalog's own claim always comes with its leave-one-out figures (a constant marked FITTED is judged on rows
@@ -36,14 +36,12 @@ def validate(
               title_justify="left", show_edge=False, pad_edge=False)
     for col in ("run", "figure", "FLOPs", "reported", "predicted", "error") + (("in-sample", "LOO") if loo else ()):
         t.add_column(col, justify="left" if col in ("run", "figure", "FLOPs") else "right", no_wrap=True)
-    unit = {"tokens_per_s_per_gpu": "tok/s/GPU", "step_time_s": "s/step", "tflops_per_gpu": "TFLOP/s",
-            "gpu_hours": "GPU-hours"}
     for r in out["runs"]:
         err = r["error"]
         conv = CONVENTION_LABELS[r["flop_convention"]] + ("?" if r["flop_convention_source"].startswith("ASSUMED")
                                                           else "")
         extra = (_pct(r["in_sample_error"]), _pct(r["loo_error"])) if loo else ()
-        t.add_row(r["id"], unit[r["figure"]], conv, f"{r['published']:,.0f}",
+        t.add_row(r["id"], FIGURE_LABELS[r["figure"]], conv, f"{r['published']:,.0f}",
                   f"{r['predicted']:,.0f}", _pct(err), *extra)
     console.print(t)
     console.print(f"mean |error| {out['mean_abs_error']:.1%}, worst {out['worst_abs_error']:.1%} "
@@ -74,6 +72,8 @@ def _pct(err: float) -> str:
 
 
 def _print_loo(out: dict) -> None:
+    from trainscale.estimate.planner.validate import loo_by_software
+
     for k, what in (("in_sample", "in-sample (fit on every row)"), ("loo", "leave-one-out (fit without the row)")):
         s = out[k]
         console.print(f"{what}: mean |error| {s['mean_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} "
@@ -84,8 +84,6 @@ def _print_loo(out: dict) -> None:
                      for f in out["fit"])
     console.print(f"Fitted (rule: {out['fit_rule']}): "
                   + (fits or "nothing (in-sample = leave-one-out = the catalog's prediction)") + ".")
-    by: dict[str, list[float]] = {}
-    for r in out["runs"]:
-        by.setdefault(f"{r['software']}/{r['generation']}", []).append(abs(r["loo_error"]))
+    by = {f"{sw}/{gen}": v for (sw, gen), v in loo_by_software(out["runs"]).items()}
     console.print("Leave-one-out mean |error| by software/generation: " + ", ".join(
         f"{k} {sum(v) / len(v):.1%} ({len(v)})" for k, v in sorted(by.items())) + ".")

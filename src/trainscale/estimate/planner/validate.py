@@ -15,6 +15,7 @@ each row as ``flop_convention``), never with trainscale's own, and the source's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, cached_property
 from importlib import resources
@@ -39,6 +40,8 @@ FIGURES = {
     "tflops_per_gpu": "TFLOP/s per GPU (in the row's flop_convention)",
     "gpu_hours": "GPU-hours for the row's training tokens",
 }
+FIGURE_LABELS = {"tokens_per_s_per_gpu": "tok/s/GPU", "step_time_s": "s/step", "tflops_per_gpu": "TFLOP/s",
+                 "gpu_hours": "GPU-hours"}  # the same, in a table's column
 
 # short labels for the 80-column table
 CONVENTION_LABELS = {"trainscale": "ours", "torchtitan-2024-04": "titan-24", "torchtitan": "titan",
@@ -328,20 +331,24 @@ def fit_table(runs: list[Run], generations: list[str], overrides: dict[str, floa
     return out
 
 
-def best_candidate(abs_errors: np.ndarray) -> int:
+def best_candidate(abs_errors: np.ndarray, weights: np.ndarray | None = None) -> int:
     """FIT_RULE: the column of ``abs_errors`` (rows x candidates, |predicted / published - 1|) with the smallest mean,
-    ties to the smaller worst."""
-    mean, worst = abs_errors.mean(axis=0).round(6), abs_errors.max(axis=0)
+    ties to the smaller worst. ``weights`` (one per row, summing to 1) replaces the plain mean by a weighted one (an
+    experiment's rule, benchmarks/fit_source_weighting.py; validate passes none)."""
+    mean = abs_errors.mean(axis=0) if weights is None else weights @ abs_errors
+    mean, worst = mean.round(6), abs_errors.max(axis=0)
     return int(np.lexsort((worst, mean))[0])
 
 
 def fit(runs: list[Run], published_tps: list[float], table: list[FitGroup],
-        leave_out: int | None = None) -> dict[Fitted, float]:
+        leave_out: int | None = None,
+        weigh: Callable[[list[Run]], np.ndarray] | None = None) -> dict[Fitted, float]:
     """The constants of each scope refit together on the runs of that scope, less ``leave_out``, by FIT_RULE (the
     rule catalog/planner.toml states). Candidates: every combination of FIT_FINE (one constant) or FIT_FINE_JOINT
     (several) values per constant across its nodes, each row's prediction interpolated linearly between them
     (``FitGroup.on_candidates``); then FIT_ZOOM: the search again between the best candidate's neighbours, finer. A
-    scope left with no row keeps the catalog values."""
+    scope left with no row keeps the catalog values. ``weigh``, given the scope's kept runs, returns their weights
+    for ``best_candidate`` (none: every row once, FIT_RULE)."""
     values = {}
     for g in table:
         keep = np.array([i != leave_out for i in g.rows])
@@ -349,9 +356,10 @@ def fit(runs: list[Run], published_tps: list[float], table: list[FitGroup],
             values.update({f: f.catalog_value for f in g.constants})
             continue
         pub = np.array([published_tps[i] for i in g.rows])[keep, None]
+        w = weigh([runs[i] for i in g.rows if i != leave_out]) if weigh else None
         cands, pred = g.candidates(), g.on_candidates
         for zoom in range(FIT_ZOOM[1] + 1):
-            best = np.unravel_index(best_candidate(np.abs(pred[keep] / pub - 1)), tuple(len(c) for c in cands))
+            best = np.unravel_index(best_candidate(np.abs(pred[keep] / pub - 1), w), tuple(len(c) for c in cands))
             if zoom < FIT_ZOOM[1]:
                 cands = tuple(np.linspace(c[max(k - 1, 0)], c[min(k + 1, len(c) - 1)], FIT_ZOOM[0])
                               for c, k in zip(cands, best, strict=True))
@@ -362,6 +370,15 @@ def fit(runs: list[Run], published_tps: list[float], table: list[FitGroup],
 
 def _with_fit(values: dict[Fitted, float], generation: str, overrides: dict[str, float] | None) -> dict[str, float]:
     return {**{f.key: v for f, v in values.items() if _in_scope(f, generation)}, **(overrides or {})}
+
+
+def loo_by_software(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[float]]:
+    """The rows' |leave-one-out error| grouped by (software, GPU generation), in row order (``validate(loo=True)``'s
+    rows): what `plan`'s intervals and validate's summary line are made of."""
+    by: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        by.setdefault((r["software"], r["generation"]), []).append(abs(r["loo_error"]))
+    return by
 
 
 def _summary(errs: list[float], ids: list[str]) -> dict[str, Any]:
