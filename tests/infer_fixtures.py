@@ -211,3 +211,28 @@ def make_hf_llama32(folder: Path, tokenizer_file: Path, vocab: int, shard: str |
     model.save_pretrained(str(folder), **({"max_shard_size": shard} if shard else {}))
     (folder / "tokenizer.json").write_bytes(Path(tokenizer_file).read_bytes())
     return folder
+
+
+def cli_json(*args: str) -> dict:
+    """A trainscale command run in-process with --json: it succeeds, and its one JSON object."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from trainscale.cli import app
+
+    res = CliRunner().invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def cli_error(*args: str) -> str:
+    """The sentence of the TrainscaleError the command raises (cli.main prints it on one line, exit code 2)."""
+    from typer.testing import CliRunner
+
+    from trainscale.cli import app
+    from trainscale.errors import TrainscaleError
+
+    res = CliRunner().invoke(app, list(args))
+    assert isinstance(res.exception, TrainscaleError), res.output
+    return str(res.exception)

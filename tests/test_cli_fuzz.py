@@ -303,6 +303,27 @@ def test_hf_config_json(tmp):
     case()
 
 
+def _lying_copy(src: Path, folder: Path, which: str, damage: str, meta: str, lie: dict) -> Path:
+    """``src`` copied to ``folder`` with its file ``which`` damaged: ``value`` writes ``lie`` into the metadata file
+    ``meta`` (any other file is truncated instead), ``truncate`` keeps its first third, ``empty`` empties it, ``fifo``
+    puts a FIFO in its place."""
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(src, folder)
+    target = folder / which
+    if damage == "value" and which == meta:
+        target.write_text(json.dumps(lie, allow_nan=True))
+    elif damage in ("truncate", "value"):
+        target.write_bytes(target.read_bytes()[: max(1, target.stat().st_size // 3)])
+    elif damage == "empty":
+        target.write_bytes(b"")
+    else:
+        target.unlink()
+        os.mkfifo(target)
+    return folder
+
+
 def test_lying_model_folders(tmp, model_dir):
     """A model folder whose model.json disagrees with its weights, or whose files are not what they say."""
     good = json.loads((model_dir / "final" / "model.json").read_text())
@@ -313,21 +334,7 @@ def test_lying_model_folders(tmp, model_dir):
                                                                             "tokenizer.json"]),
            damage=st.sampled_from(["value", "truncate", "empty", "fifo"]))
     def case(key, value, which, damage):
-        import shutil
-
-        folder = tmp / "lying"
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.copytree(model_dir / "final", folder)
-        target = folder / which
-        if damage == "value" and which == "model.json":
-            target.write_text(json.dumps({**good, key: value}, allow_nan=True))
-        elif damage in ("truncate", "value"):
-            target.write_bytes(target.read_bytes()[: max(1, target.stat().st_size // 3)])
-        elif damage == "empty":
-            target.write_bytes(b"")
-        else:
-            target.unlink()
-            os.mkfifo(target)
+        folder = _lying_copy(model_dir / "final", tmp / "lying", which, damage, "model.json", {**good, key: value})
         cli("generate", str(folder), "--prompt", "to be", "-n", "2", "--json")
         cli("export", str(folder), str(tmp / "lying-out.gguf"), "--to", "gguf")
         cli("quantize", str(folder), "--eval-tokens", "64", "-n", "0", "--json", "--out", str(tmp / "lying-q"))
@@ -338,7 +345,6 @@ def test_lying_model_folders(tmp, model_dir):
 def test_lying_hf_folders(tmp, model_dir):
     """A Hugging Face folder given as a model (generate, evaluate, quantize, lora take one as it is) whose config.json
     disagrees with its weights, or whose files are not what they say."""
-    import shutil
 
     good_dir = tmp / "hf-good"
     if not good_dir.exists():
@@ -351,19 +357,7 @@ def test_lying_hf_folders(tmp, model_dir):
                                                                              "tokenizer.json"]),
            damage=st.sampled_from(["value", "truncate", "empty", "fifo"]))
     def case(key, value, which, damage):
-        folder = tmp / "lying-hf"
-        shutil.rmtree(folder, ignore_errors=True)
-        shutil.copytree(good_dir, folder)
-        target = folder / which
-        if damage == "value" and which == "config.json":
-            target.write_text(json.dumps({**good, key: value}, allow_nan=True))
-        elif damage in ("truncate", "value"):
-            target.write_bytes(target.read_bytes()[: max(1, target.stat().st_size // 3)])
-        elif damage == "empty":
-            target.write_bytes(b"")
-        else:
-            target.unlink()
-            os.mkfifo(target)
+        folder = _lying_copy(good_dir, tmp / "lying-hf", which, damage, "config.json", {**good, key: value})
         cli("generate", str(folder), "--prompt", "to be", "-n", "2", "--json")
         cli("evaluate", str(folder), "--data", str(tmp / "data.txt"), "--max-tokens", "64", "--json")
         cli("quantize", str(folder), "--eval-tokens", "64", "-n", "0", "--json", "--out", str(tmp / "lying-hf-q"))

@@ -16,27 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from infer_fixtures import cli_error as fails
+from infer_fixtures import cli_json as cli
 from infer_fixtures import make_hf_llama32
-from typer.testing import CliRunner
-
-from trainscale.cli import app
-from trainscale.errors import TrainscaleError
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 300
-
-
-def cli(*args: str) -> dict:
-    res = CliRunner().invoke(app, [*args, "--json"])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
-
-
-def fails(*args: str) -> str:
-    res = CliRunner().invoke(app, list(args))
-    assert isinstance(res.exception, TrainscaleError), res.output
-    return str(res.exception)
 
 
 @pytest.fixture(scope="module")

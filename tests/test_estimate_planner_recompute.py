@@ -51,8 +51,10 @@ class _GemmLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_gemms(block: nn.Module, x: torch.Tensor, **ckpt: bool) -> list[tuple[int, int]]:
-    y = checkpoint(block, x, use_reentrant=False, **ckpt) if ckpt else block(x)
+def _backward_gemms(block: nn.Module, x: torch.Tensor, ckpt: dict[str, bool] | None = None) -> list[tuple[int, int]]:
+    """The GEMMs of the backward of ``block`` on ``x``, run plain (``ckpt`` None) or in torch's non-reentrant
+    checkpoint with ``ckpt``'s options ({}: its defaults)."""
+    y = block(x) if ckpt is None else checkpoint(block, x, use_reentrant=False, **ckpt)
     with _GemmLog() as log:
         y.sum().backward()
     return log.shapes
@@ -67,21 +69,26 @@ def test_non_reentrant_checkpoint_recomputes_the_block_but_its_last_gemm() -> No
     torch.manual_seed(0)
     block, x = _MPTLikeBlock(), torch.randn(2, 8, D, requires_grad=True)
     plain = _backward_gemms(block, x)
-    full = _backward_gemms(block, x, early_stop=False)
-    early = _backward_gemms(block, x, early_stop=True)
+    full = _backward_gemms(block, x, {"early_stop": False})
+    early = _backward_gemms(block, x, {"early_stop": True})
     assert len(full) - len(plain) == 4 and len(early) - len(plain) == 3
     missing = list(full)
     for s in early:
         missing.remove(s)
     assert missing == [(4 * D, D)]
-    assert len(_backward_gemms_default(block, x)) == len(early)
+    assert len(_backward_gemms(block, x, {})) == len(early)  # torch's default
 
 
-def _backward_gemms_default(block: nn.Module, x: torch.Tensor) -> list[tuple[int, int]]:
-    y = checkpoint(block, x, use_reentrant=False)
-    with _GemmLog() as log:
-        y.sum().backward()
-    return log.shapes
+def _one_layer(m, gpu, sw, mb: int, recompute: int, seq: int, global_seqs: int):  # type: ignore[no-untyped-def]
+    """(candidates, efficiencies, rates, GEMMs, dense layer times) of one dp8, zero3 layout with ``mb`` sequences per
+    micro-batch and ``recompute``, as the planner builds them (candidates, layer.rates, dense_gemms, dense_layer)."""
+    cfg = {"tp": [1], "cp": [1], "pp": [1], "dp": [8], "mb": [mb], "v": [1], "schedule": [0], "recompute": [recompute],
+           "zero": [3], "hsdp": [1], "sp": [False]}
+    c = candidates(m, {k: np.asarray(v) for k, v in cfg.items()}, seq, global_seqs)
+    eff = load_efficiencies(gpu)
+    r = layer.rates(gpu, eff, sw)
+    g = layer.dense_gemms(m, c, r, sw)
+    return c, eff, r, g, layer.dense_layer(m, c, r, eff, sw, seq, g)
 
 
 def test_full_recompute_with_early_stop_charges_the_forward_less_w2() -> None:
@@ -92,13 +99,7 @@ def test_full_recompute_with_early_stop_charges_the_forward_less_w2() -> None:
     m, gpu = load_model("mpt-7b"), load_gpu("h100-sxm")
     sw = load_software("llm-foundry-triton")
     assert sw.recompute_early_stop
-    cfg = {"tp": [1], "cp": [1], "pp": [1], "dp": [8], "mb": [16], "v": [1], "schedule": [0], "recompute": [FULL],
-           "zero": [3], "hsdp": [1], "sp": [False]}
-    c = candidates(m, {k: np.asarray(v) for k, v in cfg.items()}, 2048, 128)
-    eff = load_efficiencies(gpu)
-    r = layer.rates(gpu, eff, sw)
-    g = layer.dense_gemms(m, c, r, sw)
-    lay = layer.dense_layer(m, c, r, eff, sw, 2048, g)
+    c, _, r, g, lay = _one_layer(m, gpu, sw, 16, FULL, 2048, 128)
     w2_f, _ = layer.gemm_train_time(16 * 2048, 16384, 4096, r.f_lay, r.hbm, r.sms, r.gap)
     assert float(g.last[0]) == pytest.approx(float(w2_f))
     without = float(layer.recompute_time(c, lay, with_knobs(sw, recompute_early_stop=False))[0])
@@ -128,13 +129,7 @@ def test_torchtitan_selective_saves_the_attention_core() -> None:
     assert not load_software("torchtitan-compile").recompute_attention_core
     for name in ("megatron-lm-2021", "megatron-core", "llm-foundry"):
         assert load_software(name).recompute_attention_core  # Korthikanti's selective: the core redone
-    cfg = {"tp": [1], "cp": [1], "pp": [1], "dp": [8], "mb": [2], "v": [1], "schedule": [0], "recompute": [SELECTIVE],
-           "zero": [3], "hsdp": [1], "sp": [False]}
-    c = candidates(m, {k: np.asarray(v) for k, v in cfg.items()}, 8192, 16)
-    eff = load_efficiencies(gpu)
-    r = layer.rates(gpu, eff, sw)
-    g = layer.dense_gemms(m, c, r, sw)
-    lay = layer.dense_layer(m, c, r, eff, sw, 8192, g)
+    c, eff, r, _, lay = _one_layer(m, gpu, sw, 2, SELECTIVE, 8192, 16)
     flops_fb = flops.attention_flops_per_token(m, 8192, causal=True) / m.n_layers * 2 * 8192
     rate = layer.attention_rate(m, 8192, r.peak_attn, eff, r.attn) * sw.attention_speed
     attn_f = flops_fb / rate * layer.forward_share(r.attn, 8192, m.qk_head_dim)

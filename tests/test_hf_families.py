@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hf import logit_diff, ours
 from _parity import run_job
 
 from trainscale import hf
 from trainscale.errors import TrainscaleError
-from trainscale.runtime.hf_init import hf_folder_spec, load_hf_init
-from trainscale.runtime.model import build_model
+from trainscale.runtime.hf_init import hf_folder_spec
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,23 +77,8 @@ def folders(tmp_path_factory) -> dict[str, tuple[Path, torch.nn.Module]]:
     return {n: (d / n, make_hf(n, d / n, shard="100KB" if n == "qwen3" else None)) for n in FAMILIES}
 
 
-def ours(folder: Path, **update) -> torch.nn.Module:
-    spec = hf_folder_spec(folder).model_copy(update=update)
-    model = build_model(spec, "meta")
-    model.to_empty(device="cpu")
-    load_hf_init([model], folder, spec)
-    return model.eval()
-
-
 def batch(seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(seed))
-
-
-def logit_diff(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> float:
-    with torch.no_grad():
-        la, lb = (m(x) for m in (a, b))
-        la, lb = (getattr(t, "logits", t) for t in (la, lb))
-        return (la - lb).abs().max().item()
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -10,29 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from infer_fixtures import cli_error as fails
+from infer_fixtures import cli_json as cli
 from infer_fixtures import make_hf_llama32
-from typer.testing import CliRunner
-
-from trainscale.cli import app
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 300
-
-
-def cli(*args: str) -> dict:
-    res = CliRunner().invoke(app, [*args, "--json"])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
-
-
-def fails(*args: str) -> str:
-    """The sentence of the TrainscaleError the command raises (cli.main prints it on one line, exit code 2)."""
-    from trainscale.errors import TrainscaleError
-
-    res = CliRunner().invoke(app, list(args))
-    assert isinstance(res.exception, TrainscaleError), res.output
-    return str(res.exception)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from _chat_fixtures import chat_folder
+from infer_fixtures import cli_json as cli
 from typer.testing import CliRunner
 
 from trainscale.cli import app
@@ -25,12 +26,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
 
 VOCAB = 384
-
-
-def cli(*args: str) -> dict:
-    res = CliRunner().invoke(app, [*args, "--json"])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 def conversations(path: Path, n: int = 120) -> Path:

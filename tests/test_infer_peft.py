@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from infer_fixtures import cli_json as cli
 from infer_fixtures import make_hf_llama32
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from trainscale.cli import app
 from trainscale.hf import rope_half_to_interleaved
 
 transformers = pytest.importorskip("transformers")
@@ -28,12 +27,6 @@ SHAPES = {
                 "rope_theta": 500000.0, "tied_embeddings": True},
     "qwen2": {"family": "qwen2", "qkv_bias": True},
 }
-
-
-def cli(*args: str) -> dict:
-    res = CliRunner().invoke(app, [*args, "--json"])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)
 
 
 @pytest.fixture(scope="module")
