@@ -210,6 +210,7 @@ def software_file(tmp_path: Path, **changes: object) -> Path:
     ("microbatch_grad_bytes", -1.0), ("microbatch_grad_bytes", "18"), ("microbatch_shard_bytes", 300.0),
     ("dp_chunk_sync", "before"), ("dp_chunk_sync", True), ("dp_chunk_gather", "yes"),
     ("recompute_attention_core", "no"), ("recompute_attention_core", 0),
+    ("fp8_weights", "yes"), ("fp8_weights", 1), ("fp8_weights", float("nan")),
 ])
 def test_software_file_bad_knob_is_refused(tmp_path: Path, knob: str, value: object) -> None:
     path = software_file(tmp_path, **{knob: value})
