@@ -28,12 +28,6 @@ def _mb(layout: str) -> str:
     return next((p for p in layout.split(",") if p.startswith("mb")), "mb1")
 
 
-def _tps(row: dict[str, Any], key: str) -> float:
-    """Throughput from a row's figure: tokens/s/GPU as is, a step time inverted (larger is faster either way)."""
-    v = row[key]
-    return 1.0 / v if row["figure"] == "step_time_s" else v
-
-
 def sequence_series(rows: list[dict[str, Any]], runs: dict[str, Any]) -> list[tuple[str, int]]:
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
