@@ -9,7 +9,7 @@ is fitted. Three views:
    sequence length. Between neighbours the planner's error moves only where the published row moves differently
    from what the model's own structure implies (the attention share of a token's work, s / 6d for a GPT block).
    Printed: each step's published and predicted throughput ratio and the change of error in points; a step of more
-   than 15 points is marked.
+   than 15 points is marked; then the count of steps, their mean |change| and the largest within 15 points.
 2. Scale series: rows that share model, generation, software, sequence and micro-batch but not GPU count (a fixed
    per-GPU batch). Printed: published and predicted tokens/s/GPU against the series' smallest GPU count.
 3. MLPerf GPT-3 175B on the same Eos H100 cluster, round by round: seconds per million tokens per GPU (step time x
@@ -19,22 +19,27 @@ is fitted. Three views:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
-from trainscale.estimate.planner.validate import load_runs, validate
+from trainscale.estimate.planner.validate import Run, load_runs, validate
+from trainscale.specs import Layout
 
 
-def _mb(layout: str) -> str:
-    return next((p for p in layout.split(",") if p.startswith("mb")), "mb1")
-
-
-def sequence_series(rows: list[dict[str, Any]], runs: dict[str, Any]) -> list[tuple[str, int]]:
+def _series(rows: list[dict[str, Any]], runs: dict[str, Run],
+            key: Callable[[dict[str, Any], Run], tuple]) -> dict[tuple, list[dict[str, Any]]]:
+    """The tokens/s/GPU rows grouped by ``key(row, run)``."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        run = runs[r["id"]]
         if r["figure"] == "tokens_per_s_per_gpu":
-            groups[(run.model, r["generation"], r["software"], r["gpus"], run.precision)].append(r)
-    marked = []
+            groups[key(r, runs[r["id"]])].append(r)
+    return groups
+
+
+def sequence_series(rows: list[dict[str, Any]], runs: dict[str, Run]) -> tuple[list[tuple[str, int]], list[float]]:
+    """Print each sequence step; return the steps above 15 points and every step's change of error (points)."""
+    groups = _series(rows, runs, lambda r, run: (run.model, r["generation"], r["software"], r["gpus"], run.precision))
+    marked, steps = [], []
     print("1. Sequence series (same model, generation, software, GPUs): published vs predicted ratio per step")
     print(f"   {'series':<44} {'seq':>13} {'published':>9} {'predicted':>9} {'error':>15} {'step':>7}")
     for key, g in sorted(groups.items(), key=lambda kv: str(kv[0])):
@@ -48,20 +53,18 @@ def sequence_series(rows: list[dict[str, Any]], runs: dict[str, Any]) -> list[tu
                 continue
             pub, pred = b["published"] / a["published"], b["predicted"] / a["predicted"]
             step = (b["error"] - a["error"]) * 100
+            steps.append(step)
             flag = " <<" if abs(step) > 15 else ""
             if flag:
                 marked.append((name, sb))
             print(f"   {name:<44} {sa:>6}>{sb:<6} {pub:>9.3f} {pred:>9.3f} {a['error']:>+7.1%}>{b['error']:<+7.1%}"
                   f" {step:>+6.1f}{flag}")
-    return marked
+    return marked, steps
 
 
-def scale_series(rows: list[dict[str, Any]], runs: dict[str, Any]) -> None:
-    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        run = runs[r["id"]]
-        if r["figure"] == "tokens_per_s_per_gpu":
-            groups[(run.model, r["generation"], r["software"], run.seq, _mb(run.layout))].append(r)
+def scale_series(rows: list[dict[str, Any]], runs: dict[str, Run]) -> None:
+    groups = _series(rows, runs,
+                     lambda r, run: (run.model, r["generation"], r["software"], run.seq, Layout.parse(run.layout).mb))
     print("\n2. Scale series (same model, generation, software, sequence, micro-batch): tokens/s/GPU against the "
           "smallest GPU count")
     print(f"   {'series':<52} {'GPUs':>6} {'published':>10} {'predicted':>10} {'error':>7}")
@@ -70,13 +73,13 @@ def scale_series(rows: list[dict[str, Any]], runs: dict[str, Any]) -> None:
             continue
         g.sort(key=lambda r: r["gpus"])
         base = g[0]
-        name = f"{key[0]} {key[1]} {key[2]} s{key[3]} {key[4]}"
+        name = f"{key[0]} {key[1]} {key[2]} s{key[3]} mb{key[4]}"
         for r in g:
             print(f"   {name:<52} {r['gpus']:>6} {r['published'] / base['published']:>10.3f} "
                   f"{r['predicted'] / base['predicted']:>10.3f} {r['error']:>+7.1%}")
 
 
-def mlperf_rounds(rows: list[dict[str, Any]], runs: dict[str, Any]) -> None:
+def mlperf_rounds(rows: list[dict[str, Any]], runs: dict[str, Run]) -> None:
     print("\n3. MLPerf GPT-3 175B on Eos (H100), GPU-seconds per million tokens (step time x GPUs / batch tokens)")
     print(f"   {'row':<36} {'preset':<22} {'GPUs':>6} {'published':>10} {'predicted':>10} {'error':>7}")
     for r in rows:
@@ -97,7 +100,10 @@ def main() -> None:
     for r in sorted(worst, key=lambda r: -abs(r["error"])):
         print(f"   {r['id']:<40} {r['software'] + ' / ' + r['generation']:<36} {r['error']:>+7.1%}")
     print()
-    marked = sequence_series(rows, runs)
+    marked, steps = sequence_series(rows, runs)
+    within = [abs(s) for s in steps if abs(s) <= 15]
+    print(f"   {len(steps)} steps, mean |step| {sum(abs(s) for s in steps) / len(steps):.1f} points; "
+          f"{len(within)} within 15 points (largest {max(within):.1f})")
     print(f"   steps above 15 points: {', '.join(f'{n} at {s}' for n, s in marked) or 'none'}")
     scale_series(rows, runs)
     mlperf_rounds(rows, runs)
