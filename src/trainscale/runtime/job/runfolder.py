@@ -133,6 +133,13 @@ class RunLock:
 # ------------------------------------------------------------------ identity
 
 
+def checkpoint_root(run_dir: str | Path | None, configured: str | None) -> Path | None:
+    """Where a run's checkpoints live: ``[checkpoint] dir`` when set, else RUN/checkpoints (None: neither)."""
+    if configured:
+        return Path(configured)
+    return Path(run_dir) / "checkpoints" if run_dir is not None else None
+
+
 def _has_checkpoints(ckpt_root: Path) -> bool:
     return ckpt_root.is_dir() and any(ckpt_root.glob("step-*"))
 
