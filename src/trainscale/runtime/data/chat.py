@@ -20,6 +20,10 @@ overlap a span.
 from __future__ import annotations
 
 import json
+import math
+import re
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +38,13 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 MAX_TEMPLATE_BYTES = 1 << 20  # published chat templates are a few kilobytes (the longest, with tools, ~20 KB)
 MAX_LINE_BYTES = 16 << 20  # one conversation per line; 128K tokens of text is ~0.5 MB
 MAX_MESSAGES = 10_000  # messages of one conversation: far beyond any context window's worth of turns
+# A chat template is code that comes with a downloaded folder: each render runs under a budget. Published templates
+# (Llama 3, Qwen2.5, Gemma, Mistral, Phi, DeepSeek; the longest, with tools, ~20 KB) take a few dozen loop steps and
+# calls per message and write a few characters more than the messages hold.
+MAX_RENDER_STEPS = 1_000_000  # loop iterations + calls (filters, macros, methods) in one render
+MAX_RENDER_CHARS = 64 << 20  # characters of one render's text, or of any string it builds on the way
+MAX_RENDER_SECONDS = 20.0  # wall-clock seconds of one render
+MAX_TEMPLATE_NUMBER_DIGITS = 7  # a width, count or exponent a template writes or passes: at most 9,999,999
 
 
 class NoChatTemplate(TrainscaleError):
@@ -57,15 +68,30 @@ class ChatTokenizer:
 
         if self._compiled is None:
             self._compiled = _compile(self.template, self.folder)
+        budget = self._compiled.environment.budget
+        budget.start()
         try:
-            return self._compiled.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.special)
+            parts, size = [], 0
+            for chunk in self._compiled.generate(messages=messages, tools=None, documents=None,
+                                                 add_generation_prompt=add_generation_prompt, **self.special):
+                size += len(chunk)
+                budget.check_size(size)
+                parts.append(chunk)
+            return "".join(parts)
+        except OverBudget as e:
+            raise TrainscaleError(f"{where}: the chat template of {self.folder} {e}, more than any chat template "
+                                  "needs; refused (is the folder's chat_template from a source you trust?)") from None
+        except (MemoryError, OverflowError) as e:
+            raise TrainscaleError(f"{where}: the chat template of {self.folder} builds more than a chat template "
+                                  f"needs ({_first_line(e)}); refused") from None
         except jinja2.TemplateError as e:
             raise TrainscaleError(f"{where}: the chat template of {self.folder} refuses it ({_first_line(e)})"
                                   ) from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as e:
             raise TrainscaleError(f"{where}: the chat template of {self.folder} fails on it ({_first_line(e)})"
                                   ) from None
+        finally:
+            budget.stop()
 
 
 def _first_line(e: BaseException) -> str:
@@ -73,13 +99,127 @@ def _first_line(e: BaseException) -> str:
     return (text[0] if text else type(e).__name__)[:200]
 
 
+class OverBudget(Exception):  # noqa: N818 (a template's render stopped by its budget; says what it exceeded)
+    pass
+
+
+class RenderBudget(threading.local):
+    """One render's budget (per thread: a server renders several at once): steps, characters, seconds."""
+
+    steps = 0
+    deadline = math.inf
+
+    def start(self) -> None:
+        self.steps, self.deadline = 0, time.monotonic() + MAX_RENDER_SECONDS
+
+    def stop(self) -> None:
+        self.steps, self.deadline = 0, math.inf
+
+    def tick(self, n: int = 1) -> None:
+        self.steps += n
+        if self.steps > MAX_RENDER_STEPS:
+            raise OverBudget(f"takes more than {MAX_RENDER_STEPS:,} loop steps and calls to render")
+        if not self.steps & 1023 and time.monotonic() > self.deadline:
+            raise OverBudget(f"takes more than {MAX_RENDER_SECONDS:g} s to render")
+
+    @staticmethod
+    def check_size(n: int) -> None:
+        if n > MAX_RENDER_CHARS:
+            raise OverBudget(f"writes more than {MAX_RENDER_CHARS:,} characters")
+
+
+_BIG_NUMBER = re.compile(rf"\d{{{MAX_TEMPLATE_NUMBER_DIGITS},}}")
+_SIZED = (str, bytes, list, tuple)
+
+
+def _length(x: Any) -> int:
+    return len(x) if isinstance(x, _SIZED) else 0
+
+
+def _check_number(x: Any) -> None:
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 10 ** MAX_TEMPLATE_NUMBER_DIGITS:
+        raise OverBudget(f"asks for a number of {len(str(abs(x)))} digits (a width, count or exponent)")
+
+
+def _check_format(fmt: Any) -> None:
+    """A format string ('%9999999s', '{:>9999999}') asks for a width: bounded like any number it writes."""
+    if isinstance(fmt, str) and _BIG_NUMBER.search(fmt):
+        raise OverBudget("formats a field wider than any chat text")
+
+
+def _check_binop(op: str, a: Any, b: Any) -> None:
+    """Bounds an operator's result before it is computed: repeated text or lists, concatenation, powers."""
+    RenderBudget.check_size(_length(a) + _length(b))
+    if op == "*":
+        n = b if isinstance(b, int) else a if isinstance(a, int) else None
+        seq = a if isinstance(b, int) else b
+        if n is not None and isinstance(seq, _SIZED):
+            RenderBudget.check_size(_length(seq) * max(n, 0))
+        elif isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > 1 << 16:
+            raise OverBudget("multiplies numbers larger than any chat template needs")
+    elif op == "**" and isinstance(a, int | float) and isinstance(b, int | float):
+        if abs(a) > 1 and b > 0 and b * math.log2(abs(a)) > 1 << 16:
+            raise OverBudget("raises a number to a power larger than any chat template needs")
+    elif op == "%" and isinstance(a, str):
+        _check_format(a)
+
+
+def _check_call(obj: Any, args: tuple, kwargs: dict) -> None:
+    """Bounds the calls that can multiply text: any number argument, format widths, and the string methods and
+    filters whose output can outgrow their input (join, replace, expandtabs, indent)."""
+    for v in (*args, *kwargs.values()):
+        _check_number(v)
+    inner = getattr(obj, "__wrapped__", obj)
+    name, owner = getattr(inner, "__name__", ""), getattr(inner, "__self__", None)
+    if isinstance(owner, str):
+        if name in ("format", "format_map"):
+            _check_format(owner)
+        elif name == "join" and args and isinstance(args[0], list | tuple):
+            RenderBudget.check_size(sum(map(_length, args[0])) + len(owner) * len(args[0]))
+        elif name == "replace" and len(args) >= 2 and isinstance(args[1], str):
+            RenderBudget.check_size(len(owner) + (len(owner) + 1) * len(args[1]))
+        elif name == "expandtabs":
+            RenderBudget.check_size(len(owner) * max(1, *(a for a in args if isinstance(a, int)), 8))
+
+
+def _budgeted_filter(name: str, f: Callable) -> Callable:
+    """A filter whose number arguments are bounded and whose text result is measured."""
+    import functools
+
+    skip = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0  # the context / environment jinja passes
+
+    @functools.wraps(f)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        for v in (*args[skip + 1:], *kwargs.values()):
+            _check_number(v)
+        value = args[skip] if len(args) > skip else None
+        if name == "format":
+            _check_format(value)
+        elif name in ("replace", "indent") and isinstance(value, str):
+            rest = (*args[skip + 1:], *kwargs.values())
+            extra = next((a for a in rest[1:] if isinstance(a, str)), "") if name == "replace" else " " * max(
+                [a for a in rest if isinstance(a, int) and not isinstance(a, bool)] or [4])
+            RenderBudget.check_size(len(value) + (len(value) + 1) * len(extra))
+        elif name == "join" and isinstance(value, list | tuple):
+            RenderBudget.check_size(sum(map(_length, value)))
+        out = f(*args, **kwargs)
+        RenderBudget.check_size(_length(out))
+        return out
+
+    return run
+
+
 def _compile(source: str, folder: Path):
-    """The template compiled in the sandbox transformers uses, with the same globals and filters."""
+    """The template compiled in the sandbox transformers uses, with the same globals and filters, under a budget
+    (``RenderBudget``): every loop iteration and call counts a step, operators and calls that could multiply text
+    are bounded before they run, and the text written is measured as it is written."""
     import datetime
 
     import jinja2
     import jinja2.ext
+    from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.visitor import NodeTransformer
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag) renders its body."""
@@ -118,16 +258,62 @@ def _compile(source: str, folder: Path):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    class BudgetedEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+", "%", "//"})
+        budget = RenderBudget()
+
+        def call_binop(self, context, operator, left, right):
+            self.budget.tick()
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
+            __self.budget.tick()
+            _check_call(__obj, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+    budget = BudgetedEnvironment.budget
+
+    def budget_iter(iterable):
+        """Each loop iteration of the template counts a step."""
+        for item in iterable:
+            budget.tick()
+            yield item
+
+    def budget_text(text):
+        """Text joined with ``~`` is measured once it is built (it at most doubles per step)."""
+        budget.check_size(_length(text))
+        return text
+
+    class Guard(NodeTransformer):
+        """Routes every ``for`` loop's iterable through ``budget_iter`` and every ``~`` through ``budget_text``."""
+
+        def visit_For(self, node):
+            self.generic_visit(node)
+            node.iter = nodes.Call(nodes.Name("__budget_iter", "load"), [node.iter], [], None, None)
+            return node
+
+        def visit_Concat(self, node):
+            self.generic_visit(node)
+            return nodes.Call(nodes.Name("__budget_text", "load"), [node], [], None, None)
+
+    env = BudgetedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                              extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters = {name: _budgeted_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     env.globals["namespace"] = Namespace
+    env.globals["__budget_iter"] = budget_iter
+    env.globals["__budget_text"] = budget_text
     try:
-        return env.from_string(source)
+        tree = Guard().visit(env.parse(source))
+        return env.from_string(tree)
     except jinja2.TemplateError as e:
         raise TrainscaleError(f"the chat template of {folder} is not valid Jinja ({_first_line(e)})") from None
+    except (OverBudget, MemoryError, OverflowError, RecursionError) as e:
+        raise TrainscaleError(f"the chat template of {folder} cannot be compiled within a chat template's budget "
+                              f"({_first_line(e)})") from None
 
 
 def _token_text(value: Any) -> str | None:
