@@ -17,7 +17,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate import comms
 from trainscale.estimate.profile import check_profile, is_hardware_profile
 from trainscale.safeio import parse_json, parse_toml, read_text
-from trainscale.specs import ClusterSpec, GPUSpec, load_gpu
+from trainscale.specs import ClusterSpec, GPUSpec, catalog_names, load_gpu
 
 
 @dataclass(frozen=True)
@@ -174,17 +174,31 @@ def profile_efficiencies(prof: dict[str, Any], path: Path, peak_flops: float | N
     return out
 
 
-def _generation(gpu: str | None) -> str:
-    """The GPU's architecture generation (catalog/gpus.toml), '' when unknown."""
+def _datasheet(g: GPUSpec) -> dict[str, Any]:
+    """A GPU's figures without its names and sources: what makes two GPU descriptions the same hardware."""
+    return {k: v for k, v in g.model_dump().items() if k not in ("name", "source") and not k.endswith("_source")}
+
+
+def _catalog_gpu(gpu: GPUSpec | str | None) -> tuple[str, str]:
+    """-> (the GPU's architecture generation, the catalog GPU it is) for a catalog name, a GPU file or a spec.
+
+    A GPU file is read for its own ``generation``; it is the catalog GPU whose datasheet figures it repeats
+    (whatever its name), so a copy of ``h100-sxm`` gets h100-sxm's constants and a GPU of the user's own gets its
+    generation's. ('', '') when the GPU is unknown."""
     if not gpu:
-        return ""
-    try:
-        return load_gpu(gpu).generation
-    except TrainscaleError:
-        return ""
+        return "", ""
+    if not isinstance(gpu, GPUSpec):
+        try:
+            gpu = load_gpu(gpu)
+        except TrainscaleError:
+            return "", ""
+    figures = _datasheet(gpu)
+    same = [n for n in catalog_names("gpus") if _datasheet(load_gpu(n)) == figures]
+    name = gpu.name if gpu.name in same else (same[0] if same else "")
+    return gpu.generation, name
 
 
-def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
+def load_efficiencies(gpu: GPUSpec | str | None = None, profile: str | Path | None = None,
                       overrides: dict[str, float] | None = None, peak_flops: float | None = None,
                       hbm_bandwidth: float | None = None, scale_up_bandwidth: float | None = None) -> Efficiencies:
     """Catalog defaults, then the GPU generation's constants, then the GPU's overrides, then a measured profile
@@ -197,14 +211,14 @@ def load_efficiencies(gpu: str | None = None, profile: str | Path | None = None,
     cat = planner_catalog()
     vals: dict[str, Any] = {k: cat["defaults"][k] for k in _EFF_KEYS}
     sources = {k: cat["defaults"].get(f"{k}_source", "") for k in _EFF_KEYS}
-    gen = _generation(gpu)
+    gen, name = _catalog_gpu(gpu)
     for k, x in cat.get("generation", {}).get(gen, {}).items():
         if k in vals:
             vals[k], sources[k] = x, cat["generation"][gen].get(f"{k}_source", f"catalog/planner.toml "
                                                                                  f"[generation.{gen}]")
-    for k, x in cat.get("gpu", {}).get(gpu or "", {}).items():
+    for k, x in cat.get("gpu", {}).get(name, {}).items():
         if k in vals:
-            vals[k], sources[k] = x, f"catalog/planner.toml [gpu.{gpu}]"
+            vals[k], sources[k] = x, f"catalog/planner.toml [gpu.{name}]"
     extra: dict[str, Any] = {}
     if profile is not None:
         path = Path(profile)

@@ -559,7 +559,7 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
     if sw.precision == "fp8" and not g.peak_fp8_flops:
         raise TrainscaleError(f"{g.name} has no FP8 tensor cores (catalog/gpus.toml gives it no FP8 peak), so FP8 "
                               "training cannot be planned on it; use --precision bf16")
-    eff = load_efficiencies(g.name, profile, overrides, g.peak_bf16_flops, g.hbm_bandwidth, g.scale_up_bandwidth)
+    eff = load_efficiencies(g, profile, overrides, g.peak_bf16_flops, g.hbm_bandwidth, g.scale_up_bandwidth)
     if max_v is not None and max_v < 1:
         raise TrainscaleError(f"--max-v must be at least 1, not {max_v}")
     return Problem(m, g, cl, cluster_topology(cl, g, eff), eff, gpus, seq, global_batch_tokens, tokens,
