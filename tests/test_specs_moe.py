@@ -107,3 +107,18 @@ def test_ep_in_the_layout():
     assert (lo.ep, lo.dp_shard, lo.dp_replicate, lo.world_size) == (4, 2, 1, 8)
     assert Layout.parse(str(lo)) == lo and "ep4" in str(lo)
     assert Layout.parse("dp8,ep2").dp_replicate == 4  # zero0: the dp ranks outside an EP group replicate
+
+
+@pytest.mark.parametrize("cfg", [QWEN3_30B, MIXTRAL, QWEN15_MOE])
+def test_counts_equal_transformers_on_the_meta_device(tmp_path, cfg):
+    """Every parameter transformers builds for the config (on the meta device: no memory) is counted, Qwen3-MoE's
+    per-head q/k norms included (48 layers x 2 x 128 = 12,288 were missing)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "hf"))
+    theirs = sum(p.numel() for p in model.parameters())
+    assert param_count(_load(tmp_path, cfg)) == theirs

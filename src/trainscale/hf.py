@@ -260,6 +260,10 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
     _qwen2 / _qwen3 and modeling_rope_utils): the family, RoPE scaling (linear, llama3, yarn; other types change no
     shape, so the planner reads them as unscaled and ``check_loadable`` refuses them), Qwen2's Q/K/V biases,
     Qwen3's per-head Q/K norms, Mistral's sliding window. {} for other model types."""
+    if mt == "qwen2_moe":  # Qwen2MoeAttention: q/k/v_proj with bias=True, as Qwen2's
+        return {"qkv_bias": True}
+    if mt == "qwen3_moe":  # Qwen3MoeAttention: q_norm / k_norm over each head, as Qwen3's
+        return {"qk_norm": True}
     if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"):
         return {}
     out: dict[str, Any] = {"family": mt}
