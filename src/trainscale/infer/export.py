@@ -30,6 +30,13 @@ from safetensors.torch import save_file
 
 from trainscale import hf
 from trainscale.errors import TrainscaleError
+from trainscale.infer.chatfiles import (
+    GENERATION_CONFIG,
+    ChatFiles,
+    generation_config,
+    hf_tokenizer_files,
+    read_chat_files,
+)
 from trainscale.infer.load import load_for_inference, load_tokenizer_for
 from trainscale.infer.quantize import safetensors_layout
 from trainscale.safeio import atomic_write, atomic_write_bytes, atomic_write_json
@@ -91,12 +98,6 @@ def hf_state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dty
     return out
 
 
-def special_token_ids(tokenizer) -> dict[str, Any]:
-    """bos / eos: the tokenizer's <|endoftext|> (GPT-2's one special token), when it has one."""
-    tid = tokenizer.token_to_id("<|endoftext|>")
-    return {"token": "<|endoftext|>" if tid is not None else None, "id": tid}
-
-
 # transformers 4's save_pretrained default (max_shard_size="5GB"): folders other tools expect in this shape
 MAX_SHARD_BYTES = 5 * 10**9
 
@@ -149,19 +150,24 @@ def export_hf(model_dir: str | Path, out: str | Path, dtype: str = "float32",
     check_llama(spec, "Hugging Face", allow_bias=not spec.is_moe)
     check_mixtral(spec, "Hugging Face")
     hf.check_exportable(spec)
-    tok = load_tokenizer_for(src)
-    special = special_token_ids(tok)
+    chat = read_chat_files(src, load_tokenizer_for(src))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sd = hf_state_dict(model.state_dict(), spec, HF_DTYPES[dtype])
     layout = write_safetensors(out, sd, max_shard_bytes)
-    atomic_write_json(out / "config.json", hf.hf_config(spec, dtype, special["id"]))
-    gen = {"bos_token_id": special["id"], "eos_token_id": special["id"], "do_sample": True, "temperature": 0.8}
-    atomic_write_json(out / "generation_config.json", gen)
+    config = hf.hf_config(spec, dtype, chat.eos_id)
+    config["bos_token_id"] = generation_config(chat)["bos_token_id"]
+    atomic_write_json(out / "config.json", config)
+    atomic_write_json(out / GENERATION_CONFIG, generation_config(chat))
+    write_tokenizer_files(out, src, chat, spec.max_seq_len)
+    return {"out": str(out), "source": str(src), "dtype": dtype, "tensors": len(sd), **layout,
+            "chat_template": chat.template is not None, "end_ids": list(chat.end_ids)}
+
+
+def write_tokenizer_files(out: Path, src: Path, chat: ChatFiles, model_max_length: int) -> None:
+    """OUT/tokenizer.json (the source's bytes), tokenizer_config.json (special tokens, chat template) and
+    special_tokens_map.json: what transformers' AutoTokenizer and apply_chat_template read."""
     atomic_write_bytes(out / "tokenizer.json", (src / "tokenizer.json").read_bytes())
-    st = {k: special["token"] for k in ("bos_token", "eos_token", "unk_token")} if special["token"] else {}
-    atomic_write_json(out / "special_tokens_map.json", st)
-    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": spec.max_seq_len,
-            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False, **st}
-    atomic_write_json(out / "tokenizer_config.json", tcfg)
-    return {"out": str(out), "source": str(src), "dtype": dtype, "tensors": len(sd), **layout}
+    (out / "chat_template.jinja").unlink(missing_ok=True)  # a folder exported before: the template is in the config
+    for name, data in hf_tokenizer_files(chat, model_max_length).items():
+        atomic_write_json(out / name, data)

@@ -49,8 +49,9 @@ import torch
 from trainscale import hf
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.inference import gguf_name, gguf_tensor_types
+from trainscale.infer.chatfiles import ChatFiles, read_chat_files
 from trainscale.infer.export import MAX_TOKENIZER_BYTES, check_llama, check_mixtral
-from trainscale.infer.load import load_for_inference
+from trainscale.infer.load import load_for_inference, load_tokenizer_for
 from trainscale.safeio import read_json_object
 from trainscale.specs import ModelSpec
 
@@ -222,18 +223,35 @@ def _write_hparams(w: Any, spec: ModelSpec, arch: str) -> None:
     w.add_vocab_size(spec.vocab_size)
 
 
-def _write_tokenizer(w: Any, voc: dict[str, Any]) -> None:
+def _added_specials(tokenizer: Any) -> tuple[bool, bool]:
+    """Whether the tokenizer itself puts a token before / after the text (its tokenizer.json post-processor, as
+    Llama 3's adds <|begin_of_text|>): llama.cpp's add_bos / add_eos flags, so its plain tokenization matches."""
+    probe = "a"
+    bare, full = tokenizer.encode(probe, add_special_tokens=False).ids, tokenizer.encode(probe).ids
+    if not bare or len(full) <= len(bare):
+        return False, False
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
+    return at > 0, at + len(bare) < len(full)
+
+
+def _write_tokenizer(w: Any, voc: dict[str, Any], chat: ChatFiles, tokenizer: Any) -> None:
+    """The vocabulary, merges and token types; the special ids and the chat template of the folder
+    (infer/chatfiles.py), so llama.cpp's chat completion renders and stops as transformers does."""
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
     w.add_token_list(voc["tokens"])
     w.add_token_types(voc["types"])
     w.add_token_merges(voc["merges"])
-    eot = voc["special"].get("<|endoftext|>")
-    if eot is not None:
-        w.add_bos_token_id(eot)
-        w.add_eos_token_id(eot)
-    w.add_add_bos_token(False)
-    w.add_add_eos_token(False)
+    if chat.eos_id is not None:
+        w.add_bos_token_id(chat.bos_id if chat.bos_id is not None else chat.eos_id)
+        w.add_eos_token_id(chat.eos_id)
+    if chat.template is not None and chat.eos_id is not None:
+        w.add_eot_token_id(chat.eos_id)  # a chat model's eos_token is its end of turn
+    if chat.template is not None:
+        w.add_chat_template(chat.template)
+    bos, eos = _added_specials(tokenizer)
+    w.add_add_bos_token(bos)
+    w.add_add_eos_token(eos)
 
 
 def export_gguf(model_dir: str | Path, out: str | Path, ftype: str = "f16") -> dict[str, Any]:
@@ -261,7 +279,8 @@ def export_gguf(model_dir: str | Path, out: str | Path, ftype: str = "f16") -> d
     w = gguf.GGUFWriter(str(out), arch)
     _write_hparams(w, spec, arch)
     w.add_file_type(file_type)
-    _write_tokenizer(w, voc)
+    tokenizer = load_tokenizer_for(src)
+    _write_tokenizer(w, voc, read_chat_files(src, tokenizer), tokenizer)
     for g, arr in gguf_tensors(model.state_dict(), spec, arch).items():
         kind = types[g]
         if kind == "F32":

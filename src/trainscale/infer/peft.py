@@ -24,7 +24,9 @@ from safetensors.torch import load_file, save_file
 from trainscale import hf
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.lora import lora_targets
-from trainscale.infer.export import HF_DTYPES, check_llama, check_mixtral
+from trainscale.infer.chatfiles import read_chat_files
+from trainscale.infer.export import HF_DTYPES, check_llama, check_mixtral, write_tokenizer_files
+from trainscale.infer.load import load_tokenizer_for
 from trainscale.infer.lora import ADAPTER_FILE, read_adapter_config
 from trainscale.infer.quantize import safetensors_layout
 from trainscale.runtime.artifact import check_finite, check_header, read_header, read_spec
@@ -112,6 +114,8 @@ def export_peft(folder: Path, out: str | Path, dtype: str = "float32") -> dict[s
     atomic_write(out / PEFT_WEIGHTS, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     config = peft_config(spec, cfg.rank, cfg.alpha, targets, cfg.base)
     atomic_write_json(out / PEFT_CONFIG, config)
+    if (folder / "tokenizer.json").exists():  # the base's tokenizer, chat template and end ids beside the adapter
+        write_tokenizer_files(out, folder, read_chat_files(folder, load_tokenizer_for(folder)), spec.max_seq_len)
     return {"out": str(out), "source": str(folder), "base": cfg.base, "dtype": dtype, "tensors": len(tensors),
             "rank": cfg.rank, "alpha": cfg.alpha, "targets": list(targets), "target_modules": config["target_modules"],
             **safetensors_layout(out / PEFT_WEIGHTS)}
