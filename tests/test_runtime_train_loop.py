@@ -1,0 +1,79 @@
+"""The training loop stays a loop a reader holds in mind: ``Trainer.run`` is capped at 40 lines (its components own
+their cadence), and the pieces it hands the cadence to keep their rules: the held-out windows (one rule for the
+trainer and ``trainscale evaluate``), the ETA's window, the one exit-code table of a rank's ``main``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from trainscale.errors import JobFailed, TrainscaleError
+from trainscale.runtime.evaluator import window_batches, window_spans
+from trainscale.runtime.job.metrics import Eta
+from trainscale.runtime.job.runfolder import exit_code
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "trainscale"
+RUN_CAP = 40
+
+
+def _method(path: Path, cls: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text())
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_trainer_run_is_at_most_40_lines():
+    run = _method(SRC / "runtime" / "train.py", "Trainer", "run")
+    lines = run.end_lineno - run.lineno + 1
+    assert lines <= RUN_CAP, f"Trainer.run is {lines} lines (cap {RUN_CAP}): give the new cadence to its component"
+
+
+def test_held_out_windows_cover_the_text_once():
+    # every token after the first is a target once: windows of seq_len + 1 sharing one token, then the remainder
+    assert window_spans(700, 64) == [(i * 64, i * 64 + 65) for i in range(10)] + [(640, 700)]
+    assert sum(b - a - 1 for a, b in window_spans(700, 64)) == 699
+    assert window_spans(641, 64)[-1] == (576, 641)  # no one-token remainder: nothing left to score
+    assert window_spans(1, 64) == [] and window_spans(5, 64) == [(0, 5)]
+
+
+def test_the_trainers_limit_takes_the_first_windows_and_a_short_text_whole():
+    assert window_spans(10_000, 32, 4) == [(0, 33), (32, 65), (64, 97), (96, 129)]
+    assert window_spans(100, 32, 3) == [(0, 33), (32, 65), (64, 97)]  # exactly 3 full windows: no remainder
+    assert window_spans(100, 32, 4) == [(0, 33), (32, 65), (64, 97), (96, 100)]  # the text ends first
+
+
+def test_window_batches_stack_windows_of_one_length():
+    groups = window_batches(700, 64, batch=8)
+    assert [len(g) for g in groups] == [8, 1, 1, 1]  # the group with the shorter remainder goes one by one
+    assert [s for g in groups for s in g] == window_spans(700, 64)
+
+
+def test_eta_is_the_mean_of_the_last_window_of_step_times_after_the_first():
+    def reference(times: list[float], remaining: int, window: int = 20) -> float:
+        kept = times[1:] if len(times) > 1 else times
+        recent = kept[-window:]
+        return sum(recent) / len(recent) * remaining
+
+    eta, times = Eta(), []
+    for i in range(45):
+        t = 0.5 + (i * 37 % 11) / 10
+        times.append(t)
+        assert eta.add(t, 45 - i - 1) == reference(times, 45 - i - 1)
+
+
+def test_one_exit_code_table_for_every_rank():
+    assert exit_code(TrainscaleError("bad input")) == 2
+    assert exit_code(JobFailed("disk full")) == 1
+    assert exit_code(RuntimeError("a peer died")) == 1
+
+
+@pytest.mark.parametrize("module", ["runtime/train.py", "runtime/probe/compare.py"])
+def test_every_rank_main_goes_through_worker_main(module):
+    text = (SRC / module).read_text()
+    assert "worker_main(body)" in text and "rank_main" not in text
+    # the functions come before the module's entry point
+    tree = ast.parse(text)
+    last = tree.body[-1]
+    assert isinstance(last, ast.If) and "__main__" in ast.unparse(last.test)
