@@ -16,8 +16,11 @@ What happens, in order:
      (runtime/schedule.py: its horizon is the run's length when it started, kept by every resume; past it
      only with --extend); the step's mean loss over the whole global batch is logged with tokens/s, FLOP/s, MFU
   6. every ``[train] eval_every`` steps, and at the end, the held-out loss of the gathered weights (rank 0
-     evaluates, every rank receives the value); rank 0 writes the unsharded weights as RUN_DIR/final
-     (runtime/artifact.py)
+     evaluates, every rank receives the value: runtime/evaluator.py); rank 0 writes the unsharded weights as
+     RUN_DIR/final (runtime/artifact.py)
+
+The loop (``Trainer.run``) only orders these: the metrics log (runtime/job/metrics.py), the checkpoint cadence
+(runtime/job/checkpoint.SaveCadence) and the evaluator each decide when they act.
 
 Run folder: config.toml, run.json (layout, world size, model, results, the unigram entropy of the training
 tokens), metrics.jsonl (a line per step, held-out evaluation, checkpoint, attempt start and resume),
