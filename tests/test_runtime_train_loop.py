@@ -77,3 +77,49 @@ def test_every_rank_main_goes_through_worker_main(module):
     tree = ast.parse(text)
     last = tree.body[-1]
     assert isinstance(last, ast.If) and "__main__" in ast.unparse(last.test)
+
+
+class _Manager:
+    """A CheckpointManager's surface as SaveCadence uses it, recording the saves."""
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+
+    def poll(self) -> None:
+        pass
+
+    def save(self, step: int, state: dict, extras: dict) -> None:
+        self.saved.append(step)
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    from trainscale.runtime.parallel.mesh import init_distributed
+
+    made = not dist.is_initialized()
+    device = init_distributed()
+    yield device
+    if made:
+        dist.destroy_process_group()
+
+
+def test_save_cadence_saves_every_n_steps_and_on_the_schedulers_signal(one_rank, tmp_path, monkeypatch):
+    from trainscale.runtime.job.checkpoint import SaveCadence
+    from trainscale.runtime.job.slurm import SAVE_REQUEST_ENV, STOPPED_ENV
+
+    said, records = [], []
+    mgr = _Manager()
+    cadence = SaveCadence(mgr, 4, None, one_rank, said.append)
+    after = lambda step: cadence.after_step(step, 10, dict, dict, lambda s, sec: records.append(s))  # noqa: E731
+    assert [after(s) for s in (1, 2, 3, 4)] == [False] * 4 and mgr.saved == records == [4]
+    request = tmp_path / "save-request"
+    request.touch()
+    monkeypatch.setenv(SAVE_REQUEST_ENV, str(request))
+    assert after(5) is False and mgr.saved == [4, 5] and not request.exists()  # saved, no requeue script: go on
+    assert "[signal] checkpoint requested" in said[-1] and "stopping" not in said[-1]
+    request.touch()
+    monkeypatch.setenv(STOPPED_ENV, str(tmp_path / "stopped"))
+    assert after(6) is True and mgr.saved == [4, 5, 6] and said[-1].endswith("then stopping for the requeue")
+    assert after(7) is False and mgr.saved == [4, 5, 6]  # the request was taken: no save until the next due step
