@@ -102,7 +102,7 @@ def model(args: argparse.Namespace) -> None:
 
     from trainscale.estimate.measured import rank as R
     from trainscale.estimate.params import param_count
-    from trainscale.runtime.config import config_from_dict, micro_batch
+    from trainscale.runtime.config import config_from_dict
     from trainscale.runtime.measure import FLOP_CONVENTION, FLOP_CONVENTION_NAME
     from trainscale.runtime.train import Trainer
     from trainscale.specs import Layout
@@ -135,7 +135,7 @@ def model(args: argparse.Namespace) -> None:
     tokens = cfg.train.global_batch * cfg.train.seq_len
     tps = tokens / step
     peak_mem = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else timed[-1]["memory_bytes"]
-    mb = micro_batch(cfg, layout)
+    mb = layout.mb
     state = R.rank_state_bytes(cfg.model, layout, 0).as_dict()["total"]
     acts = sum(R.stage_saved_bytes(cfg.model, mb, seq, layout, s, e=2).total
                for s in R.local_stage_ids(layout, 0))

@@ -24,7 +24,7 @@ from trainscale import placement as P
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import pipeline
 from trainscale.estimate.measured import rank as R
-from trainscale.runtime.config import check_layout, config_from_dict, micro_batch
+from trainscale.runtime.config import check_layout, config_from_dict
 from trainscale.runtime.model import build_model
 from trainscale.runtime.parallel.mesh import build_mesh
 from trainscale.runtime.parallel.parallelize import apply_tensor_parallel
@@ -66,7 +66,7 @@ def _behaviour(cfg, lay: Layout) -> tuple:
         refused = None
     except TrainscaleError as e:
         refused = str(e)
-    mb = micro_batch(cfg, lay)
+    mb = lay.mb
     return (mb, cfg.train.global_batch // (lay.dp * mb), P.mesh_sizes(lay), refused, lay.world_size,
             [P.rank_layers(cfg.model.n_layers, lay, r) for r in range(lay.pp)], P.tp_plan(lay.sp), lay.recompute,
             lay.schedule, lay.zero, lay.dp_replicate, lay.dp_shard)
@@ -85,14 +85,13 @@ def test_str_parses_back_to_an_equal_layout_that_behaves_the_same():
 def test_short_strings_mean_their_printed_form():
     """The issue's case: ``dp2`` and its printed form train with the same micro-batches (mb absent = 1,
     for the planner and the runtime alike)."""
-    cfg = config_from_dict({"model": {**TINY, "n_layers": 4}, "train": {"seq_len": 32, "global_batch": 8}})
     for short in ("dp2", "fsdp2", "pp2", "tp2,nosp", "pp4,v2", "fsdp4,hsdp2", "rc=full,cp2", "dp2,mb4"):
         lay = Layout.parse(short)
         printed = str(lay)
         assert Layout.parse(printed) == lay
-        assert micro_batch(cfg, Layout.parse(printed)) == micro_batch(cfg, lay) == lay.mb
+        assert Layout.parse(printed).mb == lay.mb
     assert str(Layout.parse("dp2")) == "tp1,cp1,pp1,dp2,mb1,zero0"
-    assert micro_batch(cfg, Layout.parse("dp2")) == 1  # 4 micro-batches of 1 per rank, as the planner counts them
+    assert Layout.parse("dp2").mb == 1  # 4 micro-batches of 1 per rank, as the planner counts them
     assert Layout.parse("fsdp4") == Layout.parse("dp4,zero3")
     assert Layout.parse("pp4,v2").schedule == "interleaved"
     assert Layout.parse("nosp") == Layout.parse("")  # no tensor parallelism, no sequence parallelism

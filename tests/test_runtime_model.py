@@ -14,7 +14,7 @@ import torch
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count, tensor_inventory
-from trainscale.runtime.config import check_layout, config_from_dict, load_config, micro_batch
+from trainscale.runtime.config import check_layout, config_from_dict, load_config
 from trainscale.runtime.data.loader import TokenLoader, unigram_loss
 from trainscale.runtime.measure import flops_per_token, gpu_catalog_name
 from trainscale.runtime.model import build_model
@@ -148,10 +148,10 @@ def test_config_errors_are_one_sentence():
     # catalog model with overrides
     assert config_from_dict({"model": {"name": "llama3.1-8b", "n_layers": 2}}).model.d_model == 4096
     # micro-batch: mb, 1 unless given, with or without a pipeline (the planner's meaning)
-    assert micro_batch(cfg, Layout.parse("dp2")) == 1
-    assert micro_batch(cfg, Layout.parse("dp2,mb4")) == 4
-    assert micro_batch(cfg, Layout.parse("dp2,mb2")) == 2
-    assert micro_batch(cfg, Layout.parse("pp2")) == 1
+    assert Layout.parse("dp2").mb == 1
+    assert Layout.parse("dp2,mb4").mb == 4
+    assert Layout.parse("dp2,mb2").mb == 2
+    assert Layout.parse("pp2").mb == 1
 
 
 def test_lr_warms_up_then_decays_to_the_floor():

@@ -1,10 +1,11 @@
 """Loss and perplexity of a model on a text, and which text it was.
 
-Perplexity is exp(mean next-token cross-entropy) over non-overlapping windows (``perplexity``: infer/lora.py's
-``lora_loss`` summed). The text is chosen in one place, ``evaluation_text``, for ``evaluate``, ``quantize`` and
-``lora``: a file the user names (all its documents, or those the trainer's hash rule holds out), else the model's
-own held-out data (``held_out_of``: a LoRA folder's data's held-out documents, a run's prepared held-out split, a
-run on the plays' held-out plays), and it says which in one sentence with the token count.
+Perplexity is exp(mean next-token cross-entropy) over the windows the trainer's held-out loss uses too
+(runtime/evaluator.window_spans; ``perplexity``: infer/lora.py's ``lora_loss`` summed). The text is chosen in one
+place, ``evaluation_text``, for ``evaluate``, ``quantize`` and ``lora``: a file the user names (all its documents,
+or those the trainer's hash rule holds out), else the model's own held-out data (``held_out_of``: a LoRA folder's
+data's held-out documents, a run's prepared held-out split, a run on the plays' held-out plays), and it says which
+in one sentence with the token count.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.infer.lora import LORA_HELD_OUT, ChatSplit, chat_rows, is_chat_data, lora_loss, split_chat, split_data
 from trainscale.runtime.artifact import RUN_CONFIG, RUN_TOKENIZER, run_folder_of, run_toml
 from trainscale.runtime.data.sources import corpus_text
+from trainscale.runtime.evaluator import window_batches
 from trainscale.safeio import read_json_object
 
 SPLITS = ("all", "held-out")
@@ -45,23 +47,17 @@ def perplexity(model, ids: list[int], seq_len: int | None = None, batch: int = 8
 
 @torch.no_grad()
 def nll_sum(model, ids: list[int], seq_len: int | None = None, batch: int = 8) -> tuple[float, int]:
-    """(summed next-token NLL, tokens scored) over the non-overlapping windows of ``seq_len`` + 1 tokens."""
+    """(summed next-token NLL, tokens scored) over the windows of ``seq_len`` + 1 tokens that cover ``ids``
+    (runtime/evaluator.window_spans: the trainer's held-out loss cuts its text the same way)."""
     seq_len = min(seq_len or model.spec.max_seq_len, model.spec.max_seq_len)
     data = torch.tensor(ids)
-    n = (len(ids) - 1) // seq_len
-    windows = [data[i * seq_len: i * seq_len + seq_len + 1] for i in range(n)]
-    rest = data[n * seq_len:]
-    if len(rest) > 1:
-        windows.append(rest)
     total, count = 0.0, 0
     device = next(model.parameters()).device
-    for i in range(0, len(windows), batch):
-        group = windows[i:i + batch]
-        for w in ([torch.stack(group)] if len({len(x) for x in group}) == 1 else [g[None] for g in group]):
-            w = w.to(device)
-            nll, k = lora_loss(model, w[:, :-1], w[:, 1:])
-            total += float(nll)
-            count += k
+    for group in window_batches(len(ids), seq_len, batch=batch):
+        w = torch.stack([data[a:b] for a, b in group]).to(device)
+        nll, k = lora_loss(model, w[:, :-1], w[:, 1:])
+        total += float(nll)
+        count += k
     return total, count
 
 

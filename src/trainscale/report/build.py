@@ -6,7 +6,6 @@ follows only when asked for (``walkthrough``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from trainscale.estimate.walkthrough import DEFAULT_SEQ
 from trainscale.report import plots
 from trainscale.report.html import write_page
 from trainscale.report.schedule import bubble_fraction, rank_orders, timeline
+from trainscale.runtime.job.metrics import run_rows
 from trainscale.safeio import atomic_write_json, read_json_object
 from trainscale.specs import Layout, facts, load_cluster, load_facility, load_gpu, load_model
 
@@ -196,24 +196,6 @@ def eval_points(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {int(r["step"]): r for r in rows if "val_loss" in r and "step" in r}
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        raise TrainscaleError(f"{run_dir} has no metrics.jsonl; is it a trainscale run folder?")
-    rows: list[dict[str, Any]] = []
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:  # the last line a kill cut short
-                continue
-            raise TrainscaleError(f"{path} line {i + 1} is not JSON") from None
-    return rows
-
-
 def _run_info(run_dir: Path) -> dict[str, Any]:
     try:
         return read_json_object(run_dir / "run.json", "run.json") if (run_dir / "run.json").exists() else {}
@@ -259,7 +241,7 @@ def run_layout_plot(out: Path, info: dict[str, Any]) -> plots.Plot | None:
 
 def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]:
     """Figures of a real training run folder (metrics.jsonl written by trainscale train)."""
-    rows = read_metrics(run_dir)
+    rows = run_rows(run_dir)  # one sentence for a folder without metrics.jsonl or with a damaged line
     steps, restarts = run_timeline(rows)
     if not steps:
         raise TrainscaleError(f"{run_dir / 'metrics.jsonl'} has no training steps")

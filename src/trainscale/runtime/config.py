@@ -339,8 +339,3 @@ def check_layout(cfg: TrainConfig, layout: Layout) -> None:
         raise TrainscaleError(f"{what} keeps packed documents apart, which this runtime does under data, tensor and "
                               f"fully sharded parallelism only, not under layout {layout} (cp or pp)")
 
-
-def micro_batch(cfg: TrainConfig, layout: Layout) -> int:
-    """Sequences per forward pass: the layout's ``mb`` (1 unless the layout says otherwise, as in the
-    planner); a step runs global_batch / (dp x mb) of them per data-parallel rank."""
-    return layout.mb

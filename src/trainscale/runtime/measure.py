@@ -136,16 +136,6 @@ def unigram_entropy(counts) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def eta_seconds(step_times: list[float], remaining: int, window: int = 20) -> float | None:
-    """Seconds to the last step: the mean of the last ``window`` measured step times x the steps left; the
-    attempt's first step (compilation, allocator warm-up) counts only while it is the only one."""
-    times = step_times[1:] if len(step_times) > 1 else step_times
-    if not times or remaining < 0:
-        return None
-    recent = times[-window:]
-    return sum(recent) / len(recent) * remaining
-
-
 def duration_text(seconds: float | None) -> str:
     """3725 -> '1h02m05s', 65 -> '1m05s', 4.2 -> '4s'; None -> '?'."""
     if seconds is None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -225,3 +226,39 @@ class MoE(nn.Module):
         y = self.experts(x[perm], recv_by.sum(0).tolist())
         y = y[perm.argsort()]  # back to the order they arrived in
         return _AllToAll.apply(y, send, recv, group, stats)
+
+
+def step_metrics(parts: list[tuple[int, nn.Module]], spec: ModelSpec, layout, n_micro: int,
+                 step_time: float) -> dict[str, Any]:
+    """A training step's routing and all-to-all numbers, the same on every rank (collectives over the world):
+    ``expert_tokens`` {layer: [tokens routed to each expert, whole global batch]} (a token counts once per
+    expert it is sent to, so a layer's counts add up to k x tokens); ``moe_aux_loss`` the balance loss summed
+    over the MoE layers (mean over micro-batches); ``a2a_s`` the slowest rank's seconds in the expert-parallel
+    all-to-alls (forward, backward and any recompute), ``a2a_share`` that over the step time, ``a2a_bytes`` the
+    bytes the busiest rank sent. ``parts``: this rank's (stage, model) pairs, each with ``layers`` by layer
+    index. Under a pipeline, step 1 also counts the schedule's shape-inference forward pass."""
+    lo = layout
+    counts = torch.zeros(spec.n_layers, spec.n_experts, dtype=torch.float64)
+    aux = torch.zeros(1, dtype=torch.float64)
+    a2a = torch.tensor([0.0, 0.0], dtype=torch.float64)
+    for _, part in parts:
+        for name, block in part.layers.items():
+            m = getattr(block, "moe", None)
+            if m is None:
+                continue
+            if m.stats.tokens is not None:
+                counts[int(name)] += m.stats.tokens.double().cpu()
+            aux += m.stats.aux
+            a2a[0] += m.stats.a2a_seconds
+            a2a[1] += m.stats.a2a_bytes
+    copies = lo.tp // (lo.tp if lo.sp else 1)  # without SP the tp ranks route the same tokens
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+        dist.all_reduce(aux)
+        dist.all_reduce(a2a, op=dist.ReduceOp.MAX)
+    counts /= copies
+    moe_ids = [i for i in range(spec.n_layers) if spec.is_moe_layer(i)]
+    return {"expert_tokens": {str(i): [int(round(c)) for c in counts[i].tolist()] for i in moe_ids},
+            "moe_aux_loss": float(aux) / (lo.dp * lo.cp * lo.tp / (lo.tp // copies)) / n_micro,
+            "a2a_s": float(a2a[0]), "a2a_share": float(a2a[0]) / step_time if step_time > 0 else 0.0,
+            "a2a_bytes": int(a2a[1])}

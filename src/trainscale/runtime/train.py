@@ -16,8 +16,11 @@ What happens, in order:
      (runtime/schedule.py: its horizon is the run's length when it started, kept by every resume; past it
      only with --extend); the step's mean loss over the whole global batch is logged with tokens/s, FLOP/s, MFU
   6. every ``[train] eval_every`` steps, and at the end, the held-out loss of the gathered weights (rank 0
-     evaluates, every rank receives the value); rank 0 writes the unsharded weights as RUN_DIR/final
-     (runtime/artifact.py)
+     evaluates, every rank receives the value: runtime/evaluator.py); rank 0 writes the unsharded weights as
+     RUN_DIR/final (runtime/artifact.py)
+
+The loop (``Trainer.run``) only orders these: the metrics log (runtime/job/metrics.py), the checkpoint cadence
+(runtime/job/checkpoint.SaveCadence) and the evaluator each decide when they act.
 
 Run folder: config.toml, run.json (layout, world size, model, results, the unigram entropy of the training
 tokens), metrics.jsonl (a line per step, held-out evaluation, checkpoint, attempt start and resume),
@@ -28,7 +31,6 @@ final/; its identity, lock and bookkeeping are runtime/job/runfolder.py's.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -43,13 +45,16 @@ from torch.distributed.tensor import DTensor
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count
 from trainscale.runtime import measure
-from trainscale.runtime.config import TrainConfig, check_layout, load_config, micro_batch
+from trainscale.runtime import moe as moe_metrics
+from trainscale.runtime.config import TrainConfig, check_layout, load_config
 from trainscale.runtime.data.corpus import corpus_for
-from trainscale.runtime.data.loader import TokenLoader, eval_windows, unigram_loss
+from trainscale.runtime.data.loader import TokenLoader
+from trainscale.runtime.evaluator import Evaluator, document_args
 from trainscale.runtime.job import faults, runfolder
-from trainscale.runtime.job.checkpoint import CheckpointManager, step_dir_name
+from trainscale.runtime.job.checkpoint import CheckpointManager, SaveCadence, step_dir_name
 from trainscale.runtime.job.faults import Fault, requeue_count, restart_count
-from trainscale.runtime.job.slurm import SAVE_REQUEST_ENV, mark_stopped, stops_for_requeue
+from trainscale.runtime.job.metrics import MetricsLog
+from trainscale.runtime.job.slurm import mark_stopped
 from trainscale.runtime.job.tblog import check_sinks, open_metric_log
 from trainscale.runtime.model import IGNORE, Transformer, build_model, lm_loss, lm_loss_sum
 from trainscale.runtime.parallel.context import local_positions, shard_sequence
@@ -83,16 +88,31 @@ class RunResult:
     local_params: int = 0  # parameter elements this rank holds (its shards)
 
 
+@dataclass
+class Gradients:
+    """The parameter lists a step's gradient handling treats apart, and the group whose replicas all-reduce their
+    gradients (runtime/parallel/parallelize.gradient_group; None under zero1 and FSDP, which reduce their own,
+    or with one replica)."""
+
+    group: Any
+    dense: list[torch.Tensor]
+    experts: list[torch.Tensor]  # EP: routed experts, averaged over the ranks holding the same experts
+    moe: list[torch.Tensor]  # every MoE layer's weights (summed over tp under SP)
+    norm: list[torch.Tensor]  # what the clipping norm runs over
+
+
 def _say(msg: str) -> None:
     """Print from any rank (fault messages come from the rank that fails)."""
     print(msg, flush=True)
 
 
 class Trainer:
-    """Everything one rank holds: mesh, model stages, optimizer, data position.
-
-    Issue 5 (checkpoints, faults) hooks in at ``run()``'s marked places: ``state_dict()`` (DCP) and
-    ``extras()`` (per rank) are what a checkpoint must hold, and the loop starts at ``self.step``."""
+    """One rank of a training job: its mesh, data position, model stages with their optimizers, and the step
+    that trains them (``train_step``). ``run`` is the loop; the parts around a step keep their own cadence: the
+    metrics log (runtime/job/metrics.MetricsLog: metrics.jsonl, TensorBoard, the console and its ETA), the
+    checkpoint saves (runtime/job/checkpoint.SaveCadence) and the held-out loss (runtime/evaluator.Evaluator).
+    A checkpoint holds ``state_dict()`` (model and optimizer, sharded, for DCP) and ``extras()`` (this rank's
+    plain state); a resumed loop starts at ``self.step``."""
 
     def __init__(self, cfg: TrainConfig, layout: Layout, out: Path | None = None, log: Callable[[str], None] = print,
                  resume: bool = False, faults: list[Fault] | None = None):
@@ -108,25 +128,52 @@ class Trainer:
         self.run_id, self._lock = self._bind_run_folder()
         self.folder = runfolder.RunFolder(out, self.resume) if out is not None and self.rank == 0 else None
         self.mesh: ParallelMesh = build_mesh(layout)
-        t = cfg.train
-        torch.manual_seed(t.seed)
+        torch.manual_seed(cfg.train.seed)
+        self._data()
+        self._model()
+        self.step = 0
+        # the LR schedule's length and the run's total: train.steps for a new run, a checkpoint's record on resume
+        self.horizon = Horizon(cfg.train.steps, cfg.train.steps)
+        self.resumed_from: int | None = None
+        # called after the optimizer step, before the gradients are freed (runtime/probe/compare.py measures there)
+        self.after_update: Callable[[Trainer], None] | None = None
+        self.flops_per_token = measure.flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak, self.peak_source = measure.job_peak_flops(self.world)
+        self.evaluator = Evaluator(cfg, self.corpus, self.device, self.precision, self.log)
+        self.profiler = measure.StepProfiler(cfg.profile.steps, cfg.profile.ranks, self.rank, out, self.device,
+                                             self.log if self.rank == 0 else _say)
+        self.metrics: MetricsLog | None = None  # run() opens one per attempt, and its checkpoint cadence
+        self.saver: SaveCadence | None = None
 
-        # data: rank 0 tokenises (or finds the cache / the prepared shards), then everyone reads it
+    # ------------------------------------------------------------------ setup
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def _data(self) -> None:
+        """The corpus (rank 0 tokenises, or finds the cache / the prepared shards, then everyone reads it), this
+        rank's loader and its sequence positions under CP. Packed documents kept apart (``document_mask``, chat
+        data): batches carry positions, chat targets a mask."""
+        cfg, t = self.cfg, self.cfg.train
         if self.rank == 0:
             corpus_for(cfg, log=self.log)
         self._barrier()
         self.corpus = corpus_for(cfg)
-        # packed documents kept apart (document_mask, chat data): batches carry positions, chat targets a mask
-        self.documents = cfg.data.documents_apart
-        if self.documents and not hasattr(self.corpus, "flags"):
+        if cfg.data.documents_apart and not hasattr(self.corpus, "flags"):
             raise TrainscaleError("data.document_mask needs a prepared corpus (data.files or data.tokenizer)")
         self.loader = TokenLoader(self.corpus.tokens("train"), t.seq_len, t.global_batch, self.mesh.dp_rank,
-                                  layout.dp, t.seed, **self._document_args("train"))
-        self.positions = local_positions(t.seq_len, layout.cp, self.mesh.cp_rank)
+                                  self.layout.dp, t.seed, **document_args(self.corpus, "train",
+                                                                          cfg.data.documents_apart))
+        self.positions = local_positions(t.seq_len, self.layout.cp, self.mesh.cp_rank)
 
-        # model: whole and identical on every rank, then split and parallelized (or, from a Hugging Face
-        # folder, built empty, parallelized, and each rank's shards read from the files)
-        self.precision = resolve_precision(t.precision, self.device)
+    def _model(self) -> None:
+        """The model, whole and identical on every rank, then split and parallelized (or, from a Hugging Face
+        folder, built empty, parallelized, and each rank's shards read from the files); its optimizers, and the
+        parameter groups the gradient step treats apart."""
+        cfg, layout = self.cfg, self.layout
+        self.precision = resolve_precision(cfg.train.precision, self.device)
+        self.autocast = autocast_for(self.precision, layout, self.device)
         self.init_elements_read = 0
         self.parts = self._build_parts()
         self.params = [p for _, part in self.parts for p in part.parameters()]
@@ -135,51 +182,21 @@ class Trainer:
                      f"{param_count(cfg.model):,} weights (its shards)")
         # one AdamW per stage (elementwise, so the same math as one): each stage's state dict stands alone
         self.optimizers = [self._optimizer(part) for _, part in self.parts]
-        # what the gradient norm runs over: zero1's optimizer shards (each rank's reduced chunk), else the weights
-        self.norm_params = [p for o in self.optimizers for p in o.shards] if layout.zero == 1 else self.params
-        self.micro = micro_batch(cfg, layout)
-        self.n_micro = t.global_batch // layout.dp // self.micro
+        self.n_micro = cfg.train.global_batch // layout.dp // layout.mb
         self.pipeline = Pipeline(self.parts, layout, self.mesh, self.device, self.n_micro) if layout.pp > 1 else None
-        self.grad_group = gradient_group(self.mesh)
         # a MoE's layers: the balance loss's gradient carries the LM loss's 1 / micro-batches (the pipeline
         # schedule divides the accumulated gradients by it instead); with EP the experts average apart
         self.moes = [m for _, part in self.parts for m in moe_layers(part)]
         for m in self.moes:
             m.aux_scale = 1.0 if self.pipeline is not None else 1.0 / self.n_micro
         experts = {id(p) for _, part in self.parts for p in expert_parameters(part)} if layout.ep > 1 else set()
-        self.expert_params = [p for p in self.params if id(p) in experts]
-        self.dense_params = [p for p in self.params if id(p) not in experts]
-        self.moe_params = [p for _, part in self.parts for m in moe_layers(part) for p in m.parameters()]
-        self.step = 0
-        # the LR schedule's length and the run's total: train.steps for a new run, a checkpoint's record on resume
-        self.horizon = Horizon(t.steps, t.steps)
-        self.resumed_from: int | None = None
-        # called after the optimizer step, before the gradients are freed (runtime/probe/compare.py measures there)
-        self.after_update: Callable[[Trainer], None] | None = None
-
-        self.flops_per_token = measure.flops_per_token(cfg.model, t.seq_len)
-        self.peak, self.peak_source = measure.job_peak_flops(self.world)
-        self.autocast = autocast_for(self.precision, layout, self.device)
-        self.last_eval: dict[str, Any] | None = None  # the latest held-out evaluation row
-        self._unigram_counts = None
-        self.profiler = measure.StepProfiler(cfg.profile.steps, cfg.profile.ranks, self.rank, out, self.device,
-                                             self.log if self.rank == 0 else _say)
-
-    # ------------------------------------------------------------------ setup
-
-    def _barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
-
-    def _document_args(self, split: str) -> dict[str, Any]:
-        """What the loader needs to keep documents apart: chat data's flags, or the end-of-text id."""
-        if not self.documents:
-            return {}
-        return {"flags": self.corpus.flags(split), "eot": self.corpus.eot_id, "documents": True}
-
-    def _checkpoint_root(self) -> Path | None:
-        c = self.cfg.checkpoint
-        return Path(c.dir) if c.dir else (self.out / "checkpoints" if self.out is not None else None)
+        self.grads = Gradients(
+            group=gradient_group(self.mesh),
+            dense=[p for p in self.params if id(p) not in experts],
+            experts=[p for p in self.params if id(p) in experts],
+            moe=[p for m in self.moes for p in m.parameters()],
+            # what the norm runs over: zero1's optimizer shards (each rank's reduced chunk), else the weights
+            norm=[p for o in self.optimizers for p in o.shards] if layout.zero == 1 else self.params)
 
     def _optimizer(self, part: Transformer) -> torch.optim.Optimizer:
         """AdamW on the stage's weights, or under zero1 on this rank's shards of them (runtime/parallel/zero1.py)."""
@@ -193,9 +210,7 @@ class Trainer:
         """-> (run id, lock). Under `trainscale train` the CLI holds the lock and named the run
         (TRAINSCALE_RUN_ID): rank 0 checks the folder still belongs to it. Run directly, rank 0 locks and
         claims the folder itself. Every rank gets the same answer or the same one-sentence error."""
-        import os
-
-        root = self._checkpoint_root()
+        root = runfolder.checkpoint_root(self.out, self.cfg.checkpoint.dir)
         if root is None:
             return None, None
         given = os.environ.get(runfolder.ENV_RUN_ID)
@@ -252,43 +267,32 @@ class Trainer:
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
                           positions: torch.Tensor | None = None) -> torch.Tensor:
-        """-> this rank's mean loss over its tokens (zero on pipeline stages without the head). With
-        ``positions`` (documents kept apart): this rank's summed loss over its learned targets x
-        ``_learned_scale``."""
-        if positions is not None:
-            return self._forward_backward_documents(inputs, targets, positions)
-        if self.pipeline is not None:
+        """-> this rank's loss of the step (zero on pipeline stages without the head): the mean over its tokens,
+        or with ``positions`` (documents kept apart) its summed loss over its learned targets x
+        ``_learned_scale``. Without a pipeline, in ``local_batch / mb`` accumulation steps."""
+        if positions is None and self.pipeline is not None:
             with self.autocast:
                 loss = self.pipeline.step(inputs, targets)
             return loss if loss is not None else torch.zeros((), device=self.device)
-        model = self.parts[0][1]
+        scale = self._learned_scale(targets) if positions is not None else None
+        model, mb = self.parts[0][1], self.layout.mb
         total = torch.zeros((), device=self.device)
         for i in range(self.n_micro):
-            x, y = (t[i * self.micro:(i + 1) * self.micro] for t in (inputs, targets))
+            rows = slice(i * mb, (i + 1) * mb)
+            x, y = inputs[rows], targets[rows]
             if uses_fsdp(self.layout):
                 model.set_requires_gradient_sync(i == self.n_micro - 1)  # reduce-scatter once per step
             with self.autocast:
-                loss = lm_loss(model(x), y) / self.n_micro
-            loss.backward()
-            total += loss.detach()
-        return total
-
-    def _forward_backward_documents(self, inputs: torch.Tensor, targets: torch.Tensor,
-                                    positions: torch.Tensor) -> torch.Tensor:
-        scale = self._learned_scale(targets)
-        model = self.parts[0][1]
-        total = torch.zeros((), device=self.device)
-        for i in range(self.n_micro):
-            x, y, p = (t[i * self.micro:(i + 1) * self.micro] for t in (inputs, targets, positions))
-            if uses_fsdp(self.layout):
-                model.set_requires_gradient_sync(i == self.n_micro - 1)
-            with self.autocast:
-                loss = lm_loss_sum(model(x, positions=p), y) * scale
+                if positions is None:
+                    loss = lm_loss(model(x), y) / self.n_micro
+                else:
+                    loss = lm_loss_sum(model(x, positions=positions[rows]), y) * scale
             loss.backward()
             total += loss.detach()
         return total
 
     def train_step(self) -> dict[str, Any]:
+        """One optimizer step on the next global batch -> its metrics row (runtime/job/metrics.MetricsLog)."""
         t0 = time.perf_counter()
         lr = lr_at(self.step, self.cfg, self.horizon.schedule_steps)
         for opt in self.optimizers:
@@ -301,20 +305,20 @@ class Trainer:
             m.stats.reset()
         loss = self._forward_backward(inputs.to(self.device), targets.to(self.device),
                                       positions[0].to(self.device) if positions else None)
-        lo = self.layout
+        lo, grads = self.layout, self.grads
         if self.moes and lo.tp > 1 and lo.sp:
-            sum_moe_gradients_over_tp(self.moe_params, self.mesh)
-        if self.grad_group is not None:
-            allreduce_gradients(self.dense_params, self.grad_group)
-            if self.expert_params:  # summed over the ranks holding the same experts, divided by all dp x cp
-                allreduce_gradients(self.expert_params, self.mesh.group("expert_dp"), divide=lo.dp * lo.cp)
+            sum_moe_gradients_over_tp(grads.moe, self.mesh)
+        if grads.group is not None:
+            allreduce_gradients(grads.dense, grads.group)
+            if grads.experts:  # summed over the ranks holding the same experts, divided by all dp x cp
+                allreduce_gradients(grads.experts, self.mesh.group("expert_dp"), divide=lo.dp * lo.cp)
         settle_gradient_placements(self.params)  # each rank keeps only its shard of every gradient
         if self.pipeline is not None:  # a tied embedding: the first and last stages' gradients summed
             self.pipeline.tied.sum_gradients()
         for opt in self.optimizers:
             if isinstance(opt, Zero1AdamW):  # reduce-scatter: each rank's chunk of the averaged gradients
                 opt.reduce_gradients()
-        grad_norm = clip_grad_norm(self.norm_params, self.cfg.train.grad_clip, self.mesh)
+        grad_norm = clip_grad_norm(grads.norm, self.cfg.train.grad_clip, self.mesh)
         for opt in self.optimizers:
             opt.step()
         if self.after_update is not None:
@@ -336,43 +340,8 @@ class Trainer:
                "flop_convention": measure.FLOP_CONVENTION_NAME, "lr": lr, "grad_norm": grad_norm,
                "step_time_s": dt, "memory_bytes": measure.peak_memory_bytes(self.device)}
         if self.cfg.model.is_moe:
-            row.update(self._moe_metrics(dt))
+            row.update(moe_metrics.step_metrics(self.parts, self.cfg.model, self.layout, self.n_micro, dt))
         return row
-
-    def _moe_metrics(self, step_time: float) -> dict[str, Any]:
-        """The step's routing and all-to-all numbers, the same on every rank (collectives over the world):
-        ``expert_tokens`` {layer: [tokens routed to each expert, whole global batch]} (a token counts once
-        per expert it is sent to, so a layer's counts add up to k x tokens); ``moe_aux_loss`` the balance
-        loss summed over the MoE layers (mean over micro-batches); ``a2a_s`` the slowest rank's seconds in
-        the expert-parallel all-to-alls (forward, backward and any recompute), ``a2a_share`` that over the
-        step time, ``a2a_bytes`` the bytes the busiest rank sent. Under a pipeline, step 1 also counts the
-        schedule's shape-inference forward pass."""
-        spec, lo = self.cfg.model, self.layout
-        counts = torch.zeros(spec.n_layers, spec.n_experts, dtype=torch.float64)
-        aux = torch.zeros(1, dtype=torch.float64)
-        a2a = torch.tensor([0.0, 0.0], dtype=torch.float64)
-        for _, part in self.parts:
-            for name, block in part.layers.items():
-                m = getattr(block, "moe", None)
-                if m is None:
-                    continue
-                if m.stats.tokens is not None:
-                    counts[int(name)] += m.stats.tokens.double().cpu()
-                aux += m.stats.aux
-                a2a[0] += m.stats.a2a_seconds
-                a2a[1] += m.stats.a2a_bytes
-        copies = lo.tp // (lo.tp if lo.sp else 1)  # without SP the tp ranks route the same tokens
-        n_micro = self.n_micro
-        if self.world > 1:
-            dist.all_reduce(counts)
-            dist.all_reduce(aux)
-            dist.all_reduce(a2a, op=dist.ReduceOp.MAX)
-        counts /= copies
-        moe_ids = [i for i in range(spec.n_layers) if spec.is_moe_layer(i)]
-        return {"expert_tokens": {str(i): [int(round(c)) for c in counts[i].tolist()] for i in moe_ids},
-                "moe_aux_loss": float(aux) / (lo.dp * lo.cp * lo.tp / (lo.tp // copies)) / n_micro,
-                "a2a_s": float(a2a[0]), "a2a_share": float(a2a[0]) / step_time if step_time > 0 else 0.0,
-                "a2a_bytes": int(a2a[1])}
 
     # ------------------------------------------------------------------ the loop
 
@@ -425,7 +394,7 @@ class Trainer:
             return None
         if not (c.every_steps or c.every_seconds or self.resume):
             return None
-        return CheckpointManager(self._checkpoint_root(), keep=c.keep, async_save=c.async_save,
+        return CheckpointManager(runfolder.checkpoint_root(self.out, c.dir), keep=c.keep, async_save=c.async_save,
                                  before_commit=faults.before_commit(self.faults, self.rank, _say), run_id=self.run_id)
 
     def _resume(self, mgr: CheckpointManager, steps: int | None, extend: bool) -> int | None:
@@ -456,13 +425,29 @@ class Trainer:
     def run(self, steps: int | None = None, extend: bool = False) -> RunResult:
         """Train to ``steps`` (default: train.steps; resuming, the run's recorded total). ``extend``: a resumed
         run may go past its recorded total (runtime/schedule.py says how its learning rate continues)."""
+        steps = self._start(steps, extend)
+        stop = False  # the scheduler's early signal ended this attempt (the job requeues itself)
+        while self.step < steps and not stop:
+            faults.at_step(self.faults, self.step + 1, self.rank, _say)
+            self.profiler.before(self.step + 1)
+            row = self.train_step()
+            self.profiler.after(self.step, last=self.step == steps)
+            self.metrics.step(row)
+            if self.evaluator.due(self.step):
+                self.evaluator.periodic(self.step, self.full_state_dict, self.metrics)
+            if self.saver is not None:
+                stop = self.saver.after_step(self.step, steps, self.state_dict, self.extras, self.metrics.checkpoint)
+        return self._end(stop)
+
+    def _start(self, steps: int | None, extend: bool) -> int:
+        """Before the loop: resume or start (-> the step to stop at), the run folder's files, the metrics log and
+        the checkpoint cadence of this attempt."""
         mgr = self._checkpoints()
         # before the run folder is touched: a refused resume leaves it as it was
         stop = self._resume(mgr, steps, extend) if mgr is not None and self.resume else None
         if stop is None:  # a new run: its schedule is laid out for train.steps
             stop = self.cfg.train.steps if steps is None else steps
             self.horizon = Horizon(self.cfg.train.steps, max(stop, self.cfg.train.steps))
-        steps = stop
         if self.folder is not None:
             self.folder.start(self.cfg.to_toml(), self.corpus.tokenizer_path, self._run_info())
             if self.resumed_from is not None:  # the console follower prints this first, then only the new steps
@@ -470,94 +455,36 @@ class Trainer:
                                  "attempt": restart_count(), "requeue": requeue_count(),
                                  **self.horizon.extras()})
         self.log(f"training {self.cfg.model.name} ({param_count(self.cfg.model) / 1e6:.2f}M params) on "
-                 f"{self.world} process(es), layout {self.layout}, {steps} steps, "
+                 f"{self.world} process(es), layout {self.layout}, {stop} steps, "
                  f"{self.cfg.train.global_batch} x {self.cfg.train.seq_len} tokens per step")
         tb = None
         if self.folder is not None:
             tb = open_metric_log(self.out, self.step if self.resume else None, self.log, self.cfg.run.sinks,
                                  self.cfg.name, self.run_id)
-        start = time.perf_counter()
-        last_save = start
-        losses, rows, stop = [], [], False
-        while self.step < steps and not stop:
-            faults.at_step(self.faults, self.step + 1, self.rank, _say)
-            self.profiler.before(self.step + 1)
-            row = self.train_step()
-            self.profiler.after(self.step, last=self.step == steps)
-            row["time"] = time.perf_counter() - start
-            row["wall"] = time.time()  # seconds since the epoch: restarts and requeues line up across attempts
-            row["attempt"] = restart_count()
-            row["requeue"] = requeue_count()
-            row["eta_s"] = measure.eta_seconds([r["step_time_s"] for r in rows] + [row["step_time_s"]],
-                                               steps - self.step)
-            losses.append(row["loss"])
-            rows.append(row)
-            if self.folder is not None:
-                self.folder.log(row)
-            if tb is not None:
-                tb.step(row)
-            if self.step % self.cfg.run.log_every == 0 or self.step == steps:
-                self.log(f"step {self.step:5d}/{steps}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
-                         f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%} "
-                         f"({measure.FLOP_CONVENTION_NAME})  lr {row['lr']:.2e}  "
-                         f"ETA {measure.duration_text(row['eta_s'])}")
-            every = self.cfg.train.eval_every
-            if every and self.step % every == 0:
-                self._periodic_eval(tb)
-            if mgr is not None:
-                mgr.poll()
-                c = self.cfg.checkpoint
-                due = (c.every_steps and self.step % c.every_steps == 0) or (
-                    c.every_seconds and time.perf_counter() - last_save >= c.every_seconds)
-                if self._save_requested():
-                    stop = stops_for_requeue(self.step, steps)  # then end this attempt: the job requeues itself
-                    self.log(f"[signal] checkpoint requested (Slurm's early signal): saving at step {self.step}"
-                             + (", then stopping for the requeue" if stop else ""))
-                    due = True
-                if due:
-                    t0 = time.perf_counter()
-                    mgr.save(self.step, self.state_dict(), self.extras())
-                    last_save = time.perf_counter()
-                    if tb is not None:
-                        tb.flush()
-                    if self.folder is not None:
-                        self.folder.log({"event": "checkpoint", "step": self.step, "save_s": last_save - t0,
-                                         "attempt": restart_count()})
-        if mgr is not None:
-            mgr.finish()
-        if self.folder is not None:
-            self.folder.close()
-        result = RunResult(losses, self.out, rows, local_params=self.local_params())
-        if stop and self.rank == 0:
+        self.metrics = MetricsLog(self.folder, tb, self.log, self.cfg.run.log_every, stop)
+        c = self.cfg.checkpoint
+        self.saver = None if mgr is None else SaveCadence(mgr, c.every_steps, c.every_seconds, self.device, self.log)
+        return stop
+
+    def _end(self, stopped: bool) -> RunResult:
+        """After the loop: the last save committed; a finished run's final weights, held-out loss, run.json and
+        goodput (a stopped attempt leaves the run to its requeue); the metrics log and the folder's lock closed."""
+        if self.saver is not None:
+            self.saver.manager.finish()
+        m = self.metrics
+        result = RunResult(m.losses, self.out, m.rows, local_params=self.local_params())
+        if stopped and self.rank == 0:
             mark_stopped(self.step)
-        if self.out is not None and not stop:
-            self._finish(result, time.perf_counter() - start)
-            if self.folder is not None:
-                g = self.folder.goodput(self.log)
-                if tb is not None:
-                    tb.summary({**g, "eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss}, self.step)
-        elif self.last_eval is not None and self.last_eval["step"] == self.step:
-            result.eval_loss, result.unigram_loss = self.last_eval["val_loss"], self.last_eval["unigram_loss"]
-        if tb is not None:
-            tb.close()
+        finished = self.out is not None and not stopped
+        if finished:
+            self._finish(result, m.seconds())
+        elif (done := self.evaluator.at(self.step)) is not None:
+            result.eval_loss, result.unigram_loss = done
+        m.summary({"eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss} if finished else None,
+                  self.step)
         if self._lock is not None:
             self._lock.release()
         return result
-
-    def _save_requested(self) -> bool:
-        """True on every rank when the batch script asked for a checkpoint (runtime/job/slurm.py touches the
-        request file on the signal before the time limit): rank 0 looks, everyone agrees (one all-reduce)."""
-        path = os.environ.get(SAVE_REQUEST_ENV)
-        if not path:
-            return False
-        flag = torch.zeros(1, dtype=torch.int32, device=self.device)
-        if self.rank == 0 and os.path.exists(path):
-            flag += 1
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     # ------------------------------------------------------------------ the end
 
@@ -582,75 +509,17 @@ class Trainer:
                 return {k: v for part in got for k, v in part.items()}
         return None
 
-    def _periodic_eval(self, tb) -> None:
-        """``[train] eval_every``: the held-out loss of the weights after this step, computed as the final one is
-        (the unsharded weights gathered to rank 0, one whole model, the first ``eval_sequences`` held-out windows),
-        then broadcast, so every rank of every layout holds the same value; logged to metrics.jsonl (an
-        ``eval`` row), TensorBoard and the console."""
-        t0 = time.perf_counter()
-        state = self.full_state_dict()  # a collective: every rank takes part
-        got = list(self.evaluate(state)) if self.rank == 0 else [None, None]
-        del state
-        if self.world > 1:
-            dist.broadcast_object_list(got, src=0)
-        val, uni = got
-        if val is None:
-            return
-        row = {"event": "eval", "step": self.step, "val_loss": float(val), "unigram_loss": float(uni),
-               "eval_sequences": self.cfg.run.eval_sequences, "eval_s": time.perf_counter() - t0, "wall": time.time(),
-               "attempt": restart_count(), "requeue": requeue_count()}
-        self.last_eval = row
-        if self.folder is not None:
-            self.folder.log(row)
-        if tb is not None:
-            tb.eval(row)
-        self.log(f"eval  {self.step:5d}  held-out loss {val:.4f} nats/token (unigram baseline {uni:.4f}) on "
-                 f"{self.cfg.run.eval_sequences} sequences, {row['eval_s']:.1f} s")
-
-    def unigram_counts(self):
-        """The training tokens' counts per token id (from the prepared data; counted once)."""
-        if self._unigram_counts is None:
-            self._unigram_counts = self.corpus.unigram_counts()
-        return self._unigram_counts
-
-    def evaluate(self, state: dict[str, torch.Tensor] | None) -> tuple[float | None, float | None]:
-        n = self.cfg.run.eval_sequences
-        if not n or state is None:
-            return None, None
-        spec, seq = self.cfg.model, self.cfg.train.seq_len
-        model = build_model(spec, "meta")
-        model.load_state_dict(state, assign=True)
-        model.to(self.device).eval()
-        inputs, targets, *positions = eval_windows(self.corpus.tokens("val"), seq, n, **self._document_args("val"))
-        total, count = 0.0, 0
-        with torch.no_grad(), autocast_for(self.precision, Layout(), self.device):
-            for i in range(0, len(inputs), 16):
-                x, y = inputs[i:i + 16].to(self.device), targets[i:i + 16].to(self.device)
-                logits = model(x, positions=positions[0][i:i + 16].to(self.device)) if positions else model(x)
-                total += float(lm_loss_sum(logits, y))
-                count += int((y != IGNORE).sum())
-        if not count:  # chat data whose held-out windows hold no assistant words
-            return None, None
-        return total / count, unigram_loss(None, targets, self.corpus.vocab_size, self.unigram_counts())
-
     def _finish(self, result: RunResult, seconds: float) -> None:
+        """A finished run: the unsharded weights as RUN/final (``[run] save_final``) and their held-out loss, and
+        run.json's results (rank 0 writes; every rank takes part in the gather)."""
         from trainscale.runtime.artifact import save_model_dir
 
         state = self.full_state_dict() if self.cfg.run.save_final else None
         if self.folder is not None:
-            done = self.last_eval if self.last_eval is not None and self.last_eval["step"] == self.step else None
             if state is not None:
                 save_model_dir(self.out / "final", state, self.cfg.model, self.corpus.tokenizer_path)
                 self._copy_chat_files(self.out / "final")
-                if done is None:
-                    result.eval_loss, result.unigram_loss = self.evaluate(state)
-            if done is not None:  # eval_every evaluated these weights already
-                result.eval_loss, result.unigram_loss = done["val_loss"], done["unigram_loss"]
-            elif result.eval_loss is not None:
-                self.folder.append({"step": self.step, "val_loss": result.eval_loss,  # as report/ reads it
-                                    "unigram_loss": result.unigram_loss})
-                self.log(f"held-out loss {result.eval_loss:.4f} nats/token (unigram baseline "
-                         f"{result.unigram_loss:.4f}) on {self.cfg.run.eval_sequences} sequences")
+            result.eval_loss, result.unigram_loss = self.evaluator.final(self.step, state, self.metrics)
             rows = result.metrics[1:] or result.metrics  # the first step warms up
             tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
             tps = tokens * len(rows) / max(1e-9, sum(r["step_time_s"] for r in rows))  # all tokens / all step time
@@ -683,8 +552,8 @@ class Trainer:
                 "model": self.cfg.model.model_dump(by_alias=True, exclude_none=True),
                 "params": param_count(self.cfg.model), "local_params_rank0": self.local_params(),
                 "flops_per_token": self.flops_per_token, "flop_convention": measure.FLOP_CONVENTION,
-                "unigram_entropy": measure.unigram_entropy(self.unigram_counts()),
-                "peak_flops": self.peak, "peak_source": self.peak_source, "micro_batch": self.micro,
+                "unigram_entropy": measure.unigram_entropy(self.evaluator.unigram_counts()),
+                "peak_flops": self.peak, "peak_source": self.peak_source, "micro_batch": self.layout.mb,
                 "microbatches": self.n_micro, "config": self.cfg.model_dump(mode="json", exclude={"model"}),
                 "lr_schedule": {"kind": self.cfg.train.schedule, **self.horizon.extras()}}
 

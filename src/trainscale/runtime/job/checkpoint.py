@@ -525,6 +525,44 @@ class CheckpointManager:
 # ------------------------------------------------------------------ one model out of any layout
 
 
+class SaveCadence:
+    """When a training step saves, and the save: every ``every_steps`` steps, every ``every_seconds`` since the
+    last save (or the loop's start, ``start_clock``), and whenever the batch scheduler's early signal asks
+    (runtime/job/slurm.py: a save, then under a requeueing script the attempt stops). Each save is recorded
+    through ``record(step, save_s)`` (runtime/job/metrics.MetricsLog.checkpoint)."""
+
+    def __init__(self, manager: CheckpointManager, every_steps: int | None, every_seconds: float | None,
+                 device: torch.device, log: Callable[[str], None]) -> None:
+        self.manager, self.every_steps, self.every_seconds = manager, every_steps, every_seconds
+        self.device, self.log = device, log
+        self.last_save = time.perf_counter()
+
+    def start_clock(self) -> None:
+        self.last_save = time.perf_counter()
+
+    def after_step(self, step: int, total: int, state: Callable[[], dict[str, Any]],
+                   extras: Callable[[], dict[str, Any]], record: Callable[[int, float], None]) -> bool:
+        """Every rank, after step ``step`` of ``total``: commit a finished asynchronous save, save if due
+        (``state``/``extras`` called only then) -> True when this attempt stops now for the job to requeue."""
+        from trainscale.runtime.job.slurm import save_requested, stops_for_requeue
+
+        self.manager.poll()
+        due = bool((self.every_steps and step % self.every_steps == 0) or (
+            self.every_seconds and time.perf_counter() - self.last_save >= self.every_seconds))
+        stop = False
+        if save_requested(self.device):
+            stop = stops_for_requeue(step, total)  # then end this attempt: the job requeues itself
+            self.log(f"[signal] checkpoint requested (Slurm's early signal): saving at step {step}"
+                     + (", then stopping for the requeue" if stop else ""))
+            due = True
+        if due:
+            t0 = time.perf_counter()
+            self.manager.save(step, state(), extras())
+            self.last_save = time.perf_counter()
+            record(step, self.last_save - t0)
+        return stop
+
+
 def saved_tensors(folder: Path, prefix: str = "model.") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{name: (global shape, dtype)} of the tensors a checkpoint stores under ``prefix`` (its model weights), from
     DCP's metadata alone (read by the restricted unpickler): whatever layout wrote them, DCP records each tensor

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from trainscale.errors import JobFailed, TrainscaleError
+from trainscale.runtime.job.metrics import metrics_path, read_rows
 from trainscale.safeio import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json_object
 
 IDENTITY = "identity.json"
@@ -248,7 +249,7 @@ class RunFolder:
         job = self.path / "job.json"  # the first attempt's start: wall time for goodput spans restarts
         if not self.resume or not job.exists():
             atomic_write_json(job, {"start": time.time()})
-        self.metrics = open(self.path / "metrics.jsonl", "a" if self.resume else "w")  # noqa: SIM115
+        self.metrics = open(metrics_path(self.path), "a" if self.resume else "w")  # noqa: SIM115
         self.log(start_event())
 
     def log(self, row: dict[str, Any]) -> None:
@@ -263,7 +264,7 @@ class RunFolder:
 
     def append(self, row: dict[str, Any]) -> None:
         """A line after the loop (held-out loss, goodput)."""
-        with open(self.path / "metrics.jsonl", "a") as f:
+        with open(metrics_path(self.path), "a") as f:
             f.write(json.dumps(row) + "\n")
 
     def write_run_json(self, info: dict[str, Any]) -> None:
@@ -276,12 +277,7 @@ class RunFolder:
         its launches (one CLI invocation, one Slurm job across its requeues): inside a launch, the time from a
         failure to the restarted attempt's first step is the job's (lost); between launches — a crashed or
         stopped run resumed later by hand — the machine was not the job's, so that idle time is not counted."""
-        rows = []
-        for x in (self.path / "metrics.jsonl").read_text().splitlines():
-            try:
-                rows.append(json.loads(x))
-            except ValueError:  # a line a kill cut short
-                continue
+        rows = read_rows(metrics_path(self.path))[0]  # a line a kill cut short is left out
         steps = [r for r in rows if "loss" in r and "step_time_s" in r]
         last: dict[int, float] = {}
         for r in steps:
@@ -388,11 +384,24 @@ def previous_error() -> dict[str, Any] | None:
     return got if isinstance(got.get("error"), str) else None
 
 
+# a rank's exit code by what failed it, first match wins: the one table of every rank's ``main`` (train, probe)
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (JobFailed, 1),  # a job that started failed for good (disk full): one sentence, recorded
+    (TrainscaleError, 2),  # bad input (config, layout, a refused checkpoint): one sentence, recorded
+    (BaseException, 1),  # anything else (a peer died, a collective timed out): its traceback; torchrun restarts
+)
+
+
+def exit_code(e: BaseException) -> int:
+    """``EXIT_CODES``'s code for ``e``."""
+    return next(code for kind, code in EXIT_CODES if isinstance(e, kind))
+
+
 def worker_main(body: Callable[[], None]) -> int:
-    """A training rank's ``main``. A TrainscaleError (bad input, refused checkpoint: exit 2; JobFailed,
-    e.g. a full disk: exit 1) is one line on stderr and is recorded, so that a restarted attempt stops at
-    once instead of repeating it; any other failure (a peer died, a collective timed out) prints its
-    traceback to the log and exits 1, for torchrun to restart."""
+    """Every rank's ``main`` (runtime/train.py, runtime/probe/compare.py): run ``body`` -> the exit code
+    (``EXIT_CODES``). A TrainscaleError is one line on stderr and is recorded, so that a restarted attempt stops
+    at once instead of repeating it; any other failure prints its traceback to the log, for torchrun to restart.
+    The process group is destroyed either way."""
     import torch.distributed as dist
 
     die_with_parent()
@@ -404,18 +413,16 @@ def worker_main(body: Callable[[], None]) -> int:
     code, message = 0, None
     try:
         body()
-    except JobFailed as e:
-        code, message = 1, str(e)
-    except TrainscaleError as e:
-        code, message = 2, str(e)
     except (KeyboardInterrupt, SystemExit):
         raise
+    except TrainscaleError as e:
+        code, message = exit_code(e), str(e)
     except BaseException as e:  # noqa: BLE001  (torch's CheckpointException is a BaseException)
         traceback.print_exc()
         first = (str(e).strip().splitlines() or [""])[0]
         print(f"trainscale: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {first}",
               file=sys.stderr, flush=True)
-        code = 1
+        code = exit_code(e)
     finally:
         if dist.is_initialized():
             try:
@@ -435,7 +442,7 @@ def worker_main(body: Callable[[], None]) -> int:
 def console_line(row: dict[str, Any], log_every: int, total: int) -> str | None:
     """The console's line for a metrics.jsonl row (``trainscale train`` tails the file), or None: a resume says
     so first ("resumed from step N"), a step every ``log_every`` steps with its ETA (measured step times x the
-    steps left, ``measure.eta_seconds``), a held-out evaluation whenever ``eval_every`` ran one."""
+    steps left, runtime/job/metrics.Eta), a held-out evaluation whenever ``eval_every`` ran one."""
     from trainscale.runtime.measure import duration_text
 
     if row.get("event") == "resumed":

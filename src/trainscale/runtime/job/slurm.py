@@ -212,6 +212,27 @@ def stops_for_requeue(step: int, steps: int) -> bool:
     return step < steps and bool(os.environ.get(STOPPED_ENV))
 
 
+def save_requested(device) -> bool:
+    """True on every rank when the batch script asked for a checkpoint (it touches the request file on the signal
+    before the time limit): rank 0 looks and removes it, everyone agrees (one all-reduce, on ``device``)."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    path = os.environ.get(SAVE_REQUEST_ENV)
+    if not path:
+        return False
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    if dist.get_rank() == 0 and os.path.exists(path):
+        flag += 1
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def mark_stopped(step: int) -> None:
     """Rank 0, once the checkpoint is committed: tell the batch script that this attempt stopped for a requeue."""
     path = os.environ.get(STOPPED_ENV)

@@ -22,7 +22,6 @@ import datetime
 import os
 import socket
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -42,21 +41,6 @@ def device_type() -> str:
 def backend() -> str:
     """NCCL where there are GPUs, gloo on CPU."""
     return "nccl" if device_type() == "cuda" else "gloo"
-
-
-def rank_main(body: Callable[[], None]) -> int:
-    """A rank's ``main``: run ``body``; a TrainscaleError is one line on stderr (from rank 0) and exit code 2;
-    the process group is destroyed either way."""
-    try:
-        body()
-    except TrainscaleError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"trainscale: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
 
 
 def exit_rank(code: int) -> NoReturn:

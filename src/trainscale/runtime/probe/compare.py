@@ -29,8 +29,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainscale.runtime.config import load_config
+from trainscale.runtime.job.runfolder import worker_main
 from trainscale.runtime.model import lm_loss
-from trainscale.runtime.parallel.mesh import exit_rank, rank_main
+from trainscale.runtime.parallel.mesh import exit_rank
 from trainscale.runtime.train import Trainer
 from trainscale.specs import Layout
 
@@ -112,7 +113,7 @@ def activation_bytes(trainer: Trainer) -> list[dict[str, Any]]:
     seq_local = cfg.train.seq_len // lo.cp
     n_stages = lo.pp * lo.v
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, cfg.model.vocab_size, (trainer.micro, seq_local), generator=gen).to(trainer.device)
+    tokens = torch.randint(0, cfg.model.vocab_size, (trainer.layout.mb, seq_local), generator=gen).to(trainer.device)
     targets = tokens.roll(-1, dims=1)
     out = []
     for stage, part in trainer.parts:
@@ -120,7 +121,7 @@ def activation_bytes(trainer: Trainer) -> list[dict[str, Any]]:
             x = tokens
         else:  # a later stage receives hidden states: this rank's sequence shard of them under SP
             rows = seq_local // lo.tp if lo.tp > 1 and lo.sp else seq_local
-            x = torch.randn(trainer.micro, rows, cfg.model.d_model, generator=gen).to(trainer.device)
+            x = torch.randn(trainer.layout.mb, rows, cfg.model.d_model, generator=gen).to(trainer.device)
             x.requires_grad_(True)
         cuda = trainer.device.type == "cuda"
         if cuda:  # on a GPU also the allocator's view: peak allocated during the forward, above the start
@@ -230,11 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_world_size() > 1:
             dist.barrier()  # every rank done with its collectives before the group goes
 
-    return rank_main(body)
-
-
-if __name__ == "__main__":
-    exit_rank(main())  # mesh.exit_rank: no finalization with gloo threads alive
+    return worker_main(body)
 
 
 # ----------------------------------------------------------------------------- predicted vs measured
@@ -260,10 +257,9 @@ def compare(cfg: Any, layout: Layout, measured: list[dict[str, Any]], profile: d
     """Every rank's prediction (estimate/measured/rank.py) next to its measurement, and the worst differences."""
     from trainscale.estimate.measured import rank as R
     from trainscale.estimate.measured.machine import machine_from_profile
-    from trainscale.runtime.config import micro_batch
 
     m, t = cfg.model, cfg.train
-    mb = micro_batch(cfg, layout)
+    mb = layout.mb
     mach = machine_from_profile(profile, layout.world_size) if profile is not None else None
     ranks = []
     for got in sorted(measured, key=lambda g: g["rank"]):
@@ -305,3 +301,7 @@ def compare(cfg: Any, layout: Layout, measured: list[dict[str, Any]], profile: d
         out.update(step_time_predicted_s=step_pred, step_time_error=_err(step_pred, step_meas),
                    profile_processes=mach.measured_processes)
     return out
+
+
+if __name__ == "__main__":
+    exit_rank(main())  # mesh.exit_rank: no finalization with gloo threads alive
