@@ -91,9 +91,9 @@ def find_model_folder(path: str | Path, log: Callable[[str], None] | None = None
         p = p / "final"
     elif (p / "model.json").exists():
         pass
-    elif _STEP.match(p.name) or _TMP_STEP.match(p.name):
+    elif is_step_name(p.name):
         p = model_from_checkpoint(p, log=say)
-    elif p.is_dir() and ((p / RUN_CONFIG).exists() or _holds_steps(p)):
+    elif p.is_dir() and ((p / RUN_CONFIG).exists() or holds_steps(p)):
         p = _newest_checkpoint_model(p, say)
     if not p.is_dir() or not (p / "model.json").exists():
         raise TrainscaleError(f"{path} is not a trainscale model folder (needs model.json with model.safetensors, "
@@ -125,7 +125,12 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def _holds_steps(folder: Path) -> bool:
+def is_step_name(name: str) -> bool:
+    """Whether a folder name is a checkpoint's: step-N, or a save in progress .tmp-step-N."""
+    return bool(_STEP.match(name) or _TMP_STEP.match(name))
+
+
+def holds_steps(folder: Path) -> bool:
     """Whether ``folder`` holds step-N checkpoint folders (a checkpoint root)."""
     try:
         return any(_STEP.match(q.name) and q.is_dir() for q in folder.iterdir())
@@ -166,12 +171,13 @@ def run_spec(run: Path) -> ModelSpec:
 
 
 def _checkpoint_root(run: Path) -> Path:
-    """Where a run folder's checkpoints are: [checkpoint] dir of its config, else RUN/checkpoints."""
-    if (run / RUN_CONFIG).exists():
-        section = run_toml(run).get("checkpoint")
-        if isinstance(section, dict) and isinstance(section.get("dir"), str) and section["dir"]:
-            return Path(section["dir"])
-    return run / "checkpoints"
+    """Where a run folder's checkpoints are (``runfolder.checkpoint_root``): [checkpoint] dir of its config, else
+    RUN/checkpoints."""
+    from trainscale.runtime.job.runfolder import checkpoint_root
+
+    section = run_toml(run).get("checkpoint") if (run / RUN_CONFIG).exists() else None
+    configured = section.get("dir") if isinstance(section, dict) else None
+    return checkpoint_root(run, configured if isinstance(configured, str) else None)
 
 
 def _newest_checkpoint_model(folder: Path, say: Callable[[str], None]) -> Path:
@@ -444,82 +450,22 @@ def load_model_dir(path: str | Path, device: str = "cpu", dtype: torch.dtype = t
     return model.to(device).eval(), spec, p
 
 
-# ------------------------------------------------------------------ [model] init from a trainscale model
-
-
-def is_model_reference(path: str | Path) -> bool:
-    """Whether a ``[model] init`` path names a trainscale model (a model folder, a run folder, a checkpoint or a
-    checkpoint root) rather than a Hugging Face folder (config.json: runtime/hf_init.py reads those)."""
-    p = Path(path).expanduser()
-    try:
-        if (p / "config.json").exists() and not (p / "model.json").exists():
-            return False
-        return (p / "model.json").exists() or (p / "final" / "model.json").exists() or (p / RUN_CONFIG).exists() \
-            or bool(_STEP.match(p.name) or _TMP_STEP.match(p.name)) or (p.is_dir() and _holds_steps(p))
-    except (OSError, ValueError):
-        return False
-
-
-def init_folder(path: str) -> str:
-    """``[model] init`` resolved: a trainscale reference -> its model folder (a checkpoint resharded here, once,
-    before any rank starts), which must hold full weights (model.safetensors); a Hugging Face folder -> itself."""
-    if not is_model_reference(path):
-        return str(Path(path).expanduser().resolve())
-    quiet = os.environ.get("RANK", "0") != "0"  # every rank reads the config: rank 0 says which checkpoint it took
-    folder = find_model_folder(Path(path).expanduser(), log=(lambda _m: None) if quiet else None)
-    if not (folder / "model.safetensors").exists():
-        raise TrainscaleError(f"[model] init {path} names {folder}, which holds no model.safetensors (a quantized or "
-                              "adapter folder: merge or export it first)")
-    return str(folder.resolve())
-
-
-def init_spec_fields(path: str) -> dict | None:
-    """The ModelSpec fields of a resolved ``[model] init`` that is a trainscale model folder; None for a Hugging
-    Face folder."""
-    p = Path(path)
-    return read_spec(p).model_dump(by_alias=True, exclude_none=True) if (p / "model.json").exists() else None
-
-
-def check_init_weights(path: str, spec: ModelSpec) -> bool:
-    """For a resolved ``[model] init`` that is a trainscale model folder: its weights match ``spec`` (headers only,
-    no tensor read) -> True; False for a Hugging Face folder (runtime/hf_init.check_hf_weights checks those)."""
-    if not (Path(path) / "model.json").exists():
-        return False
-    check_model_file(Path(path) / "model.safetensors", spec)
-    return True
-
-
-def _local_box(p: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    """(the tensor holding this rank's elements, the box of the global tensor they are)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(p, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        return p._local_tensor, tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-    return p, tuple(slice(0, n) for n in p.shape)
+# ------------------------------------------------------------------ a rank's slices of a model folder
 
 
 def load_folder_into(parts: list[torch.nn.Module], folder: str | Path) -> int:
     """Fill every parameter of the (parallelized, materialised) parts with its slice of a model folder's
-    model.safetensors, by trainscale name (no renaming, no permutation): -> elements this rank read."""
-    from safetensors import safe_open
+    model.safetensors, by trainscale name (no renaming, no permutation; runtime/weights.py): -> elements this
+    rank read."""
+    from trainscale.runtime.weights import Safetensors, fill
 
     path = Path(folder) / "model.safetensors"
-    read = 0
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f, torch.no_grad():
-            for part in parts:
-                for name, p in part.named_parameters():
-                    local, box = _local_box(p)
-                    if local.numel() == 0:
-                        continue  # an FSDP rank past the end of an unevenly sharded tensor holds nothing of it
-                    t = f.get_slice(name)[box]
-                    local.copy_(t.reshape(local.shape).to(local.dtype))
-                    read += t.numel()
+        weights = Safetensors(folder, path.name, what=f"[model] init {path}")
+        for part in parts:
+            fill(part, weights.read)
     except TrainscaleError:
         raise
     except Exception as e:  # safetensors raises its own error types
         raise TrainscaleError(f"[model] init {path} cannot be read: {str(e)[:200]}") from None
-    return read
+    return weights.elements_read
