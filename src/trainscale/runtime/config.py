@@ -337,12 +337,9 @@ def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = 
 
 def check_layout(cfg: TrainConfig, layout: Layout) -> None:
     """What this runtime refuses to train, in one sentence: ``rules.RUNTIME_CHECK`` (the model, the layout, the
-    config's sequence length and global batch)."""
-    rules.check_layout(cfg.model, layout, cfg.train.seq_len, cfg.train.global_batch)
-    if cfg.data.documents_apart and (layout.cp > 1 or layout.pp > 1):
-        what = "chat data (data.format = \"chat\")" if cfg.data.format == "chat" else "data.document_mask"
-        raise TrainscaleError(f"{what} keeps packed documents apart, which this runtime does under data, tensor and "
-                              f"fully sharded parallelism only, not under layout {layout} (cp or pp)")
+    config's sequence length and global batch, and whether its data keeps documents apart)."""
+    documents = "chat" if cfg.data.format == "chat" else "document_mask" if cfg.data.document_mask else ""
+    rules.check_layout(cfg.model, layout, cfg.train.seq_len, cfg.train.global_batch, documents)
 
 
 def micro_batch(cfg: TrainConfig, layout: Layout) -> int:
