@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from trainscale.errors import TrainscaleError
-from trainscale.runtime.artifact import find_model_folder
+from trainscale.runtime.find_model import find_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_ckpt_worker.py"

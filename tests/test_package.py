@@ -30,10 +30,11 @@ RUNTIME = [
     ("trainscale.runtime.model",),  # the transformer (its MoE layer from moe)
     ("trainscale.runtime.data",),  # the corpus pipeline (the loader knows the model's ignore index)
     ("trainscale.runtime.config", "trainscale.runtime.measure"),  # the TOML as data; hardware, FLOPs
-    ("trainscale.runtime.parallel",),  # mesh, TP/CP/EP/FSDP, pipeline, zero1 on a built model
-    ("trainscale.runtime.job", "trainscale.runtime.hf_init"),  # the run folder, checkpoints, launch; HF folders
-    ("trainscale.runtime.artifact",),  # model folders, checkpoint -> model (reads job's checkpoints)
-    ("trainscale.runtime.init",),  # [model] init resolved and loaded (artifact or hf_init)
+    # on a built model: mesh, TP/CP/EP/FSDP, pipeline, zero1; the weight loaders (a model folder's format, HF folders)
+    ("trainscale.runtime.parallel", "trainscale.runtime.artifact", "trainscale.runtime.hf_init"),
+    ("trainscale.runtime.job",),  # the run folder, checkpoints, launch
+    ("trainscale.runtime.find_model",),  # the model folder a run or a checkpoint names (reads job's checkpoints)
+    ("trainscale.runtime.init",),  # [model] init resolved and loaded
     ("trainscale.runtime.train",),  # the trainer
     ("trainscale.runtime.probe",),  # probes that run the trainer
 ]

@@ -3,7 +3,7 @@ parsed (runtime/config.py reads the TOML as data and opens no folder) and before
 
 PATH names a Hugging Face folder (config.json and safetensors: runtime/hf_init.py reads it) or a trainscale
 model: a model folder, a run folder (its final/, else its newest committed checkpoint), a checkpoint or a
-checkpoint root (runtime/artifact.py finds the model folder, resharding a checkpoint once, here). ``resolve_init``
+checkpoint root (runtime/find_model.py finds the model folder, resharding a checkpoint once, here). ``resolve_init``
 turns the config's raw tables into ones ``config_from_dict`` validates: the folder's model fields with [model]'s
 over them, the weights' own tokenizer when [data] names none, and every tensor's header checked against the
 model (no weight read). ``resolved_config`` is the loader every place that starts a run calls (``train``,
@@ -22,13 +22,13 @@ from trainscale.errors import TrainscaleError
 from trainscale.runtime.artifact import (
     RUN_CONFIG,
     check_model_file,
-    find_model_folder,
     holds_steps,
     is_step_name,
     load_folder_into,
     read_spec,
 )
 from trainscale.runtime.config import TrainConfig, check_sections, config_from_dict, config_tables
+from trainscale.runtime.find_model import find_model_folder
 from trainscale.runtime.hf_init import check_hf_weights, hf_folder_spec, load_hf_init
 from trainscale.specs import ModelSpec, load_model
 
