@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainscale.runtime.config import load_config
+from trainscale.runtime.init import resolved_config
 from trainscale.runtime.parallel.mesh import exit_rank, init_distributed
 from trainscale.runtime.train import train
 
@@ -25,10 +25,10 @@ def _config(args, item: str):
     if item.startswith("init:"):
         src, layout = item[5:].split(">")
         init = Path(args.out) / src / "checkpoints" / f"step-{args.every:08d}"
-        return load_config(args.config, {"model": {"init": str(init)}, "run": run,
+        return resolved_config(args.config, {"model": {"init": str(init)}, "run": run,
                                          "train": {"steps": 1, "lr": 1e-30, "warmup": 0}}), layout
     config, layout = (args.moe_config, item[4:]) if item.startswith("moe:") else (args.config, item)
-    return load_config(config, {"train": {"steps": args.steps}, "run": run,
+    return resolved_config(config, {"train": {"steps": args.steps}, "run": run,
                                 "checkpoint": {"every_steps": args.every}}), layout
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from trainscale.runtime.artifact import save_model_dir
-from trainscale.runtime.config import load_config
 from trainscale.runtime.hf_init import load_hf_init
+from trainscale.runtime.init import resolved_config
 from trainscale.runtime.model import build_model
 from trainscale.runtime.parallel.mesh import exit_rank
 from trainscale.runtime.train import Trainer
@@ -41,7 +41,7 @@ def main() -> None:
 
 
 def run_config(path: str, args: argparse.Namespace, out: dict[str, object], many: bool) -> None:
-    cfg = load_config(path)
+    cfg = resolved_config(path)
     stem = Path(path).stem
     layouts = args.layouts.split(";")
     for i, text in enumerate(layouts):

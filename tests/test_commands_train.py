@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainscale.runtime.artifact import load_model_dir
 from trainscale.runtime.config import load_config
 from trainscale.runtime.data.corpus import corpus_for
 from trainscale.runtime.data.loader import eval_windows
+from trainscale.runtime.find_model import load_model_dir
 from trainscale.runtime.model import lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -100,10 +100,11 @@ def test_quantize_perplexity_is_on_the_runs_own_held_out_split(tmp_path):
     folder from no run uses the held-out plays and says that it is the default."""
     from trainscale.infer.evaluate import perplexity
     from trainscale.infer.quantize import model_from_state_dict
-    from trainscale.runtime.artifact import load_model_dir, save_model_dir
+    from trainscale.runtime.artifact import save_model_dir
     from trainscale.runtime.config import config_from_dict
     from trainscale.runtime.data.corpus import corpus_for
     from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.find_model import load_model_dir
     from trainscale.runtime.model import build_model
 
     text = tmp_path / "mine.txt"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from trainscale.errors import TrainscaleError
-from trainscale.runtime.artifact import find_model_folder
+from trainscale.runtime.find_model import find_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_ckpt_worker.py"
@@ -226,18 +226,18 @@ def test_bad_references_are_one_sentence(runs, tmp_path):
 def test_a_read_only_checkpoint_reshards_into_the_cache(runs, tmp_path, monkeypatch):
     """A checkpoint folder that cannot be written (another user's, a read-only mount): the model folder goes to
     $TRAINSCALE_CACHE/checkpoint-models/<manifest sha256>."""
-    import trainscale.runtime.artifact as artifact
+    import trainscale.runtime.find_model as find_model
 
     run = _copy_run(runs, "tp2", tmp_path / "run")
     monkeypatch.setenv("TRAINSCALE_CACHE", str(tmp_path / "cache"))
-    real = artifact.save_model_dir
+    real = find_model.save_model_dir  # the model folder's writer, as find_model (the resharder) calls it
 
     def read_only_checkpoint(out, *a, **k):
         if Path(out).parent.name.startswith("step-"):
             raise PermissionError(13, "Permission denied", str(out))
         return real(out, *a, **k)
 
-    monkeypatch.setattr(artifact, "save_model_dir", read_only_checkpoint)
+    monkeypatch.setattr(find_model, "save_model_dir", read_only_checkpoint)
     folder = find_model_folder(run / "checkpoints" / LAST, log=lambda _m: None)
     assert folder.parent == tmp_path / "cache" / "checkpoint-models"
     assert not (run / "checkpoints" / LAST / "model").exists()

@@ -1,4 +1,5 @@
-"""The package's import graph: no circle, and no import that points up the layers (DESIGN.md, "Layout").
+"""The package's import graph: no circle, between modules or between folders, and no import that points up the
+layers (DESIGN.md, "Layout"), the package's and, inside ``runtime/``, the runtime's own.
 
 Every ``import``/``from ... import`` of a trainscale module is counted, those inside functions too: a
 function-local import hides a circle from Python, not from a reader."""
@@ -12,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Lower layers first; a module may import its own layer and the ones before it, never a later one.
 LAYERS = [
-    ("trainscale.errors", "trainscale.safeio"),
+    ("trainscale.errors", "trainscale.safeio", "trainscale.units"),
     ("trainscale.specs", "trainscale.hf", "trainscale.rules", "trainscale.placement"),
     ("trainscale.estimate",),
     ("trainscale.runtime",),
@@ -22,6 +23,22 @@ LAYERS = [
 ]
 # Inside estimate/, the bricks come before the two step-time models, which do not import each other's insides.
 ESTIMATE = [("trainscale.estimate",), ("trainscale.estimate.planner", "trainscale.estimate.measured")]
+# Inside runtime/, lowest first: the config is data (it reads no weights, opens no model folder), the
+# weights are read by loaders above it (weights < hf_init, artifact < init), and the trainer sits on all of it.
+RUNTIME = [
+    ("trainscale.runtime.moe", "trainscale.runtime.schedule", "trainscale.runtime.weights"),  # import no runtime/
+    ("trainscale.runtime.model",),  # the transformer (its MoE layer from moe)
+    ("trainscale.runtime.data",),  # the corpus pipeline (the loader knows the model's ignore index)
+    ("trainscale.runtime.config", "trainscale.runtime.measure"),  # the TOML as data; hardware, FLOPs
+    # on a built model: mesh, TP/CP/EP/FSDP, pipeline, zero1; the weight loaders (a model folder's format, HF folders)
+    ("trainscale.runtime.parallel", "trainscale.runtime.artifact", "trainscale.runtime.hf_init"),
+    ("trainscale.runtime.job",),  # the run folder, checkpoints, launch
+    # the model folder a run or a checkpoint names (reads job's checkpoints); the held-out loss
+    ("trainscale.runtime.find_model", "trainscale.runtime.evaluator"),
+    ("trainscale.runtime.init",),  # [model] init resolved and loaded
+    ("trainscale.runtime.train",),  # the trainer
+    ("trainscale.runtime.probe",),  # probes that run the trainer
+]
 
 
 def modules() -> dict[str, Path]:
@@ -101,8 +118,36 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def folders(edges: dict[str, set[str]], depth: int) -> dict[str, set[str]]:
+    """The graph with each module collapsed to its name's first ``depth`` parts: at depth 3 a folder such as
+    ``trainscale.runtime.job`` is one node (all its modules together) beside ``trainscale.runtime.config``."""
+    out: dict[str, set[str]] = {}
+    for m, targets in edges.items():
+        a = ".".join(m.split(".")[:depth])
+        out.setdefault(a, set()).update(b for t in targets if (b := ".".join(t.split(".")[:depth])) != a)
+    for targets in list(out.values()):
+        for b in targets:
+            out.setdefault(b, set())
+    return out
+
+
 def test_no_import_circle():
     assert cycles(graph()) == []
+
+
+def test_no_import_circle_between_folders():
+    """A circle through a folder (``config -> artifact -> job/ -> config``) is one even when no two modules
+    import each other: each depth of folders is checked with its modules collapsed into it."""
+    edges = graph()
+    deepest = max(m.count(".") for m in edges) + 1
+    assert {d: cycles(folders(edges, d)) for d in range(2, deepest + 1)} == {d: [] for d in range(2, deepest + 1)}
+
+
+def test_the_folder_collapse_sees_a_circle_through_a_folder():
+    edges = {"t.r.config": {"t.r.artifact"}, "t.r.artifact": {"t.r.job.checkpoint"}, "t.r.job.checkpoint": set(),
+             "t.r.job.elastic": {"t.r.config"}}
+    assert cycles(edges) == []
+    assert cycles(folders(edges, 3)) == [["t.r.artifact", "t.r.config", "t.r.job"]]
 
 
 def test_the_cycle_finder_finds_one():
@@ -125,6 +170,32 @@ def test_no_import_points_up():
 
 def test_every_module_is_placed_in_a_layer():
     assert [m for m in modules() if m != "trainscale" and layer(m, LAYERS) is None] == []
+    assert [m for m in modules() if m.startswith("trainscale.runtime.") and layer(m, RUNTIME) is None] == []
+
+
+def test_no_import_points_up_inside_runtime():
+    """The runtime's own layers (``RUNTIME``): config imports no loader of weights, no job or trainer module;
+    nothing below the trainer imports it."""
+    upward = []
+    for m, targets in graph().items():
+        for t in targets:
+            if m.startswith("trainscale.runtime.") and t.startswith("trainscale.runtime."):
+                lm, lt = layer(m, RUNTIME), layer(t, RUNTIME)
+                if lm is not None and lt is not None and lt > lm:
+                    upward.append(f"{m} -> {t}")
+    assert upward == []
+
+
+def test_config_reads_no_weights():
+    """runtime/config.py parses the TOML as data: it imports neither the model-folder reader nor the Hugging
+    Face loader (runtime/init.py resolves ``[model] init``), nor safetensors or torch."""
+    tree = ast.parse((SRC / "trainscale" / "runtime" / "config.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+        {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not {m for m in imported if m.split(".")[0] in ("torch", "safetensors")}
+    assert graph()["trainscale.runtime.config"] <= {"trainscale.rules", "trainscale.errors", "trainscale.specs",
+                                                    "trainscale.safeio", "trainscale.runtime.data.shards",
+                                                    "trainscale.runtime.data.sources"}
 
 
 def test_no_function_in_estimate_over_80_lines():

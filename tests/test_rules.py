@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,10 +27,16 @@ from trainscale.specs import Layout, ModelSpec, load_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train_config(model: ModelSpec, seq: int, seqs: int):
-    """The runtime's config for this model, sequence length and global batch (sequences)."""
+# how a config's [data] keeps packed documents apart, for rules.Case's ``documents`` ("" : it does not)
+DATA = {"": {}, "chat": {"format": "chat", "files": ["chat.jsonl"]},
+        "document_mask": {"document_mask": True, "tokenizer": "tokenizer.json"}}
+
+
+def train_config(model: ModelSpec, seq: int, seqs: int, documents: str = ""):
+    """The runtime's config for this model, sequence length and global batch (sequences), and data that keeps
+    documents apart as ``documents`` says (nothing is read: the config is data)."""
     return config_from_dict({"model": model.model_dump(by_alias=True, exclude_none=True),
-                             "train": {"seq_len": seq, "global_batch": seqs}})
+                             "train": {"seq_len": seq, "global_batch": seqs}, "data": DATA[documents]})
 
 
 # ----------------------------------------------------------------------------- planner and runtime agree
@@ -127,6 +134,32 @@ def test_runnable_search_offers_only_what_runs():
     assert planned.n_valid > s.n_valid
 
 
+def test_context_parallel_attention_rules_are_known_to_the_runnable_search():
+    """What the runtime's context-parallel attention does not compute (a sliding window shorter than the sequence,
+    Gemma 2's soft-cap) is a rule, no longer a refusal a rank met after building its model: ``plan --runnable``
+    offers no cp > 1 for such a model, where the plain search does."""
+    for update in ({"sliding_window": 4096}, {"attn_softcap": 50.0}):
+        model = L8.model_copy(update=update)
+        runnable = plan.problem(model, "h100-sxm", 64, 8192, 2**24, runnable=True).search()
+        assert runnable.n_valid > 0 and set(runnable.cfg["cp"].tolist()) == {1}, update
+        assert (plan.problem(model, "h100-sxm", 64, 8192, 2**24).search().cfg["cp"] > 1).any(), update
+
+
+def test_documents_apart_is_refused_under_cp_or_pp_only():
+    """data.document_mask / chat data: refused under cp or pp (the rule's sentence names the data and the layout
+    as written), trained under dp, tp and fsdp."""
+    model = ModelSpec(**CUSTOM)
+    for documents in ("chat", "document_mask"):
+        cfg = train_config(model, 32, 8, documents)
+        what = 'chat data (data.format = "chat")' if documents == "chat" else "data.document_mask"
+        for lay in map(Layout.parse, ("cp2", "pp2", "dp2,pp2")):
+            with pytest.raises(TrainscaleError, match=rf"^{re.escape(what)} .* not under layout {re.escape(str(lay))} "
+                               r"\(cp or pp\)$"):
+                check_layout(cfg, lay)
+        check_layout(cfg, Layout.parse("dp2,tp2"))
+    check_layout(train_config(model, 32, 8), Layout.parse("cp2"))
+
+
 def test_runnable_search_of_a_model_the_runtime_cannot_build_says_so():
     with pytest.raises(TrainscaleError, match="multi-head latent attention"):
         plan.problem("deepseek-v3", "h100-sxm", 2048, 4096, 2**24, runnable=True)
@@ -167,6 +200,13 @@ CASES = {
                "with no layer for the model's 32 layers"),
     "cut": (L8, dict(pp=3), 8192, 8, None, "32 layers do not split over pp3 x v1 = 3 pipeline chunks"),
     "seq": (L8, dict(cp=3), 8192, 8, None, "seq 8,192 does not split into 2 x cp3 = 6 chunks"),
+    "cp_window": (ModelSpec(**{**CUSTOM, "sliding_window": 16}), dict(cp=2), 32, 8, None,
+                  "does not apply the model's sliding window of 16 tokens, shorter than the sequence (32); use cp1"),
+    "cp_softcap": (ModelSpec(**{**CUSTOM, "attn_softcap": 50.0}), dict(cp=2), 32, 8, None,
+                   "does not soft-cap or rescale the attention scores as this model's do (Gemma 2); use cp1"),
+    "documents": (ModelSpec(**CUSTOM), dict(cp=2), 32, 8, None,
+                  'chat data (data.format = "chat") keeps packed documents apart, which this runtime does under '
+                  "data, tensor and fully sharded parallelism only"),
     "sp_split": (SMALL, dict(tp=4, cp=4), 24, 8, None, "per-rank sequence (6) divisible by tp4"),
     "batch": (L8, dict(dp=4, mb=3), 8192, 16, None, "16 sequences does not split into dp4 x mb3"),
     "interleave_fill": (L8, dict(pp=4, v=2, schedule="interleaved", mb=4), 8192, 8, None,
@@ -176,6 +216,7 @@ CASES = {
                           "runs its 9 micro-batches in 2 rounds, which must divide them"),
 }
 DEFAULTS = dict(tp=1, cp=1, pp=1, dp=1, mb=1, v=1, schedule="1f1b", zero=0, hsdp=1, ep=1, sp=True, first=0, last=0)
+DOCUMENTS = {"documents": "chat"}  # the cases whose data keeps documents apart (the planner does not know the data)
 
 
 def test_every_rule_has_a_case_and_a_source():
@@ -189,7 +230,7 @@ def _case(name: str) -> tuple[rules.Case, SimpleNamespace, str]:
     model, fields, seq, seqs, gpus, words = CASES[name]
     lay = SimpleNamespace(**{**DEFAULTS, **fields})
     world = lay.tp * lay.cp * lay.pp * lay.dp
-    return rules.case_of([lay], model, seq, seqs, gpus or world), lay, words
+    return rules.case_of([lay], model, seq, seqs, gpus or world, DOCUMENTS.get(name, "")), lay, words
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -217,15 +258,17 @@ def test_each_rule_says_its_sentence_where_it_applies(name):
         return
     layout = Layout(**vars(lay))
     # the runtime's world is the layout's own (torchrun starts as many ranks as it asks for)
-    own = rules.case_of([lay], model, seq, seqs, layout.world_size)
-    entries = {rules.RUNTIME_CHECK: (own, lambda: check_layout(train_config(model, seq, seqs), layout))}
+    own = rules.case_of([layout], model, seq, seqs, layout.world_size, case.documents)
+    entries = {rules.RUNTIME_CHECK: (own, lambda: check_layout(train_config(model, seq, seqs, case.documents),
+                                                               layout))}
+    blind = rules.case_of([lay], model, seq, seqs, case.gpus)  # the planner's: it does not know the data
     for runnable, names in ((False, rules.PLANNED), (True, rules.RUNNABLE)):
         def why(runnable=runnable):
             p = plan.problem(model, "h100-sxm", case.gpus, seq, seqs * seq, runnable=runnable)
             msg = p.why_invalid(layout)
             if msg:
                 raise TrainscaleError(msg)
-        entries[names] = (case, why)
+        entries[names] = (case if not case.documents else blind, why)
     for names, (c, run) in entries.items():
         got = outcome(run)
         assert got == rules.first_broken(c, names), names

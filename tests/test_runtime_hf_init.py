@@ -14,8 +14,8 @@ import torch
 from _parity import run_job
 
 from trainscale.errors import TrainscaleError
-from trainscale.runtime.config import load_config
 from trainscale.runtime.hf_init import load_hf_init
+from trainscale.runtime.init import resolved_config
 from trainscale.runtime.model import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -60,7 +60,7 @@ def hf_dirs(tmp_path_factory) -> tuple[Path, Path, torch.nn.Module]:
 @pytest.mark.parametrize("which", [0, 1], ids=["sharded", "single-file"])
 def test_logits_equal_transformers(hf_dirs, tmp_path, which):
     folder, hf = hf_dirs[which], hf_dirs[2]
-    cfg = load_config(write_config(tmp_path / "c.toml", folder))
+    cfg = resolved_config(write_config(tmp_path / "c.toml", folder))
     assert (cfg.model.n_layers, cfg.model.n_kv_heads, cfg.model.rope_theta) == (4, 2, 500.0)
     model = build_model(cfg.model, "meta")
     model.to_empty(device="cpu")
@@ -108,20 +108,20 @@ def test_layouts_read_their_shards_train_and_round_trip(hf_dirs, tmp_path):
 def test_bad_init_folders_are_one_line(hf_dirs, tmp_path):
     folder = hf_dirs[1]
     with pytest.raises(TrainscaleError, match="is not a folder"):
-        load_config(write_config(tmp_path / "a.toml", tmp_path / "missing"))
+        resolved_config(write_config(tmp_path / "a.toml", tmp_path / "missing"))
     gpt = tmp_path / "gpt2"
     gpt.mkdir()
     (gpt / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     (gpt / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     with pytest.raises(TrainscaleError, match="holds a 'gpt2' model; only Llama-family"):
-        load_config(write_config(tmp_path / "b.toml", gpt))
+        resolved_config(write_config(tmp_path / "b.toml", gpt))
     with pytest.raises(TrainscaleError, match=r"has shape \[512, 64\], but the model needs \[1024, 64\]"):
-        load_config(write_config(tmp_path / "c.toml", folder, vocab_size=1024))
+        resolved_config(write_config(tmp_path / "c.toml", folder, vocab_size=1024))
     empty = tmp_path / "noweights"
     empty.mkdir()
     (empty / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(TrainscaleError, match="has no model.safetensors"):
-        load_config(write_config(tmp_path / "d.toml", empty))
+        resolved_config(write_config(tmp_path / "d.toml", empty))
     # the command line: one line on stderr, exit 2, nothing launched
     proc = subprocess.run([sys.executable, "-m", "trainscale", "train", "--config", str(tmp_path / "b.toml"),
                            "--dry-run"], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -135,8 +135,8 @@ def test_init_defaults_to_the_folders_own_tokenizer(tmp_path):
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from trainscale.runtime.config import load_config
     from trainscale.runtime.data.tokenizer import load_tokenizer
+    from trainscale.runtime.init import resolved_config
 
     cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
                                    intermediate_size=64, vocab_size=320, max_position_embeddings=64)
@@ -144,12 +144,12 @@ def test_init_defaults_to_the_folders_own_tokenizer(tmp_path):
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
     toml = tmp_path / "c.toml"
     toml.write_text(f'name = "t"\n[model]\ninit = "{folder}"\n[train]\nsteps = 1\nseq_len = 16\nglobal_batch = 2\n')
-    assert load_config(toml).data.tokenizer is None  # no tokenizer in the folder: [data] decides
+    assert resolved_config(toml).data.tokenizer is None  # no tokenizer in the folder: [data] decides
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
     tok.train_from_iterator(["to be or not to be"] * 50, trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<|end_of_text|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end_of_text|>").save_pretrained(folder)
-    got = load_config(toml).data.tokenizer
+    got = resolved_config(toml).data.tokenizer
     assert got == str(folder)
     assert load_tokenizer(got).encode("to be").ids == tok.encode("to be").ids

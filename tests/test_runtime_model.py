@@ -16,6 +16,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count, tensor_inventory
 from trainscale.runtime.config import check_layout, config_from_dict, load_config
 from trainscale.runtime.data.loader import TokenLoader, unigram_loss
+from trainscale.runtime.init import resolved_config
 from trainscale.runtime.measure import flops_per_token, gpu_catalog_name
 from trainscale.runtime.model import build_model
 from trainscale.runtime.parallel.context import local_positions
@@ -60,8 +61,8 @@ def llama32(tmp_path_factory) -> Path:
 def test_every_config_loads_and_its_model_matches_the_estimator(path, request):
     init = tomllib.loads(path.read_text())["model"].get("init")
     # a config that starts from a folder `make demo` builds: that folder, built here
-    cfg = load_config(path, {"model": {"init": str(request.getfixturevalue("llama32"))}}) \
-        if init == "runs/llama32" else load_config(path)
+    cfg = resolved_config(path, {"model": {"init": str(request.getfixturevalue("llama32"))}}) \
+        if init == "runs/llama32" else resolved_config(path)
     model = build_model(cfg.model, "meta")
     assert sum(p.numel() for p in model.parameters()) == param_count(cfg.model)
     if cfg.run.layout:

@@ -3,8 +3,10 @@
 The planner searches with these rules over numpy arrays (one entry per candidate layout); ``specs.Layout``
 checks the grammar ones for one layout; the runtime refuses what it cannot train with them. Nothing else
 writes a layout rule. A rule reads layout fields (``tp cp pp dp mb v schedule zero hsdp ep sp first last``) and, where
-it needs them, the model, the sequence length (``seq``), the global batch in sequences (``seqs``) and the GPU
-count (``gpus``); a rule whose inputs a caller does not have is not evaluated (``holds(partial=True)``).
+it needs them, the model, the sequence length (``seq``), the global batch in sequences (``seqs``), the GPU
+count (``gpus``) and whether the data keeps packed documents apart (``documents``: "" when not, or when the
+caller, as the planner, does not know the data); a rule whose inputs a caller does not have is not evaluated
+(``holds(partial=True)``).
 
 The sets, by name:
 
@@ -43,7 +45,9 @@ _FIELD_DEFAULTS = {"first": 0, "last": 0}  # fields a layout-like object may lac
 @dataclass(frozen=True)
 class Case:
     """Layouts as arrays (``schedule`` as indices into ``schedules``; absent fields are not known here), with
-    the model (a ``specs.ModelSpec``), sequence length, global batch in sequences and GPU count asked for."""
+    the model (a ``specs.ModelSpec``), sequence length, global batch in sequences and GPU count asked for, how
+    the data keeps documents apart (``documents``: "", "document_mask" or "chat") and, for a sentence, the
+    layouts as written (``labels``)."""
 
     arrays: dict[str, np.ndarray]
     schedules: tuple[str, ...] = ()
@@ -51,6 +55,8 @@ class Case:
     seq: int | None = None
     seqs: int | None = None
     gpus: int | None = None
+    documents: str = ""
+    labels: tuple[str, ...] = ()
 
     def __getattr__(self, name: str) -> np.ndarray:
         try:
@@ -61,7 +67,7 @@ class Case:
     def has(self, name: str) -> bool:
         if name in self.arrays:
             return True
-        return name in ("model", "seq", "seqs", "gpus") and getattr(self, name) is not None
+        return name in ("model", "seq", "seqs", "gpus", "documents") and getattr(self, name) is not None
 
     def is_schedule(self, name: str) -> np.ndarray:
         """Where the schedule is ``name`` (a ``specs.Schedule`` word)."""
@@ -79,19 +85,20 @@ class Case:
         vals = {k: (bool(a[i]) if a.dtype == bool else int(a[i])) for k, a in self.arrays.items()}
         if "schedule" in vals:
             vals["schedule"] = self.schedules[vals["schedule"]]
-        return SimpleNamespace(**vals, model=self.model, seq=self.seq, seqs=self.seqs, gpus=self.gpus)
+        return SimpleNamespace(**vals, model=self.model, seq=self.seq, seqs=self.seqs, gpus=self.gpus,
+                               documents=self.documents, label=self.labels[i] if self.labels else None)
 
 
 def case_of(layouts: Iterable[Any], model: Any = None, seq: int | None = None, seqs: int | None = None,
-            gpus: int | None = None) -> Case:
-    """A ``Case`` of ``specs.Layout`` objects (anything with the layout's fields)."""
+            gpus: int | None = None, documents: str = "") -> Case:
+    """A ``Case`` of ``specs.Layout`` objects (anything with the layout's fields; ``str`` of one is its label)."""
     lays = list(layouts)
     names = tuple(sorted({lay.schedule for lay in lays}))
     # int64, or Python ints (object) for a count past int64 that a later check refuses in its own words
     arrays = {k: np.asarray([getattr(lay, k, _FIELD_DEFAULTS.get(k)) for lay in lays])
               for k in LAYOUT_FIELDS if k != "schedule"}
     arrays["schedule"] = np.array([names.index(lay.schedule) for lay in lays], dtype=np.int64)
-    return Case(arrays, names, model, seq, seqs, gpus)
+    return Case(arrays, names, model, seq, seqs, gpus, documents, tuple(str(lay) for lay in lays))
 
 
 @dataclass(frozen=True)
@@ -208,6 +215,9 @@ def _cut(c: Case) -> np.ndarray:
     return policy | _explicit(c)
 
 
+_DOCUMENTS = {"chat": "chat data (data.format = \"chat\")", "document_mask": "data.document_mask"}
+
+
 def _piped(c: Case, schedule: str) -> np.ndarray:
     return (c.pp > 1) & c.is_schedule(schedule)
 
@@ -294,10 +304,28 @@ _RULES = (
                     f"use a cp that divides {r.seq // 2:,}"),
          "load-balanced context parallelism gives each CP rank 2 of 2 x cp chunks (Llama 3 Sec. 3.3.2; torch's "
          "context_parallel round-robin)"),
+    Rule("cp_window", ("cp", "seq", "model"),
+         lambda c: (c.cp == 1) | np.logical_not((0 < c.model.sliding_window) & (c.model.sliding_window < c.seq)),
+         lambda r: (f"context parallelism does not apply the model's sliding window of {r.model.sliding_window} "
+                    f"tokens, shorter than the sequence ({r.seq}); use cp1"),
+         "runtime/parallel/context.py's all-gather attention (Llama 3 Sec. 3.3.2) masks by global position, "
+         "causal only: a window shorter than the sequence (Mistral, Gemma 2) is not applied across CP ranks"),
+    Rule("cp_softcap", ("cp", "model"),
+         lambda c: (c.cp == 1) | np.logical_not(c.model.attn_softcap or c.model.query_scale),
+         lambda r: ("context parallelism's attention does not soft-cap or rescale the attention scores as this "
+                    "model's do (Gemma 2); use cp1"),
+         "runtime/parallel/context.py attends with torch's scaled_dot_product_attention (scores q k^T / "
+         "sqrt(head_dim), no cap): Gemma 2's attn_logit_softcapping and query_pre_attn_scalar are not applied"),
     Rule("sp_split", ("tp", "cp", "sp", "seq"), lambda c: (c.tp == 1) | ~c.sp | ((c.seq // c.cp) % c.tp == 0),
          lambda r: (f"sequence parallelism needs the per-rank sequence ({r.seq // r.cp:,}) divisible by tp{r.tp}"),
          "sequence parallelism shards each rank's sequence over TP (Korthikanti et al. 2022, arXiv 2205.05198 "
          "Sec. 4.2.2); the runtime's DTensor Shard(1) needs an even split"),
+    Rule("documents", ("cp", "pp", "documents"), lambda c: np.asarray(c.documents == "") | ((c.cp == 1) & (c.pp == 1)),
+         lambda r: (f"{_DOCUMENTS[r.documents]} keeps packed documents apart, which this runtime does under data, "
+                    f"tensor and fully sharded parallelism only, not under layout {r.label} (cp or pp)"),
+         "runtime/data/loader.py's document_batch restarts positions at each document and the model masks "
+         "attention by them (runtime/model.document_mask) in whole sequences on one rank; context parallelism's "
+         "chunks and the pipeline's stages do not carry them"),
     Rule("batch", ("dp", "mb", "seqs"), lambda c: c.seqs % (c.dp * c.mb) == 0,
          lambda r: (f"the global batch of {r.seqs:,} sequences does not split into dp{r.dp} x mb{r.mb}; "
                     f"use dp x mb dividing {r.seqs:,}"),
@@ -330,8 +358,8 @@ LAYOUT = ("hsdp_divides", "hsdp_sharded", "ep_divides", "v_interleaved", "schedu
 FRAMEWORK = ("world", *LAYOUT, "experts_dense", "experts", "heads", "kv_heads", "ffn", "stages", "uneven_cut", "seq",
              "batch")
 SEARCH = ("cut", "interleave_fill")
-RUNTIME = ("ep_in_dp", "mla", "capacity", "mtp", "vocab", "sp_split", "one_f_one_b_fill", "interleave_rounds",
-           "runtime_cut")
+RUNTIME = ("ep_in_dp", "mla", "capacity", "mtp", "vocab", "cp_window", "cp_softcap", "sp_split", "documents",
+           "one_f_one_b_fill", "interleave_rounds", "runtime_cut")
 PLANNED = FRAMEWORK + SEARCH
 RUNNABLE = PLANNED + RUNTIME
 RUNTIME_CHECK = FRAMEWORK + RUNTIME
@@ -390,10 +418,12 @@ def check_model(spec: Any) -> None:
         raise TrainscaleError(why)
 
 
-def check_layout(spec: Any, layout: Any, seq: int, seqs: int) -> None:
+def check_layout(spec: Any, layout: Any, seq: int, seqs: int, documents: str = "") -> None:
     """What this runtime refuses to train (``RUNTIME_CHECK``), in one sentence: ``spec`` a ``specs.ModelSpec``,
-    ``layout`` a ``specs.Layout``, ``seq`` tokens per sequence, ``seqs`` sequences per optimizer step."""
-    case = case_of([layout], spec, seq, seqs, gpus=layout.tp * layout.cp * layout.pp * layout.dp)
+    ``layout`` a ``specs.Layout``, ``seq`` tokens per sequence, ``seqs`` sequences per optimizer step,
+    ``documents`` how the data keeps packed documents apart ("", "document_mask" or "chat")."""
+    case = case_of([layout], spec, seq, seqs, gpus=layout.tp * layout.cp * layout.pp * layout.dp,
+                   documents=documents)
     why = first_broken(case, RUNTIME_CHECK)
     if why:
         raise TrainscaleError(why)

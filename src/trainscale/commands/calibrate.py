@@ -39,7 +39,7 @@ def parse_processes(text: str) -> list[int]:
 
 def _workload(config: str | None, model: str | None, seq_len: int | None, micro_batch: int | None):
     """(ModelSpec, seq_len, micro_batch) from --config or --model (default: configs/small.toml)."""
-    from trainscale.runtime.config import load_config
+    from trainscale.runtime.init import resolved_config
     from trainscale.specs import load_model
 
     if config and model:
@@ -53,7 +53,7 @@ def _workload(config: str | None, model: str | None, seq_len: int | None, micro_
                 raise TrainscaleError(f"no --config or --model given and there is no {DEFAULT_CONFIG} here; "
                                       "pass --config CONFIG.toml or --model NAME")
             config = str(DEFAULT_CONFIG)
-        cfg = load_config(config)
+        cfg = resolved_config(config)
         spec, seq, mb = cfg.model, cfg.train.seq_len, cfg.train.global_batch
     seq = seq_len if seq_len is not None else seq
     mb = micro_batch if micro_batch is not None else mb

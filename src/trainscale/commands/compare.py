@@ -43,13 +43,14 @@ def compare(
 def compare_layouts(config: Path, layouts: str | None, steps: int | None, profile: Path | None,
                     as_json: bool) -> None:
     """Run each layout under the measuring worker (runtime/probe/compare.py), print predicted vs measured."""
-    from trainscale.runtime.config import check_layout, load_config
+    from trainscale.runtime.config import check_layout
+    from trainscale.runtime.init import resolved_config
     from trainscale.runtime.probe.compare import compare as compare_one
     from trainscale.runtime.probe.compare import compare_command
 
     if steps is not None and steps <= 0:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
-    cfg = load_config(config)
+    cfg = resolved_config(config)
     texts = [x.strip() for x in (layouts if layouts is not None else cfg.run.layout).split(";")]
     if len(texts) > 1 and not all(texts):
         raise TrainscaleError("compare: a layout between ';' is empty; give each one, e.g. 'dp2;tp2'")

@@ -63,7 +63,8 @@ def launch(
 ) -> None:
     """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous) in this folder;
     it is requeueable (always --resume), checkpoints before the time limit and then requeues itself."""
-    from trainscale.runtime.config import check_layout, load_config
+    from trainscale.runtime.config import check_layout
+    from trainscale.runtime.init import resolved_config
     from trainscale.runtime.job.slurm import SlurmJob, check_script, parse_env, sbatch_script
     from trainscale.specs import Layout
 
@@ -72,7 +73,7 @@ def launch(
     if steps is not None and steps <= 0:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
     sets = list(sets or [])
-    cfg = load_config(config, {"train": {"steps": steps}} if steps else None, sets=sets)
+    cfg = resolved_config(config, {"train": {"steps": steps}} if steps else None, sets=sets)
     layout_text = layout if layout is not None else cfg.run.layout
     lay = Layout.parse(layout_text)
     check_layout(cfg, lay)

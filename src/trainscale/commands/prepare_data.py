@@ -28,12 +28,12 @@ def prepare_data(
     Resumable (finished shards are kept if interrupted); a no-op when the inputs, tokenizer and settings have not changed."""  # noqa: E501
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from trainscale.runtime.config import load_config
     from trainscale.runtime.data.corpus import corpus_for
+    from trainscale.runtime.init import resolved_config
 
     if workers is not None and workers < 0:
         raise TrainscaleError(f"--workers must be >= 0, not {workers}")
-    cfg = load_config(config, {"data": {"workers": workers}} if workers is not None else None)
+    cfg = resolved_config(config, {"data": {"workers": workers}} if workers is not None else None)
     if cfg.data.request() is None:
         raise TrainscaleError(f"config {config} names no corpus: add [data] files = [\"...\"] (text, JSONL, "
                               "Parquet, .bin/.idx or .npy) or [[data.sources]]; the default Shakespeare plays need "

@@ -34,11 +34,12 @@ def register(app: typer.Typer) -> None:
 
 
 def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool, sets: list[str] | None = None):
-    from trainscale.runtime.config import check_layout, load_config
+    from trainscale.runtime.config import check_layout
+    from trainscale.runtime.init import resolved_config
 
     if steps is not None and steps <= 0:
         raise TrainscaleError(f"--steps must be positive, not {steps}")
-    cfg = load_config(config, {"train": {"steps": steps}} if steps else None, sets=sets or ())
+    cfg = resolved_config(config, {"train": {"steps": steps}} if steps else None, sets=sets or ())
     why = None
     if plan:
         if layout:

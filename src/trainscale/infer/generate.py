@@ -13,6 +13,7 @@ temperature 0 is greedy.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,11 @@ class Generation:
 
 @torch.no_grad()
 def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(),
-                 kv_dtype: torch.dtype = torch.float32, stop_id: int | None = None,
+                 kv_dtype: torch.dtype = torch.float32, stop_id: int | Collection[int] | None = None,
                  keep_logits: bool = False) -> Generation:
-    """Prefill the prompt into a KV cache, then sample ``max_new_tokens`` tokens one at a time."""
+    """Prefill the prompt into a KV cache, then sample ``max_new_tokens`` tokens one at a time, stopping after a
+    token of ``stop_id`` (an id, or every id that ends a reply: generation_config.json may list several)."""
+    stops = frozenset((stop_id,) if isinstance(stop_id, int) else stop_id or ())
     sampling.check()
     if not prompt_ids:
         raise TrainscaleError("the prompt is empty (it tokenizes to no tokens)")
@@ -119,7 +122,7 @@ def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, sampling: Sa
                                   "are finite but overflow in the forward pass")
         nxt = sample_next(logits.cpu(), sampling, gen)
         out.append(int(nxt[0]))
-        if stop_id is not None and out[-1] == stop_id:
+        if out[-1] in stops:
             break
         if len(out) < max_new_tokens:
             logits = forward_cached(model, nxt[:, None].to(device), cache)[:, -1]
@@ -133,12 +136,14 @@ class ChatPrompt:
     ids: list[int]
     tokenizer: Any  # tokenizers.Tokenizer of ``folder``
     stop_id: int | None  # the folder's eos_token (its end of turn)
+    stop_ids: tuple[int, ...] = ()  # every id that ends a reply (infer/chatfiles.py): the eos_token's first
 
 
 def chat_prompt(folder: Path, prompt: str, system: str | None = None) -> ChatPrompt:
     """``prompt`` as a user message (after ``system`` as a system message when given) rendered with the chat template
     of ``folder``, else of its adapter base (an adapter folder keeps the base's tokenizer.json but not its
     tokenizer_config.json), with the generation prompt; one sentence when neither has a template."""
+    from trainscale.infer.chatfiles import read_chat_files
     from trainscale.infer.load import MAX_ADAPTER_DEPTH, source_folder, stop_token_id
     from trainscale.infer.lora import read_adapter_config
     from trainscale.runtime.data.chat import NoChatTemplate, encode_prompt, load_chat_tokenizer
@@ -159,4 +164,5 @@ def chat_prompt(folder: Path, prompt: str, system: str | None = None) -> ChatPro
     messages = ([{"role": "system", "content": system}] if system is not None else []) + \
         [{"role": "user", "content": prompt}]
     text, ids = encode_prompt(tok, messages)
-    return ChatPrompt(here, text, ids, tok.tokenizer, stop_token_id(tok.tokenizer, here))
+    ends = read_chat_files(here, tok.tokenizer).end_ids
+    return ChatPrompt(here, text, ids, tok.tokenizer, ends[0] if ends else stop_token_id(tok.tokenizer, here), ends)

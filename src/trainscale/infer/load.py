@@ -1,9 +1,11 @@
 """One loader for every folder infer/ reads: a model folder (or a run folder's final/, or a checkpoint
-resharded into one: runtime/artifact.find_model_folder), a quantized
+resharded into one: runtime/find_model.find_model_folder), a quantized
 folder (quantized.safetensors, dequantized to fp32 on load), a LoRA adapter folder (adapter.json
 naming its base; the adapters are folded into the base weights on load) and a Hugging Face model folder
 (config.json + model.safetensors or shards named by model.safetensors.index.json, + tokenizer.json), read
-through the one Hugging Face bridge (runtime/hf_init.py: hf_folder_spec, load_into) into trainscale's model.
+into trainscale's model by runtime/hf_init.py (hf_folder_spec, load_into: the rank-box reader of
+runtime/weights.py that training's ``[model] init`` uses too), its names through the one Hugging Face bridge,
+trainscale.hf.
 
 It sits above the folder formats it reads (infer/quantize.py, infer/lora.py, runtime/artifact.py), which
 import nothing from it: the pipelines that start from a folder (commands/, export) load through here."""
@@ -19,16 +21,9 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate.lora import lora_targets
 from trainscale.infer.lora import ADAPTER_FILE, adapter_state_dict, apply_lora, fold_adapter, read_adapter_config
 from trainscale.infer.quantize import QUANT_FILE, dequantize_state_dict, quantize_state_dict, read_quant_config
-from trainscale.runtime.artifact import (
-    check_finite,
-    check_header,
-    check_layer_count,
-    find_model_folder,
-    load_model_dir,
-    read_header,
-    read_spec,
-)
+from trainscale.runtime.artifact import check_finite, check_header, check_layer_count, read_header, read_spec
 from trainscale.runtime.data.tokenizer import load_tokenizer
+from trainscale.runtime.find_model import find_model_folder, load_model_dir
 from trainscale.runtime.hf_init import INDEX, SINGLE
 from trainscale.runtime.model import build_model
 from trainscale.specs import ModelSpec

@@ -2,8 +2,10 @@
 
     [model]   name = "llama3.1-8b" (a catalog entry, optionally with field overrides), or the
               ModelSpec fields inline (n_layers, d_model, n_heads, n_kv_heads, d_ff, vocab_size, ...),
-              or init = "PATH": a Hugging Face Llama folder whose config.json gives the model and whose
-              safetensors give the starting weights (runtime/hf_init.py)
+              or init = "PATH": a Hugging Face folder whose config.json gives the model and whose
+              safetensors give the starting weights, or a trainscale model, run or checkpoint; runtime/init.py
+              resolves it (``resolved_config``) before this module validates the tables: config is data, read
+              here without opening a folder or a weight
     [train]   steps, lr, min_lr_ratio, warmup, schedule ("cosine" | "linear" | "wsd" | "constant"), decay_fraction
               (WSD), seq_len, global_batch (sequences), seed, weight_decay, grad_clip, betas, precision ("auto" |
               "bf16" | "fp32"), compile, eval_every (the schedules: runtime/schedule.py)
@@ -205,14 +207,7 @@ class TrainConfig(_Section):
 
 
 def _model_from(section: dict[str, Any]) -> ModelSpec:
-    section = dict(section)
-    if "init" in section:  # a Hugging Face folder: its config.json is the model, the section's fields override
-        from trainscale.runtime.artifact import init_spec_fields  # (or a trainscale model: its model.json)
-        from trainscale.runtime.hf_init import hf_folder_spec
-
-        init = section.pop("init")
-        base = init_spec_fields(init) or hf_folder_spec(init).model_dump(by_alias=True, exclude_none=True)
-        return load_model({**base, **section})
+    """The ``[model]`` section's ModelSpec: a catalog entry with the section's fields over it, or the fields."""
     name = section.get("name")
     if name is not None and name in catalog_names("models"):
         base = load_model(name).model_dump(by_alias=True, exclude_none=True)
@@ -220,33 +215,37 @@ def _model_from(section: dict[str, Any]) -> ModelSpec:
     return load_model(section)
 
 
-def config_from_dict(data: dict[str, Any], what: str = "config") -> TrainConfig:
-    data = dict(data)
+_TABLES = ("name", "model", "train", "data", "run", "checkpoint", "profile")
+
+
+def check_sections(data: dict[str, Any], what: str = "config") -> None:
+    """The config's raw tables have a [model] section, no unknown section, and ``[model] init`` (if any) is a
+    path (a string): refused in one sentence each."""
     if "model" not in data or not isinstance(data["model"], dict):
         raise TrainscaleError(f"{what} needs a [model] section (name = a catalog model, or the ModelSpec fields)")
-    unknown = set(data) - {"name", "model", "train", "data", "run", "checkpoint", "profile"}
+    unknown = set(data) - set(_TABLES)
     if unknown:
         raise TrainscaleError(f"{what}: unknown section or key '{sorted(unknown)[0]}'; "
                               "use [model], [train], [data], [run], [checkpoint], [profile]")
     init = data["model"].get("init")
     if init is not None and not isinstance(init, str):
         raise TrainscaleError(f"{what}: [model] init must be a folder path (a string), not {init!r}")
-    if init is not None:  # a trainscale model, run or checkpoint -> its model folder (runtime/artifact.py)
-        from trainscale.runtime.artifact import check_init_weights, init_folder
 
-        init = init_folder(init)
-        data["model"] = {**data["model"], "init": init}
-        if (Path(init) / "tokenizer.json").exists() and isinstance(data.get("data", {}), dict) \
-                and data.get("data", {}).get("tokenizer") is None:  # the weights' own token ids, not a new BPE
-            own = Path(init) / "tokenizer.json" if (Path(init) / "model.json").exists() else Path(init)
-            data["data"] = {**data.get("data", {}), "tokenizer": str(own)}  # an HF folder: with its special tokens
-    data["model"] = _model_from(data["model"])
+
+def config_from_dict(data: dict[str, Any], what: str = "config", init: str | None = None) -> TrainConfig:
+    """The config's raw tables validated into a ``TrainConfig``; nothing is read from disk. A ``[model] init`` is
+    resolved first by ``runtime/init.py`` (``resolve_init``), which spells the folder's model fields out in
+    [model] and passes the folder as ``init``: this module never opens the folder or its weights."""
+    data = dict(data)
+    check_sections(data, what)
+    if data["model"].get("init") is not None:
+        raise TrainscaleError(f"{what}: [model] init {data['model']['init']} is read by trainscale.runtime.init "
+                              "(resolved_config), not by the config parser")
+    section = {k: v for k, v in data["model"].items() if k != "init"}
+    # a resolved init: its fields are complete (the folder's, the section's over them), no catalog entry under them
+    data["model"] = load_model(section) if init is not None else _model_from(section)
     if init is not None:
-        from trainscale.runtime.hf_init import check_hf_weights
-
         data["init"] = init
-        if not check_init_weights(init, data["model"]):
-            check_hf_weights(init, data["model"])
     try:
         cfg = TrainConfig(**data)
     except ValidationError as e:
@@ -314,10 +313,10 @@ def apply_sets(data: dict[str, Any], sets: list[str] | tuple[str, ...]) -> dict[
     return data
 
 
-def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None,
-                sets: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read a training config TOML; ``sets`` (``--set section.key=value``, ``parse_set``) then ``overrides``
-    ({section: {key: value}}, e.g. ``--steps``) replace its values."""
+def config_tables(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None,
+                  sets: list[str] | tuple[str, ...] = ()) -> tuple[dict[str, Any], str]:
+    """A training config TOML's raw tables, ``sets`` (``--set section.key=value``, ``parse_set``) then ``overrides``
+    ({section: {key: value}}, e.g. ``--steps``) applied -> (tables, the config's name for a sentence)."""
     from trainscale.safeio import parse_toml, read_text
 
     path = Path(path)
@@ -326,16 +325,19 @@ def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = 
     data = apply_sets(data, sets)
     for section, values in (overrides or {}).items():
         data[section] = {**data.get(section, {}), **values}
-    what = f"config {path}" + (f" with --set {' --set '.join(sets)}" if sets else "")
-    return config_from_dict(data, what)
+    return data, f"config {path}" + (f" with --set {' --set '.join(sets)}" if sets else "")
+
+
+def load_config(path: str | Path, overrides: dict[str, dict[str, Any]] | None = None,
+                sets: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read a training config TOML (``config_tables``) and validate it (``config_from_dict``). A config with
+    ``[model] init`` is read by ``trainscale.runtime.init.resolved_config``, which resolves the folder first."""
+    return config_from_dict(*config_tables(path, overrides, sets))
 
 
 def check_layout(cfg: TrainConfig, layout: Layout) -> None:
     """What this runtime refuses to train, in one sentence: ``rules.RUNTIME_CHECK`` (the model, the layout, the
-    config's sequence length and global batch)."""
-    rules.check_layout(cfg.model, layout, cfg.train.seq_len, cfg.train.global_batch)
-    if cfg.data.documents_apart and (layout.cp > 1 or layout.pp > 1):
-        what = "chat data (data.format = \"chat\")" if cfg.data.format == "chat" else "data.document_mask"
-        raise TrainscaleError(f"{what} keeps packed documents apart, which this runtime does under data, tensor and "
-                              f"fully sharded parallelism only, not under layout {layout} (cp or pp)")
+    config's sequence length and global batch, and whether its data keeps documents apart)."""
+    documents = "chat" if cfg.data.format == "chat" else "document_mask" if cfg.data.document_mask else ""
+    rules.check_layout(cfg.model, layout, cfg.train.seq_len, cfg.train.global_batch, documents)
 

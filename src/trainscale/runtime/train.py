@@ -46,7 +46,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate.params import param_count
 from trainscale.runtime import measure
 from trainscale.runtime import moe as moe_metrics
-from trainscale.runtime.config import TrainConfig, check_layout, load_config
+from trainscale.runtime.config import TrainConfig, check_layout
 from trainscale.runtime.data.corpus import corpus_for
 from trainscale.runtime.data.loader import TokenLoader
 from trainscale.runtime.evaluator import Evaluator, document_args
@@ -247,9 +247,9 @@ class Trainer:
                 if init is None:
                     part.init_weights(seed)
         if init is not None:
-            from trainscale.runtime.hf_init import load_hf_init
+            from trainscale.runtime.init import load_init
 
-            self.init_elements_read = load_hf_init([part for _, part in parts], init, spec)
+            self.init_elements_read = load_init([part for _, part in parts], init, spec)
         return parts
 
     # ------------------------------------------------------------------ one step
@@ -589,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         over = {k: v for k, v in (("steps", args.steps), ("compile", args.compile or None)) if v}
-        cfg = load_config(args.config, {"train": over} if over else None, sets=args.set)
+        from trainscale.runtime.init import resolved_config
+
+        cfg = resolved_config(args.config, {"train": over} if over else None, sets=args.set)
         out = args.out or cfg.run.out
         layout = Layout.parse(args.layout or cfg.run.layout or "")
         world = int(os.environ.get("WORLD_SIZE", layout.world_size))

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.checkpoint import checkpoint
 
+from trainscale import rules
 from trainscale.errors import TrainscaleError
 from trainscale.placement import EMBEDDINGS, tp_plan
 from trainscale.runtime.model import Transformer
@@ -49,6 +50,8 @@ from trainscale.runtime.moe import MoE
 from trainscale.runtime.parallel import context
 from trainscale.runtime.parallel.mesh import ParallelMesh
 from trainscale.specs import Layout
+
+CP_RULES = ("cp_window", "cp_softcap")  # rules.py: what context parallelism's attention does not compute
 
 # ----------------------------------------------------------------------------- 1. tensor parallel
 
@@ -368,12 +371,9 @@ def parallelize(model: Transformer, mesh: ParallelMesh, layout: Layout, seq_len:
     apply_expert_parallel(model, mesh, layout)
     positions = context.local_positions(seq_len, layout.cp, mesh.cp_rank)
     model.positions = positions
-    if layout.cp > 1 and 0 < model.spec.sliding_window < seq_len:
-        raise TrainscaleError(f"context parallelism does not apply the model's sliding window of "
-                              f"{model.spec.sliding_window} tokens, shorter than the sequence ({seq_len}); use cp1")
-    if layout.cp > 1 and (model.spec.attn_softcap or model.spec.query_scale):
-        raise TrainscaleError("context parallelism's attention does not soft-cap or rescale the attention scores "
-                              "as this model's do (Gemma 2); use cp1")
+    why = rules.first_broken(rules.case_of([layout], model.spec, seq_len), CP_RULES)
+    if why:  # check_layout said it before any rank started; a direct caller (a probe) hears it here
+        raise TrainscaleError(why)
     if layout.cp > 1:
         context.apply_context_parallel(model, mesh.group("cp"), positions, layout.cp, seq_len)
     apply_activation_checkpointing(model, layout.recompute)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainscale.runtime.config import load_config
+from trainscale.runtime.init import resolved_config
 from trainscale.runtime.job.runfolder import worker_main
 from trainscale.runtime.model import lm_loss
 from trainscale.runtime.parallel.mesh import exit_rank
@@ -202,7 +202,7 @@ def measure(trainer: Trainer, steps: int = 3, warmup: int = 1) -> dict[str, Any]
 
 def run(config: str | Path, layout: str, steps: int = 3, warmup: int = 1) -> list[dict[str, Any]] | None:
     """Measure ``layout`` in the current process group; -> every rank's figures on rank 0, else None."""
-    cfg = load_config(config)
+    cfg = resolved_config(config)
     trainer = Trainer(cfg, Layout.parse(layout), out=None, log=lambda _m: None)
     mine = measure(trainer, steps, warmup)
     if trainer.world == 1:
