@@ -49,7 +49,8 @@ def save_model_dir(out: str | Path, state_dict: dict[str, torch.Tensor], spec: M
     return out
 
 
-CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja")  # what runtime/data/chat.py reads beside tokenizer.json
+# what runtime/data/chat.py and infer/chatfiles.py read beside tokenizer.json: the template, special tokens, end ids
+CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 def copy_chat_files(src: str | Path, out: str | Path) -> list[str]:
