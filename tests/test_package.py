@@ -26,7 +26,8 @@ ESTIMATE = [("trainscale.estimate",), ("trainscale.estimate.planner", "trainscal
 # Inside runtime/, lowest first: the config is data (it reads no weights, opens no model folder), the
 # weights are read by loaders above it (weights < hf_init, artifact < init), and the trainer sits on all of it.
 RUNTIME = [
-    ("trainscale.runtime.moe", "trainscale.runtime.schedule", "trainscale.runtime.weights"),  # import no runtime/
+    ("trainscale.runtime.collectives",),  # the group's device: imports no runtime/
+    ("trainscale.runtime.moe", "trainscale.runtime.schedule", "trainscale.runtime.weights"),  # only collectives
     ("trainscale.runtime.model",),  # the transformer (its MoE layer from moe)
     ("trainscale.runtime.data",),  # the corpus pipeline (the loader knows the model's ignore index)
     ("trainscale.runtime.config", "trainscale.runtime.measure"),  # the TOML as data; hardware, FLOPs

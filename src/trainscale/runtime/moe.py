@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainscale.runtime.collectives import group_device, reduce_host
 from trainscale.specs import ModelSpec
 
 
@@ -238,25 +239,23 @@ def step_metrics(parts: list[tuple[int, nn.Module]], spec: ModelSpec, layout, n_
     bytes the busiest rank sent. ``parts``: this rank's (stage, model) pairs, each with ``layers`` by layer
     index. Under a pipeline, step 1 also counts the schedule's shape-inference forward pass."""
     lo = layout
-    counts = torch.zeros(spec.n_layers, spec.n_experts, dtype=torch.float64)
-    aux = torch.zeros(1, dtype=torch.float64)
-    a2a = torch.tensor([0.0, 0.0], dtype=torch.float64)
+    dev = group_device()
+    counts = torch.zeros(spec.n_layers, spec.n_experts, dtype=torch.float64, device=dev)
+    aux, a2a = 0.0, [0.0, 0.0]
     for _, part in parts:
         for name, block in part.layers.items():
             m = getattr(block, "moe", None)
             if m is None:
                 continue
             if m.stats.tokens is not None:
-                counts[int(name)] += m.stats.tokens.double().cpu()
+                counts[int(name)] += m.stats.tokens.to(dev, torch.float64)
             aux += m.stats.aux
             a2a[0] += m.stats.a2a_seconds
             a2a[1] += m.stats.a2a_bytes
     copies = lo.tp // (lo.tp if lo.sp else 1)  # without SP the tp ranks route the same tokens
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(counts)
-        dist.all_reduce(aux)
-        dist.all_reduce(a2a, op=dist.ReduceOp.MAX)
-    counts /= copies
+    counts = reduce_host(counts) / copies
+    aux = reduce_host([aux])
+    a2a = reduce_host(a2a, op=dist.ReduceOp.MAX)
     moe_ids = [i for i in range(spec.n_layers) if spec.is_moe_layer(i)]
     return {"expert_tokens": {str(i): [int(round(c)) for c in counts[i].tolist()] for i in moe_ids},
             "moe_aux_loss": float(aux) / (lo.dp * lo.cp * lo.tp / (lo.tp // copies)) / n_micro,

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainscale.errors import JobFailed, TrainscaleError
+from trainscale.runtime.collectives import reduce_host
 from trainscale.safeio import read_bytes
 
 MANIFEST = "manifest.json"
@@ -354,12 +355,7 @@ def latest_good(root: str | Path, log: Callable[[str], None] = print,
 def _all_ok(ok: bool) -> bool:
     """True on every rank iff ``ok`` on every rank (a rank whose write failed still reaches this
     collective, so the others fail with it instead of waiting at a barrier)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return ok
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], device=dev)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return bool(reduce_host([1 if ok else 0], op=dist.ReduceOp.MIN)[0])
 
 
 class CheckpointManager:
@@ -439,10 +435,7 @@ class CheckpointManager:
         """Commit an asynchronous save once every rank has finished writing (cheap; call each step)."""
         if self.pending is None or self.pending[2] is None:
             return
-        done = torch.tensor([1 if self.pending[2].done() else 0])
-        if dist.is_initialized():
-            dist.all_reduce(done, op=dist.ReduceOp.MIN)
-        if done.item():
+        if reduce_host([1 if self.pending[2].done() else 0], op=dist.ReduceOp.MIN)[0]:
             self.finish()
 
     def finish(self) -> None:

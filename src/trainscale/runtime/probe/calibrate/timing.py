@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainscale.runtime.collectives import reduce_host
+
 
 def best_seconds(fn: Callable[[], Any], repeat: int, warmup: int = 2) -> float:
     """The fastest of ``repeat`` timed runs of ``fn`` (after ``warmup`` untimed ones)."""
@@ -40,9 +42,7 @@ def median_seconds(fn: Callable[[], Any], budget_s: float, min_repeat: int = 3, 
     while True:
         more = len(times) < min_repeat or (time.perf_counter() < end and len(times) < 10_000)
         if collective:
-            flag = torch.tensor([int(more)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            more = bool(flag.item())
+            more = bool(reduce_host([int(more)], op=dist.ReduceOp.MIN)[0])
         if not more:
             break
         t0 = time.perf_counter()
