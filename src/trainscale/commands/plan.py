@@ -106,8 +106,9 @@ def plan(
                               f"to {asked[0]}; ask for that answer's layout with --layout")
     lay = parse_layout(layout) if layout is not None else None
     n = gpus if gpus is not None else lay.world_size if lay is not None else 16384
-    p = planner.problem(model, gpu, n, seq, int(gbt), train, cluster, profile, _settings(set_), software,
-                        fix, forbid, max_v, precision, runnable)
+    p = planner.problem(model=model, gpu=gpu, gpus=n, seq=seq, global_batch_tokens=int(gbt), tokens=train,
+                        cluster=cluster, profile=profile, overrides=_settings(set_), software=software,
+                        fix=fix, forbid=forbid, max_v=max_v, precision=precision, runnable=runnable)
     if asked:
         if gpus is None:  # the whole cluster is the most there is
             p = replace(p, n_gpus=p.cluster.gpus)

@@ -538,7 +538,7 @@ def layout_at(cfg: dict[str, np.ndarray], i: int) -> Layout:
                   last=int(cfg["last"][i]) if "last" in cfg else 0)
 
 
-def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: int = 16384, seq: int = 8192,
+def problem(*, model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: int = 16384, seq: int = 8192,
             global_batch_tokens: int = 2**24, tokens: float | None = None, cluster: str | None = None,
             profile: str | None = None, overrides: dict[str, float] | None = None,
             software: str | Software | None = None, fix: str | dict[str, Any] | None = None,
@@ -547,7 +547,7 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
     """Build a planning problem from catalog names (or files), with the catalog's default efficiencies.
     ``precision`` (bf16 | fp16 | fp8) replaces the software's (fp16: the GEMMs at the bf16 rate, which the A100 and
     H100 datasheets give fp16 too, and the gradients as the software keeps them in fp16); ``runnable`` searches
-    only what this runtime trains."""
+    only what this runtime trains. Keyword-only: fifteen settings read by name, never by position."""
     m = load_model(model)
     cl, g = pick_cluster(gpu, gpus, cluster)
     sw = load_software(software)
