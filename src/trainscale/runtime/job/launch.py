@@ -18,7 +18,6 @@ from pathlib import Path
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.config import TrainConfig
-from trainscale.specs import Layout
 
 
 def parse_nnodes(nnodes: int | str) -> tuple[int, int]:
@@ -121,13 +120,8 @@ def plan_layout(cfg: TrainConfig) -> tuple[str, str]:
     if b is None:
         raise TrainscaleError(result.nothing_fits())
     tps = float(result.res["tokens_per_s"][b])
-    return (layout_string(layout_at(result.cfg, b)),
+    return (str(layout_at(result.cfg, b)),
             f"planner's fastest fitting layout this runtime trains on {n} x {gpu}: {tps:,.0f} tokens/s predicted")
-
-
-def layout_string(lay: Layout) -> str:
-    """The layout as ``Layout.parse`` reads it, micro-batch included."""
-    return str(lay)
 
 
 def _local_store_class():
