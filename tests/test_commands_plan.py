@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
+from trainscale import units as fmt
 from trainscale.cli import app
 from trainscale.estimate.planner import inverse
 from trainscale.estimate.planner import plan as planner
-from trainscale.report import fmt
 
 ARGS_405B = ["--model", "llama3.1-405b", "--gpus", "16384", "--tokens", "15.6T"]  # Llama 3's run (arXiv 2407.21783)
 ARGS_8B = ["--model", "llama3.1-8b", "--cluster", "dgx-h100", "--tokens", "10B"]

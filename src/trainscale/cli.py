@@ -16,7 +16,6 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import console, emit_json, short_source  # noqa: F401  (re-exported)
 from trainscale.errors import JobFailed, TrainscaleError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,

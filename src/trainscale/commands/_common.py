@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from typing import Any
 
@@ -14,12 +13,6 @@ from rich.console import Console
 from trainscale.errors import TrainscaleError
 
 console = Console()
-
-
-def short_source(src: str) -> str:
-    """A citation for a table cell: the first clause, without long parenthetical figure lists."""
-    first = src.split(";")[0]
-    return re.sub(r" \([^)]{40,}\)", "", first)
 
 
 def emit_json(obj: Any) -> None:
@@ -239,7 +232,7 @@ def preflight(cfg: Any, lay: Any, nodes: int = 1) -> dict[str, Any]:
     device (``device_memory``). Refuses in one sentence (TrainscaleError) when it cannot fit, naming a layout of
     the same process count that would (the planner's search of what this runtime trains, each candidate checked
     with the same memory model) or saying that none does. Returns what it compared."""
-    from trainscale.report.fmt import size as gb
+    from trainscale.units import size as gb
 
     dev = device_memory()
     if dev is None:

@@ -10,9 +10,9 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from trainscale import units as fmt
 from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number, parse_layout
 from trainscale.errors import TrainscaleError
-from trainscale.report import fmt
 
 _SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
 

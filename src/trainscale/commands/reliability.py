@@ -9,8 +9,9 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from trainscale.commands._common import SEED, catalog_or_file, console, emit_json, number, short_source
+from trainscale.commands._common import SEED, catalog_or_file, console, emit_json, number
 from trainscale.errors import TrainscaleError
+from trainscale.units import short_source
 
 
 def register(app: typer.Typer) -> None:
@@ -90,7 +91,7 @@ def _finite(obj: Any) -> Any:
 
 
 def _t(s: float) -> str:
-    from trainscale.report.fmt import seconds
+    from trainscale.units import seconds
 
     if not isfinite(s):
         return "never"
@@ -110,7 +111,7 @@ def _table(title: str, rows: list[tuple[str, str, str]]) -> Table:
 
 
 def _print(rep: dict[str, Any]) -> None:
-    from trainscale.report.fmt import bytes_
+    from trainscale.units import bytes_
 
     inp, f, c, iv, sim = rep["inputs"], rep["failures"], rep["checkpoint"], rep["intervals"], rep["simulation"]
     console.print(f"[bold]Reliability of a {inp['days']:g}-day run of {inp['model']} on {inp['gpus']:,} GPUs[/bold]")

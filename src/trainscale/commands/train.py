@@ -207,7 +207,7 @@ def train(
 
 def _memory_line(mem: dict[str, Any]) -> str:
     """--dry-run: the pre-flight's prediction against this machine's memory."""
-    from trainscale.report.fmt import size as gb
+    from trainscale.units import size as gb
 
     if not mem.get("checked"):
         return f"memory: not checked ({mem.get('why')})"
@@ -265,7 +265,7 @@ def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, l
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from trainscale.runtime.job.runfolder import console_line
-    from trainscale.runtime.measure import duration_text
+    from trainscale.units import duration_text
 
     rows: list[dict[str, Any]] = []
     pos = metrics.stat().st_size if metrics.exists() else 0  # a resumed run's earlier lines are not news

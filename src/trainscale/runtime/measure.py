@@ -20,6 +20,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
 from trainscale.safeio import atomic_write_json, read_json_object
 from trainscale.specs import ModelSpec, catalog_names, load_gpu
+from trainscale.units import duration_text as duration_text  # moved to the leaf; train.py still calls measure's
 
 FLOP_CONVENTION = flops.FLOP_CONVENTION  # printed wherever the runtime prints MFU
 FLOP_CONVENTION_NAME = flops.FLOP_CONVENTION_NAME
@@ -144,16 +145,6 @@ def eta_seconds(step_times: list[float], remaining: int, window: int = 20) -> fl
         return None
     recent = times[-window:]
     return sum(recent) / len(recent) * remaining
-
-
-def duration_text(seconds: float | None) -> str:
-    """3725 -> '1h02m05s', 65 -> '1m05s', 4.2 -> '4s'; None -> '?'."""
-    if seconds is None:
-        return "?"
-    s = int(round(seconds))
-    h, rest = divmod(s, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 class StepProfiler:
