@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number, parse_layout, prepare_job_env
+from trainscale.commands._common import console, emit_json, input_file, number, parse_layout
 from trainscale.errors import TrainscaleError
 
 
@@ -44,11 +44,10 @@ def compare_layouts(config: Path, layouts: str | None, steps: int | None, profil
                     as_json: bool) -> None:
     """Run each layout under the measuring worker (runtime/probe/compare.py), print predicted vs measured."""
     from trainscale.runtime.config import check_layout, load_config
+    from trainscale.runtime.job.local import job_env
     from trainscale.runtime.probe.compare import compare as compare_one
     from trainscale.runtime.probe.compare import compare_command
 
-    if steps is not None and steps <= 0:
-        raise TrainscaleError(f"--steps must be positive, not {steps}")
     cfg = load_config(config)
     texts = [x.strip() for x in (layouts if layouts is not None else cfg.run.layout).split(";")]
     if len(texts) > 1 and not all(texts):
@@ -59,7 +58,7 @@ def compare_layouts(config: Path, layouts: str | None, steps: int | None, profil
     for lay in lays:
         check_layout(cfg, lay)
     prof = _load_profile(cfg, config, profile, max(lay.world_size for lay in lays), quiet=as_json)
-    env = prepare_job_env(cfg)
+    env = job_env(cfg, console.status)
     env["OMP_NUM_THREADS"] = "1"  # one thread per rank, as torchrun gives multi-process jobs and calibrate measures
 
     by_world: dict[int, list[str]] = {}
