@@ -142,6 +142,7 @@ CUSTOM = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 4, "d_ff": 1
 # rule -> (model, layout fields, seq, global batch in sequences, GPUs (None: the layout's), words of its sentence)
 CASES = {
     "world": (L8, dict(tp=8, dp=4), 8192, 64, 64, "not the 64 asked for; dp8 would fill them"),
+    "processes": (L8, dict(tp=20_000, dp=20_000), 8192, 8, None, "asks for 4e+08 processes; at most 100,000,000"),
     "hsdp_divides": (L8, dict(dp=4, hsdp=3, zero=1), 8192, 8, None, "hsdp3 must divide dp4"),
     "hsdp_sharded": (L8, dict(dp=4, hsdp=2, zero=0), 8192, 8, None, "hsdp needs a sharded data-parallel mode"),
     "ep_divides": (MIXTRAL, dict(dp=4, ep=8), 4096, 8, None, "ep8 must divide tp1 x cp1 x dp4 = 4"),

@@ -88,7 +88,9 @@ def main() -> None:
         print(f"trainscale: error: {_one_line(str(e))}", file=sys.stderr)
         sys.exit(1)
     except TrainscaleError as e:
-        print(f"trainscale: error: {_one_line(str(e))}", file=sys.stderr)
+        from trainscale.commands._common import user_message
+
+        print(f"trainscale: error: {_one_line(user_message(e))}", file=sys.stderr)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         print("trainscale: aborted", file=sys.stderr)

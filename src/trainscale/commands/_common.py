@@ -10,7 +10,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from trainscale.errors import TrainscaleError
+from trainscale.errors import FieldError, TrainscaleError
 
 console = Console()
 
@@ -104,21 +104,6 @@ def catalog_or_file(what: str):
 SEED = number(ge=0, lt=2**63)
 
 
-MAX_PROCESSES = 100_000_000  # more GPUs than any cluster has or will soon
-
-
-def parse_layout(text: str) -> Any:
-    """``Layout.parse`` with a bound: a layout asking for more processes than any cluster is refused."""
-    from trainscale.specs import Layout
-
-    lay = Layout.parse(text)
-    degrees = (lay.tp, lay.cp, lay.pp, lay.dp, lay.mb, lay.v, lay.hsdp)
-    if max(degrees) > MAX_PROCESSES or lay.world_size > MAX_PROCESSES:
-        raise TrainscaleError(f"layout '{text}' asks for {lay.world_size:.3g} processes; at most "
-                              f"{MAX_PROCESSES:,} are supported")
-    return lay
-
-
 def input_folder(what: str, holding: str | None = None):
     """A typer callback: an existing folder (holding the regular file ``holding``, if given)."""
 
@@ -139,3 +124,18 @@ def input_folder(what: str, holding: str | None = None):
         return value
 
     return check
+
+
+# estimate/ refuses a value by its field name (errors.FieldError); the command line names the flag. A field is
+# its flag with dashes (max_v -> --max-v) unless this table says otherwise.
+FLAGS = {"target_days": "--days", "gpu_hours": "--budget-gpu-hours"}
+
+
+def flag(field: str) -> str:
+    """The command-line flag a field's value comes from."""
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def user_message(e: TrainscaleError) -> str:
+    """The sentence a person reads for ``e``: a field named as its flag."""
+    return e.named(flag(e.field)) if isinstance(e, FieldError) else str(e)

@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number, parse_layout
+from trainscale.commands._common import console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
 
 
@@ -54,7 +54,9 @@ def compare_layouts(config: Path, layouts: str | None, steps: int | None, profil
         raise TrainscaleError("compare: a layout between ';' is empty; give each one, e.g. 'dp2;tp2'")
     if len(texts) > 64:
         raise TrainscaleError(f"compare measures at most 64 layouts at once, not {len(texts)}")
-    lays = [parse_layout(x) for x in texts]
+    from trainscale.specs import Layout
+
+    lays = [Layout.parse(x) for x in texts]
     for lay in lays:
         check_layout(cfg, lay)
     prof = _load_profile(cfg, config, profile, max(lay.world_size for lay in lays), quiet=as_json)

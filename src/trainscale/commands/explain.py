@@ -6,7 +6,6 @@ import typer
 from rich.table import Table
 
 from trainscale.commands._common import catalog_or_file, console, emit_json, number
-from trainscale.errors import TrainscaleError
 from trainscale.units import short_source
 
 
@@ -35,10 +34,6 @@ def explain(
     from trainscale.estimate.walkthrough import walkthrough
     from trainscale.units import value
 
-    if gpus is not None and gpus <= 0:
-        raise TrainscaleError(f"--gpus must be positive, not {gpus}")
-    if tokens is not None and tokens <= 0:
-        raise TrainscaleError(f"--tokens must be positive, not {tokens}")
     w = walkthrough(model=model, tokens=tokens, gpu=gpu, gpus=gpus, mfu=mfu, home_gpu=home_gpu,
                     home_model=home_model, gpu_hours=gpu_hours, seq=seq)
     if as_json:

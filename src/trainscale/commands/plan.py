@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from trainscale import units as fmt
-from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number, parse_layout
+from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
 
 _SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
@@ -104,7 +104,9 @@ def plan(
     if asked and explain_step:
         raise TrainscaleError(f"--explain-step explains the searched layout or the one --layout gives, not an answer "
                               f"to {asked[0]}; ask for that answer's layout with --layout")
-    lay = parse_layout(layout) if layout is not None else None
+    from trainscale.specs import Layout
+
+    lay = Layout.parse(layout) if layout is not None else None
     n = gpus if gpus is not None else lay.world_size if lay is not None else 16384
     p = planner.problem(model=model, gpu=gpu, gpus=n, seq=seq, global_batch_tokens=int(gbt), tokens=train,
                         cluster=cluster, profile=profile, overrides=_settings(set_), software=software,

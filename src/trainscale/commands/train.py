@@ -12,7 +12,7 @@ from typing import Any
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number, parse_layout
+from trainscale.commands._common import console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
 from trainscale.safeio import check_output
 
@@ -33,7 +33,9 @@ def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool, se
 
         layout, why = plan_layout(cfg)
     layout = layout if layout is not None else cfg.run.layout
-    lay = parse_layout(layout)
+    from trainscale.specs import Layout
+
+    lay = Layout.parse(layout)
     check_layout(cfg, lay)
     return cfg, layout, lay, why
 
@@ -137,9 +139,9 @@ def _job(config: Path, layout: str | None, steps: int | None, plan: bool, sets: 
 
     _, max_nodes = parse_nnodes(nnodes)
     if fallback_layout is not None:
-        from trainscale.specs import Layout as _Layout
+        from trainscale.specs import Layout
 
-        _Layout.parse(fallback_layout)  # a bad fallback is a one-line error here, not in every worker later
+        Layout.parse(fallback_layout)  # a bad fallback is a one-line error here, not in every worker later
     if extend and not resume:
         raise TrainscaleError("--extend continues a run past its total steps: use it with --resume and --steps")
     cfg, layout_text, lay, why = _resolve(config, layout, steps, plan, sets)
