@@ -8,7 +8,7 @@ import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import typer
 
@@ -88,8 +88,7 @@ def train(
         return
     job = _job(config, layout, steps, plan, sets, out, nnodes, fallback_layout, rdzv_endpoint, rdzv_timeout, resume,
                extend, inject, max_restarts, compile)
-    cfg, lay, why, run_dir, cmd, memory, multi_node = (job[k] for k in ("cfg", "lay", "why", "run_dir", "cmd",
-                                                                        "memory", "multi_node"))
+    cfg, lay, why, run_dir, cmd, memory, multi_node, total = job
     if dry_run:
         info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd, "memory": memory}
         if as_json:
@@ -105,7 +104,7 @@ def train(
     from trainscale.runtime.job.local import run_local
 
     done = run_local(cmd, cfg, run_dir, resume=resume, multi_node=multi_node, status=console.status,
-                     watch=lambda: _progress(str(lay), job["total"], cfg.run.log_every, quiet=as_json))
+                     watch=lambda: _progress(str(lay), total, cfg.run.log_every, quiet=as_json))
     if multi_node and not (run_dir / "run.json").exists():
         # this node did not run rank 0 and the run folder is not shared: rank 0's node wrote the results
         note = {"status": "done", "node": socket.gethostname(), "rank0_here": False, "log": str(done.log)}
@@ -127,9 +126,22 @@ def train(
     _summary(info, done.rows, run_dir)
 
 
+class _Job(NamedTuple):
+    """A training job checked and ready to start."""
+
+    cfg: Any  # runtime.config.TrainConfig
+    lay: Any  # specs.Layout
+    why: str | None  # why the planner chose the layout (--plan)
+    run_dir: Path
+    cmd: list[str]  # torchrun's command line
+    memory: dict[str, Any]  # the pre-flight's comparison (runtime/job/preflight.py)
+    multi_node: bool
+    total: int  # the step the run stops at
+
+
 def _job(config: Path, layout: str | None, steps: int | None, plan: bool, sets: list[str], out: Path | None,
          nnodes: str, fallback_layout: str | None, rdzv_endpoint: str | None, rdzv_timeout: int, resume: bool,
-         extend: bool, inject: str | None, max_restarts: int, compile: bool) -> dict[str, Any]:
+         extend: bool, inject: str | None, max_restarts: int, compile: bool) -> _Job:
     """Everything checked before anything starts: the config and layout, the run folder, the faults, the memory
     pre-flight and a --resume; -> the job (its torchrun command, the steps it runs to, ...)."""
     from trainscale.runtime.job import runfolder
@@ -158,8 +170,7 @@ def _job(config: Path, layout: str | None, steps: int | None, plan: bool, sets: 
     if resume and not multi_node:  # read-only: a refused --resume leaves the run folder as it was
         total = runfolder.check_resume(run_dir, runfolder.checkpoint_root(run_dir, cfg.checkpoint.dir), cfg, steps,
                                        extend)
-    return {"cfg": cfg, "lay": lay, "why": why, "run_dir": run_dir, "cmd": cmd, "memory": memory,
-            "multi_node": multi_node, "total": total}
+    return _Job(cfg, lay, why, run_dir, cmd, memory, multi_node, total)
 
 
 def _memory_line(mem: dict[str, Any]) -> str:
