@@ -23,7 +23,8 @@ def main() -> None:
     ap.add_argument("--one-by-one", type=int, default=200, help="layouts to score one at a time for comparison")
     args = ap.parse_args()
 
-    p = plan.problem("llama3.1-405b", "h100-sxm", 16384, 8192, 2**24, software="trainscale")
+    p = plan.problem(model="llama3.1-405b", gpu="h100-sxm", gpus=16384, seq=8192, global_batch_tokens=2**24,
+                     software="trainscale")
     p.search()  # warm caches (catalog parsing, numpy)
     times, res = [], None
     for _ in range(args.repeat):

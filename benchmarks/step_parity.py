@@ -65,7 +65,8 @@ def layouts(p: plan.Problem, rows: int, seed: int) -> dict[str, np.ndarray]:
 
 def problem(i: int, software: str) -> plan.Problem:
     model, gpu, gpus, seq, batch, cluster, _ = PROBLEMS[i]
-    return plan.problem(model, gpu, gpus, seq, batch, cluster=cluster, software=software)
+    return plan.problem(model=model, gpu=gpu, gpus=gpus, seq=seq, global_batch_tokens=batch, cluster=cluster,
+                        software=software)
 
 
 def evaluate(p: plan.Problem, cfg: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
+from trainscale import units as fmt
 from trainscale.cli import app
 from trainscale.estimate.planner import inverse
 from trainscale.estimate.planner import plan as planner
-from trainscale.report import fmt
 
 ARGS_405B = ["--model", "llama3.1-405b", "--gpus", "16384", "--tokens", "15.6T"]  # Llama 3's run (arXiv 2407.21783)
 ARGS_8B = ["--model", "llama3.1-8b", "--cluster", "dgx-h100", "--tokens", "10B"]
@@ -42,7 +42,8 @@ def out405() -> str:
 
 
 def test_80_columns_show_the_winners_days_and_gpu_hours(out405):
-    p = planner.problem("llama3.1-405b", None, 16384, 8192, 2**24, tokens=15.6e12)
+    p = planner.problem(model="llama3.1-405b", gpu=None, gpus=16384, seq=8192, global_batch_tokens=2**24,
+                        tokens=15.6e12)
     s = p.search()
     row = p.row(s.cfg, s.res, s.best())
     assert row["days"] > 30  # Llama 3 405B: 15.6T tokens on 16K H100s take months, not hours
@@ -69,7 +70,8 @@ def test_the_winner_carries_its_interval_from_the_validation_residuals(out405, m
     generation (intervals.annotate); the residuals are cached per model fingerprint and read back equal."""
     from trainscale.estimate.planner import intervals
 
-    p = planner.problem("llama3.1-405b", None, 16384, 8192, 2**24, tokens=15.6e12)
+    p = planner.problem(model="llama3.1-405b", gpu=None, gpus=16384, seq=8192, global_batch_tokens=2**24,
+                        tokens=15.6e12)
     s = p.search()
     row = intervals.annotate(p.row(s.cfg, s.res, s.best()), p.software.name, p.gpu.generation)
     lo, hi = row["step_time_interval_s"]
@@ -134,7 +136,8 @@ def test_days_answers_a_count_whose_smaller_neighbour_is_too_slow(target, gpus):
     so 3 days need 8 GPUs and 7 days need 4."""
     out = json.loads(run(*ARGS_8B, "--days", str(target), "--json"))["inverse"]
     ans, nb = out["answer"], out["neighbour"]
-    p = planner.problem("llama3.1-8b", None, 1024, 8192, 2**24, tokens=10e9, cluster="dgx-h100")
+    p = planner.problem(model="llama3.1-8b", gpu=None, gpus=1024, seq=8192, global_batch_tokens=2**24, tokens=10e9,
+                        cluster="dgx-h100")
     counts = inverse.gpu_counts(p.cluster, 1024)
     assert ans["days"] <= target and _days_at(p, ans["gpus"]) == pytest.approx(ans["days"])
     below = counts[counts.index(ans["gpus"]) - 1]
@@ -143,7 +146,8 @@ def test_days_answers_a_count_whose_smaller_neighbour_is_too_slow(target, gpus):
 
 
 def test_days_on_whole_servers_and_when_no_count_does():
-    p = planner.problem("llama3.1-405b", None, 16384, 8192, 2**24, tokens=15.6e12)
+    p = planner.problem(model="llama3.1-405b", gpu=None, gpus=16384, seq=8192, global_batch_tokens=2**24,
+                        tokens=15.6e12)
     a = inverse.gpus_for_days(p, 150)
     counts = inverse.gpu_counts(p.cluster, 16384)
     assert a.point.gpus % 8 == 0 and a.point.days(15.6e12) <= 150
@@ -155,7 +159,8 @@ def test_days_on_whole_servers_and_when_no_count_does():
 
 
 def test_budget_with_tokens_takes_the_fastest_count_within_it():
-    p = planner.problem("llama3.1-8b", None, 1024, 8192, 2**24, tokens=1e12, cluster="dgx-h100")
+    p = planner.problem(model="llama3.1-8b", gpu=None, gpus=1024, seq=8192, global_batch_tokens=2**24, tokens=1e12,
+                        cluster="dgx-h100")
     a = inverse.budget(p, 40_000)
     assert a.point.gpu_hours(1e12) <= 40_000
     within = [q for q in a.searched if q.gpu_hours(1e12) <= 40_000]
@@ -165,7 +170,8 @@ def test_budget_with_tokens_takes_the_fastest_count_within_it():
 
 
 def test_budget_without_tokens_buys_the_most_tokens():
-    p = planner.problem("llama3.1-8b", None, 256, 8192, 2**24, cluster="dgx-h100")
+    p = planner.problem(model="llama3.1-8b", gpu=None, gpus=256, seq=8192, global_batch_tokens=2**24,
+                        cluster="dgx-h100")
     a = inverse.budget(p, 50_000)
     fit = [q for q in a.searched if q.fits]
     best = max(q.tokens_per_s / q.gpus for q in fit)
@@ -175,7 +181,8 @@ def test_budget_without_tokens_buys_the_most_tokens():
 
 def test_max_model_is_the_largest_family_member_that_fits():
     """On 8 x H100 the 70B's leanest layout needs more than 80 GB per GPU; the 8B fits. On 1,024 the 405B fits."""
-    p8 = planner.problem("llama3.1-405b", None, 8, 8192, 2**24, cluster="dgx-h100")
+    p8 = planner.problem(model="llama3.1-405b", gpu=None, gpus=8, seq=8192, global_batch_tokens=2**24,
+                         cluster="dgx-h100")
     a = inverse.max_model(p8)
     assert a.extra["model"] == "llama3.1-8b"
     assert replace(p8, model=planner.load_model("llama3.1-70b")).search().best() is None

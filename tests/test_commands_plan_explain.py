@@ -37,7 +37,7 @@ IDS = [f"{m}-{lay.split(',')[0]}-{lay.split(',')[2]}" for m, _, _, _, lay in LAY
 
 
 def _explain(model: str, gpus: int, seq: int, software: str, layout: str) -> tuple[planner.Problem, dict, Any]:
-    p = planner.problem(model, "h100-sxm", gpus, seq, 2**24, software=software)
+    p = planner.problem(model=model, gpu="h100-sxm", gpus=gpus, seq=seq, global_batch_tokens=2**24, software=software)
     lay = Layout.parse(layout)
     return p, p.evaluate_layout(lay), breakdown.explain_layout(p, lay)
 
@@ -134,8 +134,8 @@ def test_overlap_moves_time_from_exposed_to_hidden_and_not_the_whole():
     """Half the TP traffic overlapped (a preset's tp_overlap): the collective's whole time is unchanged, half of it
     is hidden, and the step shortens by that half."""
     lay = Layout.parse("tp8,cp1,pp1,dp8,mb2,zero1,nosp")
-    p = planner.problem("llama3.1-8b", "h100-sxm", 64, 8192, 2**24)
-    half = planner.problem("llama3.1-8b", "h100-sxm", 64, 8192, 2**24,
+    p = planner.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=64, seq=8192, global_batch_tokens=2**24)
+    half = planner.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=64, seq=8192, global_batch_tokens=2**24,
                            software=with_knobs(load_software("trainscale"), tp_overlap=0.5))
     a, b = breakdown.explain_layout(p, lay), breakdown.explain_layout(half, lay)
     ta, tb = a.item("TP all-reduce"), b.item("TP all-reduce")
@@ -216,7 +216,7 @@ def test_megatron_hides_each_column_parallel_input_gradient_reduction_under_its_
     lay = "tp8,cp1,pp1,dp8,mb2,zero1" + ("" if sp else ",nosp")
     on, row_on, bd_on = _explain("llama3.1-8b", 64, 8192, "megatron-core", lay)
     assert on.software.tp_wgrad_overlap
-    off = planner.problem("llama3.1-8b", "h100-sxm", 64, 8192, 2**24,
+    off = planner.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=64, seq=8192, global_batch_tokens=2**24,
                           software=with_knobs(load_software("megatron-core"), tp_wgrad_overlap=False))
     row_off, bd_off = off.evaluate_layout(Layout.parse(lay)), breakdown.explain_layout(off, Layout.parse(lay))
     r = layer.rates(on.gpu, on.eff, on.software)
@@ -257,8 +257,10 @@ def test_fsdp1_parameter_passes_cost_each_micro_batch_its_bytes_over_hbm():
     sw = load_software("llm-foundry-triton")
     assert (sw.microbatch_grad_bytes, sw.microbatch_shard_bytes) == (18, 32)
     lay = Layout.parse("dp8,zero3,mb4")
-    on = planner.problem("mpt-125m", "h100-sxm", dp, 2048, dp * 4 * 2048 * micro, cluster="dgx-h100", software=sw)
-    off = planner.problem("mpt-125m", "h100-sxm", dp, 2048, dp * 4 * 2048 * micro, cluster="dgx-h100",
+    on = planner.problem(model="mpt-125m", gpu="h100-sxm", gpus=dp, seq=2048, global_batch_tokens=dp * 4 * 2048 * micro,
+                         cluster="dgx-h100", software=sw)
+    off = planner.problem(model="mpt-125m", gpu="h100-sxm", gpus=dp, seq=2048,
+                          global_batch_tokens=dp * 4 * 2048 * micro, cluster="dgx-h100",
                           software=with_knobs(sw, microbatch_grad_bytes=0.0, microbatch_shard_bytes=0.0))
     hbm = 3.35e12 * on.eff.hbm_efficiency
     assert on.gpu.hbm_bandwidth == 3.35e12
@@ -299,8 +301,10 @@ def test_fsdp2_parameter_copies_cost_each_micro_batch_its_bytes_over_hbm(preset)
     sw = load_software(preset)
     assert (sw.microbatch_grad_bytes, sw.microbatch_shard_bytes) == (14, 32)
     lay = Layout.parse("tp1,cp1,pp1,dp8,mb1,zero3,rc=selective")
-    on = planner.problem("llama3.1-8b", "h100-sxm", dp, 8192, dp * 8192 * micro, cluster="dgx-h100", software=sw)
-    off = planner.problem("llama3.1-8b", "h100-sxm", dp, 8192, dp * 8192 * micro, cluster="dgx-h100",
+    on = planner.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=dp, seq=8192, global_batch_tokens=dp * 8192 * micro,
+                         cluster="dgx-h100", software=sw)
+    off = planner.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=dp, seq=8192, global_batch_tokens=dp * 8192 * micro,
+                          cluster="dgx-h100",
                           software=with_knobs(sw, microbatch_grad_bytes=0.0, microbatch_shard_bytes=0.0))
     hbm = 3.35e12 * on.eff.hbm_efficiency
     bd, row = breakdown.explain_layout(on, lay), on.evaluate_layout(lay)
@@ -321,7 +325,7 @@ def test_torchtitan_selective_explains_no_attention_recompute():
     _, _, bd = _explain(*case)
     assert bd.item("attention recompute").time_s == 0.0
     assert bd.item("GEMM recompute").time_s > 0 and bd.item("element-wise recompute").time_s > 0
-    p = planner.problem("llama3.1-8b", "h100-sxm", 8, 8192, 2**24,
+    p = planner.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=8, seq=8192, global_batch_tokens=2**24,
                         software=with_knobs(load_software("torchtitan"), recompute_attention_core=True))
     redo = breakdown.explain_layout(p, Layout.parse(case[4]))
     assert redo.item("attention recompute").time_s == pytest.approx(bd.item("attention forward").time_s, rel=1e-9)

@@ -37,7 +37,7 @@ def test_the_convention_by_hand_for_llama3_8b():
 ])
 def test_runtime_mfu_equals_the_planners(model, gpus, seq, layout):
     """The runtime's MFU (runtime/measure.py, what Trainer logs) and the planner's, same tokens/s and peak."""
-    p = plan.problem(model, "h100-sxm", gpus, seq, 256 * seq, cluster="dgx-h100")
+    p = plan.problem(model=model, gpu="h100-sxm", gpus=gpus, seq=seq, global_batch_tokens=256 * seq, cluster="dgx-h100")
     r = p.evaluate_layout(Layout.parse(layout))
     peak = gpus * p.gpu.peak_bf16_flops  # the runtime's job peak: GPUs x the datasheet's bf16 figure
     ours = measure.mfu(r["tokens_per_s"], measure.flops_per_token(p.model, seq), peak)

@@ -25,7 +25,7 @@ LAYOUT = "tp1,cp1,pp2,dp4,mb1,interleaved,v4,zero1"
 
 
 def _parts(software, layout: str = LAYOUT):
-    p = planner.problem(MODEL, "h100-sxm", GPUS, SEQ, GBT, software=software)
+    p = planner.problem(model=MODEL, gpu="h100-sxm", gpus=GPUS, seq=SEQ, global_batch_tokens=GBT, software=software)
     cfg = _cfg([Layout.parse(layout)])
     return p, cfg, step_parts(p.model, p.gpu, p.topo, p.eff, p.seq, p.global_seqs, cfg, p.software)
 
@@ -178,7 +178,8 @@ def test_mlperf_gpt3_rounds_keep_what_each_ran():
     assert (v31.optimizer_state_bytes, v40.optimizer_state_bytes) == (10.0, 12.0)  # store_param_remainders vs FP8
     assert "09ba842" in v31.sources["attention_kernel"] and "v1.6rc1" in v40.sources["attention_kernel"]
     # FP8 weights need an fp8 run (NeMo: cfg.fp8 and cfg.fp8_params): a bf16 plan of the v4.1 preset gathers bf16
-    p = planner.problem(MODEL, "h100-sxm", GPUS, SEQ, GBT, software="mlperf-nemo-gpt3-v41", precision="bf16")
+    p = planner.problem(model=MODEL, gpu="h100-sxm", gpus=GPUS, seq=SEQ, global_batch_tokens=GBT,
+                        software="mlperf-nemo-gpt3-v41", precision="bf16")
     assert not p.software.fp8_weights
     s = step_parts(p.model, p.gpu, p.topo, p.eff, p.seq, p.global_seqs, _cfg([Layout.parse(LAYOUT)]), p.software)
     assert _f(s.params.gather_bytes) == 2 * _f(s.params.crit)

@@ -57,7 +57,8 @@ def test_fits_is_judged_against_what_the_driver_reports_less_the_stated_reserve(
 
 def _llama3_problem(gpus: int, seq: int = 8192):  # type: ignore[no-untyped-def]
     from trainscale.estimate.planner import plan
-    return plan.problem("llama3.1-405b", "h100-sxm", gpus, seq, 2**24, software="meta-llama3", cluster="meta-h100")
+    return plan.problem(model="llama3.1-405b", gpu="h100-sxm", gpus=gpus, seq=seq, global_batch_tokens=2**24,
+                        software="meta-llama3", cluster="meta-h100")
 
 
 def _cfg(layout: str):  # type: ignore[no-untyped-def]
@@ -102,7 +103,7 @@ def test_fused_attention_runs_at_its_published_curve_in_its_own_flop_count():
     # 'trainscale': SDPA's flash backend). Dao-AILab/flash-attention's H100 figure (flash2_h100_fwd_bwd_benchmark.png,
     # causal, head dim 128): 308 TFLOP/s at 8k, counted as benchmark_flash_attention.py flops() does: forward
     # 4·s²·heads·d / 2 (causal), forward + backward 3.5 x that. Per layer: 3.5 x 2 x 8192² x 32 x 128 FLOPs / 308e12.
-    p = plan.problem("llama3.1-8b", "h100-sxm", 8, 8192, 8 * 8192)
+    p = plan.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=8, seq=8192, global_batch_tokens=8 * 8192)
     c = _cands("llama3.1-8b", "dp8,mb1", 8192, 8)
     r = layer.rates(p.gpu, p.eff, p.software)
     assert r.attn is not None and (r.attn.kernel, r.attn.generation) == ("fa2", "hopper")

@@ -77,7 +77,7 @@ def test_mixtral_memory_per_gpu_against_a_hand_count():
     # Adam (fp32 master + m + v, 12 B) sharded by zero1: the dense part over the 8 dp ranks, each expert over the
     # dp ranks that hold it (8 / ep8 = 1)
     adam = 12 * (rest // 8 + experts // 8)  # 70,054,189,056 B
-    p = plan.problem("mixtral-8x7b", None, 8, 4096, 8 * 4096, cluster="dgx-h100")
+    p = plan.problem(model="mixtral-8x7b", gpu=None, gpus=8, seq=4096, global_batch_tokens=8 * 4096, cluster="dgx-h100")
     row = p.evaluate_layout(Layout.parse("dp8,ep8,zero1,mb1"))
     mem = row["memory_per_gpu_bytes"]
     assert mem["weights"] == pytest.approx(weights, rel=1e-12)
@@ -93,7 +93,8 @@ def test_mixtral_memory_per_gpu_against_a_hand_count():
 
 
 def test_deepseek_v3_pipeline_stage_mixes_dense_and_moe_layers():
-    p = plan.problem("deepseek-v3", None, 2048, 4096, 15360 * 4096, cluster="deepseek-h800", software="deepseek-v3")
+    p = plan.problem(model="deepseek-v3", gpu=None, gpus=2048, seq=4096, global_batch_tokens=15360 * 4096,
+                     cluster="deepseek-h800", software="deepseek-v3")
     row = p.evaluate_layout(Layout.parse("pp16,dp128,ep64,zero1,mb1"))
     # 61 layers on 16 stages: 3 (the dense ones), 4 x 13, 3, 3; a 4-MoE-layer stage is the heaviest; DualPipe
     # holds it twice: 2 x 4 x 11.27B routed-expert params / ep64 + the rest
@@ -113,7 +114,7 @@ def test_deepseek_v3_validation_row_within_10_percent():
 def test_search_puts_ep_inside_a_node_when_the_all_to_all_dominates():
     """Mixtral on 64 H100 (8-GPU NVLink servers, 50 GB/s per GPU between them), no all-to-all overlap: the
     winner keeps its EP group on NVLink and says so."""
-    p = plan.problem("mixtral-8x7b", None, 64, 4096, 2**22, cluster="dgx-h100")
+    p = plan.problem(model="mixtral-8x7b", gpu=None, gpus=64, seq=4096, global_batch_tokens=2**22, cluster="dgx-h100")
     s = p.search()
     b = s.best()
     best = p.row(s.cfg, s.res, b)
@@ -123,26 +124,31 @@ def test_search_puts_ep_inside_a_node_when_the_all_to_all_dominates():
     # EP ranks are neighbours (Megatron-Core's expert rank order): with TP2 fixed, EP8 is 8 neighbouring ranks, one
     # server, as TP2's pairs are (it spanned 16 GPUs when EP ranks sat tp x cp apart), so every EP of 8 experts stays
     # on NVLink
-    p2 = plan.problem("mixtral-8x7b", None, 64, 4096, 2**22, cluster="dgx-h100", fix="tp=2")
+    p2 = plan.problem(model="mixtral-8x7b", gpu=None, gpus=64, seq=4096, global_batch_tokens=2**22, cluster="dgx-h100",
+                      fix="tp=2")
     s2 = p2.search()
     assert bool(s2.res["ep_in_scale_up"].all()) and 8 in set(s2.cfg["ep"].tolist())
     # --fix ep and --forbid ep
-    s3 = plan.problem("mixtral-8x7b", None, 64, 4096, 2**22, cluster="dgx-h100", fix="ep=2").search()
+    s3 = plan.problem(model="mixtral-8x7b", gpu=None, gpus=64, seq=4096, global_batch_tokens=2**22, cluster="dgx-h100",
+                      fix="ep=2").search()
     assert set(s3.cfg["ep"].tolist()) == {2}
-    s4 = plan.problem("mixtral-8x7b", None, 64, 4096, 2**22, cluster="dgx-h100", forbid="ep").search()
+    s4 = plan.problem(model="mixtral-8x7b", gpu=None, gpus=64, seq=4096, global_batch_tokens=2**22, cluster="dgx-h100",
+                      forbid="ep").search()
     assert set(s4.cfg["ep"].tolist()) == {1}
 
 
 def test_dense_search_has_no_ep():
-    s = plan.problem("llama3.1-8b", "h100-sxm", 16, 4096, 2**20).search()
+    s = plan.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=16, seq=4096, global_batch_tokens=2**20).search()
     assert set(s.cfg["ep"].tolist()) == {1}
-    assert "ep_comm" not in plan.problem("llama3.1-8b", "h100-sxm", 8, 4096, 2**20).evaluate_layout(
+    assert "ep_comm" not in plan.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=8, seq=4096,
+                                         global_batch_tokens=2**20).evaluate_layout(
         Layout.parse("dp8,zero1"))["step_time_parts_s"]
 
 
 def test_fp8_gemms_run_faster_and_keep_the_state():
-    p16 = plan.problem("mixtral-8x7b", None, 64, 4096, 2**22, cluster="dgx-h100")
-    p8 = plan.problem("mixtral-8x7b", None, 64, 4096, 2**22, cluster="dgx-h100", precision="fp8")
+    p16 = plan.problem(model="mixtral-8x7b", gpu=None, gpus=64, seq=4096, global_batch_tokens=2**22, cluster="dgx-h100")
+    p8 = plan.problem(model="mixtral-8x7b", gpu=None, gpus=64, seq=4096, global_batch_tokens=2**22, cluster="dgx-h100",
+                      precision="fp8")
     lay = Layout.parse("dp64,ep8,zero1,mb1")
     r16, r8 = p16.evaluate_layout(lay), p8.evaluate_layout(lay)
     assert r8["compute_parts_s"]["gemm"] < 0.75 * r16["compute_parts_s"]["gemm"]
@@ -174,7 +180,8 @@ def test_moe_software_knobs_are_checked():
     assert (sw.precision, sw.moe_node_limit, sw.pipeline, sw.comm_sms) == ("fp8", 4, "dualpipe", 20)
     assert all(sw.sources[k] for k in ("precision", "moe_node_limit", "a2a_overlap", "pipeline", "comm_sms"))
     with pytest.raises(TrainscaleError, match="no FP8 tensor cores"):
-        plan.problem("llama3.1-8b", "a100-sxm-80gb", 8, 4096, 2**20, software=with_knobs(sw, precision="fp8"))
+        plan.problem(model="llama3.1-8b", gpu="a100-sxm-80gb", gpus=8, seq=4096, global_batch_tokens=2**20,
+                     software=with_knobs(sw, precision="fp8"))
 
 
 def test_deepseek_v3_row_fits_an_h800_by_a_hand_count():
@@ -197,7 +204,8 @@ def test_deepseek_v3_row_fits_an_h800_by_a_hand_count():
     activations, + 28.27 GB of weights (bf16, 2 copies), fp32 gradients and ZeRO-1 Adam = 78.39 GB < 80 GB. With
     placement's own cut (3, 4 x 13, 3, 3) the MTP block makes the last rank's 4 MoE layers + head + logits the
     heaviest, 90.0 GB: the uneven cut is what fits."""
-    p = plan.problem("deepseek-v3", None, 2048, 4096, 15360 * 4096, cluster="deepseek-h800", software="deepseek-v3")
+    p = plan.problem(model="deepseek-v3", gpu=None, gpus=2048, seq=4096, global_batch_tokens=15360 * 4096,
+                     cluster="deepseek-h800", software="deepseek-v3")
     policy = p.evaluate_layout(Layout.parse("pp16,dp128,ep64,zero1,mb1"))
     assert policy["heaviest_stage"] == 15 and not policy["fits"]
     row = p.evaluate_layout(Layout.parse("pp16,dp128,ep64,zero1,mb1,first3,last2"))
@@ -215,7 +223,8 @@ def test_deepseek_v3_row_fits_an_h800_by_a_hand_count():
     plain = with_knobs(load_software("deepseek-v3"), linear_act_bytes=2.0, attn_out_act_bytes=2.0,
                        swiglu_in_act_bytes=2.0, recompute_norms=False, recompute_mla_up=False,
                        recompute_swiglu_output=False, moe_weighted_combine=True)
-    p2 = plan.problem("deepseek-v3", None, 2048, 4096, 15360 * 4096, cluster="deepseek-h800", software=plain)
+    p2 = plan.problem(model="deepseek-v3", gpu=None, gpus=2048, seq=4096, global_batch_tokens=15360 * 4096,
+                      cluster="deepseek-h800", software=plain)
     assert not p2.evaluate_layout(Layout.parse("pp16,dp128,ep64,zero1,mb1,first3,last2"))["fits"]
     sw = load_software("deepseek-v3")
     assert all(sw.sources[k] for k in ("linear_act_bytes", "attn_out_act_bytes", "swiglu_in_act_bytes",
@@ -267,7 +276,8 @@ def test_deepseek_v3_ep64_tp2_evaluates_and_expert_bytes_match_a_hand_count():
 
     experts = 4 * 4 * 3 * 2048 * 7168
     assert experts == 704_643_072
-    p = plan.problem("deepseek-v3", None, 2048, 4096, 15360 * 4096, cluster="deepseek-h800")
+    p = plan.problem(model="deepseek-v3", gpu=None, gpus=2048, seq=4096, global_batch_tokens=15360 * 4096,
+                     cluster="deepseek-h800")
     lay = Layout.parse("tp4,pp16,dp32,ep64,zero1,mb1")
     row = p.evaluate_layout(lay)
     assert row["step_time_s"] > 0 and row["mfu"] > 0 and not row["runnable"]
@@ -295,7 +305,7 @@ def test_deepseek_v3_ep64_tp2_evaluates_and_expert_bytes_match_a_hand_count():
 def test_ep_beyond_dp_is_planned_and_marked_not_runnable():
     """Mixtral on 8 GPUs: tp2, dp4, ep8 (ep8 divides tp x dp = 8, not dp4) is a layout the planner prices; the runtime
     refuses it with the ep_in_dp sentence; EP8's neighbouring ranks sit in one 8-GPU NVLink domain."""
-    p = plan.problem("mixtral-8x7b", None, 8, 4096, 8 * 4096, cluster="dgx-h100")
+    p = plan.problem(model="mixtral-8x7b", gpu=None, gpus=8, seq=4096, global_batch_tokens=8 * 4096, cluster="dgx-h100")
     lay = Layout.parse("tp2,dp4,ep8,zero1,mb1")
     assert p.why_invalid(lay) is None
     row = p.evaluate_layout(lay)
@@ -336,7 +346,7 @@ def test_uneven_cut_counts_layers_memory_and_time_per_stage():
     """Megatron-Core's --decoder-first/last-pipeline-num-layers (transformer_block.get_num_layers_to_build): Llama
     3.1 70B's 80 layers on pp8 as first 8, last 9 leave 63 layers for 6 ranks (not whole): refused; first 9, last 5
     leave 66 = 6 x 11, so the middle ranks hold 11: the fullest rank, slower than placement's even 10."""
-    p = plan.problem("llama3.1-70b", "h100-sxm", 64, 4096, 2**22)
+    p = plan.problem(model="llama3.1-70b", gpu="h100-sxm", gpus=64, seq=4096, global_batch_tokens=2**22)
     bad = Layout.parse("tp8,pp8,dp1,mb1,first8,last9")
     assert "leave 63 of 80 layers for 6 other pipeline rank(s)" in p.why_invalid(bad)
     lay = Layout.parse("tp8,pp8,dp1,mb1,first9,last5")

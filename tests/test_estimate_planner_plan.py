@@ -41,7 +41,8 @@ TABLE4 = [  # (gpus, tp, cp, pp, dp, seq, batch/DP, TFLOP/s, MFU)
 
 @pytest.fixture(scope="module")
 def p405():
-    return plan.problem("llama3.1-405b", "h100-sxm", 16384, 8192, 2**24, tokens=15.6e12)
+    return plan.problem(model="llama3.1-405b", gpu="h100-sxm", gpus=16384, seq=8192, global_batch_tokens=2**24,
+                        tokens=15.6e12)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,8 @@ def search405(p405):
 def test_llama3_table4_mfu_within_4_points(gpus, tp, cp, pp, dp, seq, bdp, tflops, mfu):
     batch = dp * bdp * seq
     assert batch == 2**24  # "16M" tokens per batch in every row
-    p = plan.problem("llama3.1-405b", "h100-sxm", gpus, seq, batch, cluster="meta-h100", software="meta-llama3")
+    p = plan.problem(model="llama3.1-405b", gpu="h100-sxm", gpus=gpus, seq=seq, global_batch_tokens=batch,
+                     cluster="meta-h100", software="meta-llama3")
     r = p.evaluate_layout(Layout.parse(f"tp{tp},cp{cp},pp{pp},dp{dp},{META}"))
     assert r["micro_batches"] == bdp
     assert r["hfu"] == pytest.approx(r["mfu"])  # nothing recomputed
@@ -76,7 +78,8 @@ def test_table4_trends_hold():
     # Fewer micro-batches per pipeline (16 vs 32) cost bubble; 128K context costs CP traffic + attention recompute.
     rows = []
     for gpus, tp, cp, pp, dp, seq, _bdp, _t, _m in TABLE4:
-        p = plan.problem("llama3.1-405b", "h100-sxm", gpus, seq, 2**24, cluster="meta-h100", software="meta-llama3")
+        p = plan.problem(model="llama3.1-405b", gpu="h100-sxm", gpus=gpus, seq=seq, global_batch_tokens=2**24,
+                         cluster="meta-h100", software="meta-llama3")
         rows.append(p.evaluate_layout(Layout.parse(f"tp{tp},cp{cp},pp{pp},dp{dp},{META}")))
     assert rows[0]["mfu"] > rows[1]["mfu"] > rows[2]["mfu"]
     assert rows[2]["step_time_parts_s"]["cp_comm"] > 0 == rows[1]["step_time_parts_s"]["cp_comm"]
@@ -109,7 +112,8 @@ def test_search_405b_best_layout_tp_in_server_and_fits(p405, search405):
 
 def test_search_restricted_to_meta_software_picks_table4_layout():
     # what Meta's stack supports (zero stages, schedules, at most v8), TP and PP fixed as a user would, no CP at 8K
-    p = plan.problem("llama3.1-405b", "h100-sxm", 16384, 8192, 2**24, cluster="meta-h100", software="meta-llama3",
+    p = plan.problem(model="llama3.1-405b", gpu="h100-sxm", gpus=16384, seq=8192, global_batch_tokens=2**24,
+                     cluster="meta-h100", software="meta-llama3",
                      fix="tp=8,pp=16", forbid="cp")
     s = p.search()
     best = p.row(s.cfg, s.res, s.best())
@@ -160,13 +164,13 @@ def test_unfit_layout_gets_suggestions_that_fit(p405):
     ("tp8,pp16,dp128,mb2,v8", 16384, "needs at least pp16 micro-batches"),
 ])
 def test_layout_that_does_not_divide_says_why(text, gpus, words):
-    p = plan.problem("llama3.1-405b", "h100-sxm", gpus, 8192, 2**24)
+    p = plan.problem(model="llama3.1-405b", gpu="h100-sxm", gpus=gpus, seq=8192, global_batch_tokens=2**24)
     with pytest.raises(TrainscaleError, match=words):
         p.evaluate_layout(Layout.parse(text))
 
 
 def test_nothing_fits_says_what_would():
-    p = plan.problem("llama3.1-405b", "h100-sxm", 8, 8192, 2**20)
+    p = plan.problem(model="llama3.1-405b", gpu="h100-sxm", gpus=8, seq=8192, global_batch_tokens=2**20)
     s = p.search()
     assert s.best() is None
     msg = s.nothing_fits()
@@ -175,7 +179,7 @@ def test_nothing_fits_says_what_would():
 
 def test_batch_must_be_whole_sequences():
     with pytest.raises(TrainscaleError, match="multiple of 8,192"):
-        plan.problem("llama3.1-405b", "h100-sxm", 16384, 8192, 16_000_000)
+        plan.problem(model="llama3.1-405b", gpu="h100-sxm", gpus=16384, seq=8192, global_batch_tokens=16_000_000)
 
 
 # ------------------------------------------------------------------ formulas

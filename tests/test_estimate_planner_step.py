@@ -47,7 +47,7 @@ def cfg_of(*layouts: str) -> dict[str, np.ndarray]:
 
 def run(model: str, gpus: int, layouts: tuple[str, ...], software: str = "trainscale", seq: int = 8192,
         batch: int = 2**22) -> dict[str, np.ndarray]:
-    p = plan.problem(model, "h100-sxm", gpus, seq, batch, software=software)
+    p = plan.problem(model=model, gpu="h100-sxm", gpus=gpus, seq=seq, global_batch_tokens=batch, software=software)
     return step.evaluate(p.model, p.gpu, p.topo, p.eff, p.seq, p.global_seqs, cfg_of(*layouts), p.software)
 
 
@@ -74,7 +74,7 @@ def test_step_and_memory_are_the_sums_of_their_parts(model, layouts, software):
 
 
 def test_one_gpu_has_no_traffic_and_holds_the_whole_model():
-    p = plan.problem("llama3.1-8b", "h100-sxm", 1, 8192, 2**17)
+    p = plan.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=1, seq=8192, global_batch_tokens=2**17)
     r = step.evaluate(p.model, p.gpu, p.topo, p.eff, p.seq, p.global_seqs, cfg_of("tp1,dp1,mb1", "tp1,dp1,mb2"))
     for k in ("t_tp_comm", "t_cp_comm", "t_ep_comm", "t_bubble", "t_pp_p2p", "t_dp_comm"):
         assert np.all(r[k] == 0), k
@@ -88,7 +88,7 @@ def test_one_gpu_has_no_traffic_and_holds_the_whole_model():
 def test_parameters_per_gpu_add_up_to_the_model():
     assert run("llama3.1-8b", 8, ("tp8,dp1,mb1",), batch=2**16)["params_per_gpu"][0] * 8 == \
         pytest.approx(8_030_261_248, rel=1e-12)
-    m = plan.problem("mixtral-8x7b", "h100-sxm", 8, 4096, 2**16).model
+    m = plan.problem(model="mixtral-8x7b", gpu="h100-sxm", gpus=8, seq=4096, global_batch_tokens=2**16).model
     total, experts = param_count(m), sum(numel(expert_tensors(m, i)) for i in range(m.n_layers))
     assert total == pytest.approx(46.7e9, rel=1e-3)
     r = run("mixtral-8x7b", 8, ("tp1,dp8,ep1,mb1", "tp1,dp8,ep8,mb1", "tp8,dp1,ep1,mb1"), batch=2**16)
@@ -99,7 +99,8 @@ def test_parameters_per_gpu_add_up_to_the_model():
 def test_dualpipe_holds_every_stage_twice():
     """DeepSeek-V3 Table 2: DualPipe's parameters per rank are 2x those of a one-directional pipeline."""
     lay = ("tp1,pp4,dp16,ep8,mb1,zero1",)
-    p = plan.problem("mixtral-8x7b", "h100-sxm", 64, 4096, 2**22, software="deepseek-v3")
+    p = plan.problem(model="mixtral-8x7b", gpu="h100-sxm", gpus=64, seq=4096, global_batch_tokens=2**22,
+                     software="deepseek-v3")
     c = candidates(p.model, cfg_of(*lay), p.seq, p.global_seqs)
     d = stages.dense_layers(p.model, c)
     one_way = stages.stage_params(p.model, c, d, load_software("trainscale"))

@@ -56,7 +56,8 @@ def test_gemm_rate_rises_with_shape_toward_the_roofline():
 def test_405b_pp16_llama3_placement_is_judged_by_its_heaviest_stage():
     # 126 layers + embedding + head = 128 slots: stage 0 holds 7 layers, stages 1-14 hold 8. Under 1F1B stage 0
     # keeps 16 micro-batches (7 x 16 = 112 layer-loads), stage 1 keeps 15 (8 x 15 = 120): stage 1 is heavier.
-    p = plan.problem("llama3.1-405b", "h100-sxm", 16384, 8192, 2**24, cluster="meta-h100", software="megatron-core")
+    p = plan.problem(model="llama3.1-405b", gpu="h100-sxm", gpus=16384, seq=8192, global_batch_tokens=2**24,
+                     cluster="meta-h100", software="megatron-core")
     r = p.evaluate_layout(Layout.parse("tp8,cp1,pp16,dp128,mb1,zero1"))
     assert r["layers_first_stage"] == 7 and r["layers_max_stage"] == 8
     assert r["heaviest_stage"] == 1
@@ -84,7 +85,8 @@ def test_fp32_main_grads_give_18_bytes_per_param():
         assert st.total == pytest.approx(6 + 12 / d if d > 1 else 18)
     # and the planner charges it: one GPU, no sharding
     m = load_model("llama3.1-8b")
-    p = plan.problem("llama3.1-8b", "h200", 1, 2048, 2048, software="megatron-core")
+    p = plan.problem(model="llama3.1-8b", gpu="h200", gpus=1, seq=2048, global_batch_tokens=2048,
+                     software="megatron-core")
     r = p.evaluate_layout(Layout.parse("tp1,dp1,mb1,rc=full"))
     state = sum(r["memory_per_gpu_bytes"][k] for k in ("weights", "gradients", "optimizer"))
     assert state == pytest.approx(18 * param_count(m))
@@ -93,8 +95,10 @@ def test_fp32_main_grads_give_18_bytes_per_param():
 def test_flash_without_recompute_keeps_no_score_matrices():
     m = load_model("llama3.1-8b")
     s, b, h, a = 8192, 1, m.d_model, m.n_heads
-    flash = plan.problem("llama3.1-8b", "h100-sxm", 8, s, 8 * s, software="torchtitan")
-    unfused = plan.problem("llama3.1-8b", "h100-sxm", 8, s, 8 * s, software="megatron-lm-2021")
+    flash = plan.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=8, seq=s, global_batch_tokens=8 * s,
+                         software="torchtitan")
+    unfused = plan.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=8, seq=s, global_batch_tokens=8 * s,
+                           software="megatron-lm-2021")
     lay = Layout.parse("tp8,dp1,mb1")
     fa, un = flash.evaluate_layout(lay), unfused.evaluate_layout(lay)
     no_scores = memory.activation_bytes_per_layer(s, b, h, a, 8, True, "selective")
@@ -111,7 +115,8 @@ def test_tied_embeddings_count_their_lm_head_gemm_and_conventions_are_named():
     m = load_model("mpt-7b")
     assert m.tied_embeddings
     assert step.matmul_params(m) == param_count(m)  # the embedding lookup is not counted, its GEMM as head is
-    p = plan.problem("mpt-7b", "h100-sxm", 8, 2048, 48 * 2048, cluster="dgx-h100", software="llm-foundry")
+    p = plan.problem(model="mpt-7b", gpu="h100-sxm", gpus=8, seq=2048, global_batch_tokens=48 * 2048,
+                     cluster="dgx-h100", software="llm-foundry")
     r = p.evaluate_layout(Layout.parse("dp8,zero3,mb6"))
     conv = r["mfu_by_convention"]
     assert conv["6N+attention causal"] == pytest.approx(r["mfu"])
@@ -125,22 +130,25 @@ def test_software_presets_are_sourced_and_limit_the_search():
     for name in software_names():
         sw = load_software(name)
         assert sw.source and all(sw.sources[k] for k in ("attention", "grad_bytes", "dp_overlap", "zero"))
-    p = plan.problem("llama3.1-8b", "h100-sxm", 64, 4096, 2**22, software="llm-foundry", forbid="zero2",
+    p = plan.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=64, seq=4096, global_batch_tokens=2**22,
+                     software="llm-foundry", forbid="zero2",
                      max_v=1)
     s = p.search()
     assert set(s.cfg["zero"][s.cfg["cp"] * s.cfg["dp"] > 1]) == {3}  # FSDP FULL_SHARD only
     assert set(s.cfg["cp"]) == {1} and set(s.cfg["v"]) == {1}
     with pytest.raises(TrainscaleError, match="--forbid does not know"):
-        plan.problem("llama3.1-8b", "h100-sxm", 64, 4096, 2**22, forbid="nope")
+        plan.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=64, seq=4096, global_batch_tokens=2**22, forbid="nope")
     with pytest.raises(TrainscaleError, match="--fix takes"):
-        plan.problem("llama3.1-8b", "h100-sxm", 64, 4096, 2**22, fix="warp=2")
+        plan.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=64, seq=4096, global_batch_tokens=2**22, fix="warp=2")
 
 
 def test_no_dp_overlap_exposes_the_whole_reduction():
     lay = Layout.parse("tp1,dp64,mb1,zero1,rc=full")
-    a = plan.problem("llama3.1-8b", "a100-sxm-80gb", 64, 4096, 64 * 4096, cluster="dgx-a100",
+    a = plan.problem(model="llama3.1-8b", gpu="a100-sxm-80gb", gpus=64, seq=4096, global_batch_tokens=64 * 4096,
+                     cluster="dgx-a100",
                      software="megatron-lm-2021").evaluate_layout(lay.model_copy(update={"zero": 0}))
-    b = plan.problem("llama3.1-8b", "a100-sxm-80gb", 64, 4096, 64 * 4096, cluster="dgx-a100",
+    b = plan.problem(model="llama3.1-8b", gpu="a100-sxm-80gb", gpus=64, seq=4096, global_batch_tokens=64 * 4096,
+                     cluster="dgx-a100",
                      software="megatron-core").evaluate_layout(lay)
     assert a["step_time_parts_s"]["dp_comm"] > 2 * b["step_time_parts_s"]["dp_comm"]
 
@@ -426,13 +434,15 @@ def test_kernel_and_norm_knobs_come_from_the_rows_software():
     # and FA1 108 TFLOP/s (flash2_h100_fwd_bwd_benchmark.png (d)), and the Triton kernel runs at FA1's x the FITTED
     # fa_triton_speed (1.14 on hopper); the Triton kernel's head-128 column is v1's head-64 one (136 at 2k: it tiles
     # 128 x 128 at both head dims), so the Triton rows' attention takes 265 / (136 x 1.14) as long
-    fa2, tri = (plan.problem("mpt-7b", "h100-sxm", 8, 2048, 48 * 2048, cluster="dgx-h100", software=s)
+    fa2, tri = (plan.problem(model="mpt-7b", gpu="h100-sxm", gpus=8, seq=2048, global_batch_tokens=48 * 2048,
+                             cluster="dgx-h100", software=s)
                 .evaluate_layout(Layout.parse("dp8,zero3,mb6")) for s in ("llm-foundry", "llm-foundry-triton"))
     assert tri["compute_parts_s"]["attention"] == pytest.approx(
         265 / (136 * 1.14) * fa2["compute_parts_s"]["attention"])
     # on an A100 the factor is 1 ([defaults]: not fitted there): FA2 155 at 2k, head dim 128 (Fig. 4 (d)) against FA1's
     # head-64 77 (Fig. 4 (c))
-    fa2, tri = (plan.problem("mpt-7b", "a100-sxm-80gb", 8, 2048, 48 * 2048, software=s)
+    fa2, tri = (plan.problem(model="mpt-7b", gpu="a100-sxm-80gb", gpus=8, seq=2048, global_batch_tokens=48 * 2048,
+                             software=s)
                 .evaluate_layout(Layout.parse("dp8,zero3,mb6")) for s in ("llm-foundry", "llm-foundry-triton"))
     assert tri["compute_parts_s"]["attention"] == pytest.approx(155 / 77 * fa2["compute_parts_s"]["attention"])
     assert tri["compute_parts_s"]["gemm"] == pytest.approx(fa2["compute_parts_s"]["gemm"])

@@ -56,7 +56,7 @@ PROBLEMS = [
 
 def _sample(problem: tuple, per_side: int, rng: np.random.Generator) -> tuple[plan.Problem, list[int], np.ndarray]:
     model, gpus, seq, tokens = problem
-    p = plan.problem(model, "h100-sxm", gpus, seq, tokens)
+    p = plan.problem(model=model, gpu="h100-sxm", gpus=gpus, seq=seq, global_batch_tokens=tokens)
     cfg, _ = p.enumerate()
     runnable = p.runnable_mask(cfg)
     pick = []
@@ -93,7 +93,7 @@ def test_planner_valid_layouts_the_runtime_refuses():
     tp16/tp32 over 8 KV heads), now 0 of 15,435; llama3.1-70b on 256, 14,244 of 35,502, now 48 of 28,392: 1F1B
     with fewer micro-batches than stages, which torch's Schedule1F1B refuses (the runnable search skips them)."""
     for model, gpus, valid, refused in (("llama3.1-8b", 64, 15_435, 0), ("llama3.1-70b", 256, 28_392, 48)):
-        p = plan.problem(model, "h100-sxm", gpus, 8192, 2**24)
+        p = plan.problem(model=model, gpu="h100-sxm", gpus=gpus, seq=8192, global_batch_tokens=2**24)
         cfg, _ = p.enumerate()
         ok = rules.check(p.case(cfg), rules.RUNNABLE)
         not_runnable = ~np.logical_and.reduce(list(ok.values()))
@@ -107,7 +107,7 @@ def test_ep_beyond_dp_is_planned_and_refused_by_the_runtime_alone():
     """Megatron-Core's rule (ep divides tp x cp x dp, parallel_state.py) in the planner, the runtime's (ep divides
     dp) apart: Mixtral on 64 GPUs plans layouts whose EP group takes TP ranks, marks each not runnable, and the
     runtime's check_layout refuses each with the same sentence."""
-    p = plan.problem("mixtral-8x7b", "h100-sxm", 64, 4096, 2**22)
+    p = plan.problem(model="mixtral-8x7b", gpu="h100-sxm", gpus=64, seq=4096, global_batch_tokens=2**22)
     cfg, _ = p.enumerate()
     beyond = np.flatnonzero(cfg["dp"] % cfg["ep"] != 0)
     assert beyond.size > 0 and ((cfg["tp"] * cfg["cp"] * cfg["dp"])[beyond] % cfg["ep"][beyond] == 0).all()
@@ -122,7 +122,7 @@ def test_ep_beyond_dp_is_planned_and_refused_by_the_runtime_alone():
 
 
 def test_runnable_search_offers_only_what_runs():
-    p = plan.problem("gpt3-175b", "h100-sxm", 1024, 2048, 2**21, runnable=True)
+    p = plan.problem(model="gpt3-175b", gpu="h100-sxm", gpus=1024, seq=2048, global_batch_tokens=2**21, runnable=True)
     s = p.search()
     assert s.n_valid > 0 and rules.holds(p.case(s.cfg), rules.RUNNABLE).all()
     # a vocabulary of 50,257 (odd): no tensor parallelism
@@ -130,7 +130,7 @@ def test_runnable_search_offers_only_what_runs():
     best = plan.layout_at(s.cfg, s.best()) if s.best() is not None else None
     if best is not None:
         check_layout(train_config(p.model, 2048, 1024), best)
-    planned = plan.problem("gpt3-175b", "h100-sxm", 1024, 2048, 2**21).search()
+    planned = plan.problem(model="gpt3-175b", gpu="h100-sxm", gpus=1024, seq=2048, global_batch_tokens=2**21).search()
     assert planned.n_valid > s.n_valid
 
 
@@ -162,7 +162,7 @@ def test_documents_apart_is_refused_under_cp_or_pp_only():
 
 def test_runnable_search_of_a_model_the_runtime_cannot_build_says_so():
     with pytest.raises(TrainscaleError, match="multi-head latent attention"):
-        plan.problem("deepseek-v3", "h100-sxm", 2048, 4096, 2**24, runnable=True)
+        plan.problem(model="deepseek-v3", gpu="h100-sxm", gpus=2048, seq=4096, global_batch_tokens=2**24, runnable=True)
 
 
 # ----------------------------------------------------------------------------- each rule, its sentence
@@ -175,6 +175,7 @@ CUSTOM = {"n_layers": 4, "d_model": 64, "n_heads": 4, "n_kv_heads": 4, "d_ff": 1
 # rule -> (model, layout fields, seq, global batch in sequences, GPUs (None: the layout's), words of its sentence)
 CASES = {
     "world": (L8, dict(tp=8, dp=4), 8192, 64, 64, "not the 64 asked for; dp8 would fill them"),
+    "processes": (L8, dict(tp=20_000, dp=20_000), 8192, 8, None, "asks for 4e+08 processes; at most 100,000,000"),
     "hsdp_divides": (L8, dict(dp=4, hsdp=3, zero=1), 8192, 8, None, "hsdp3 must divide dp4"),
     "hsdp_sharded": (L8, dict(dp=4, hsdp=2, zero=0), 8192, 8, None, "hsdp needs a sharded data-parallel mode"),
     "ep_divides": (MIXTRAL, dict(dp=4, ep=8), 4096, 8, None, "ep8 must divide tp1 x cp1 x dp4 = 4"),
@@ -264,7 +265,8 @@ def test_each_rule_says_its_sentence_where_it_applies(name):
     blind = rules.case_of([lay], model, seq, seqs, case.gpus)  # the planner's: it does not know the data
     for runnable, names in ((False, rules.PLANNED), (True, rules.RUNNABLE)):
         def why(runnable=runnable):
-            p = plan.problem(model, "h100-sxm", case.gpus, seq, seqs * seq, runnable=runnable)
+            p = plan.problem(model=model, gpu="h100-sxm", gpus=case.gpus, seq=seq, global_batch_tokens=seqs * seq,
+                             runnable=runnable)
             msg = p.why_invalid(layout)
             if msg:
                 raise TrainscaleError(msg)
@@ -300,7 +302,7 @@ def test_balanced_cut_is_placements_even_or_llama3_cut():
 def test_kv_heads_rule_follows_megatron_and_torchtitan():
     """tp must divide the KV heads (Megatron-Core's divide(num_query_groups, tp); torchtitan's n_kv_heads // tp):
     llama3.1-8b (8 KV heads) plans tp 1, 2, 4, 8 on 64 GPUs, never tp16 or tp32 with replicated KV heads."""
-    s = plan.problem("llama3.1-8b", "h100-sxm", 64, 8192, 2**24).search()
+    s = plan.problem(model="llama3.1-8b", gpu="h100-sxm", gpus=64, seq=8192, global_batch_tokens=2**24).search()
     assert sorted(set(s.cfg["tp"].tolist())) == [1, 2, 4, 8]
 
 
@@ -333,11 +335,12 @@ def test_train_plan_takes_the_best_runnable_layout(monkeypatch):
     text, why = plan_layout(cfg)
     lay = Layout.parse(text)
     check_layout(cfg, lay)
-    s = plan.problem(cfg.model, "h100-sxm", 8, 2048, 512 * 2048, runnable=True).search()
+    s = plan.problem(model=cfg.model, gpu="h100-sxm", gpus=8, seq=2048, global_batch_tokens=512 * 2048,
+                     runnable=True).search()
     assert text == str(plan.layout_at(s.cfg, s.best())) and lay.tp == 1
     assert "this runtime trains on 8 x h100-sxm" in why
     # the planner's own best for this model uses a layout the runtime does not train
-    best = plan.problem(cfg.model, "h100-sxm", 8, 2048, 512 * 2048).search()
+    best = plan.problem(model=cfg.model, gpu="h100-sxm", gpus=8, seq=2048, global_batch_tokens=512 * 2048).search()
     assert best.n_valid > s.n_valid
 
 

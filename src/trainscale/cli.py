@@ -16,7 +16,6 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import console, emit_json, short_source  # noqa: F401  (re-exported)
 from trainscale.errors import JobFailed, TrainscaleError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -89,7 +88,9 @@ def main() -> None:
         print(f"trainscale: error: {_one_line(str(e))}", file=sys.stderr)
         sys.exit(1)
     except TrainscaleError as e:
-        print(f"trainscale: error: {_one_line(str(e))}", file=sys.stderr)
+        from trainscale.commands._common import user_message
+
+        print(f"trainscale: error: {_one_line(user_message(e))}", file=sys.stderr)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         print("trainscale: aborted", file=sys.stderr)

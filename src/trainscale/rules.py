@@ -136,6 +136,17 @@ def _world_says(r: SimpleNamespace) -> str:
     return (f"the layout uses tp x cp x pp x dp = {mp * r.dp:,} GPUs, not the {n:,} asked for; {fix}")
 
 
+MAX_PROCESSES = 100_000_000  # more GPUs than any cluster has or will soon
+
+
+def _processes(c: Case) -> np.ndarray:
+    """The layout's world and each of its degrees within ``MAX_PROCESSES`` (in floats: a product of six-digit
+    degrees passes int64)."""
+    degrees = [np.asarray(getattr(c, k), dtype=float) for k in ("tp", "cp", "pp", "dp", "mb", "v", "hsdp")]
+    world = degrees[0] * degrees[1] * degrees[2] * degrees[3]
+    return (world <= MAX_PROCESSES) & np.all([d <= MAX_PROCESSES for d in degrees], axis=0)
+
+
 def _ep_says(r: SimpleNamespace) -> str:
     ranks = getattr(r, "tp", 1) * getattr(r, "cp", 1) * r.dp  # a --fix ep check knows the GPU count only (as dp)
     good = [e for e in _divisors(r.model.n_experts) if ranks % (e * r.hsdp) == 0][-6:]
@@ -225,6 +236,10 @@ def _piped(c: Case, schedule: str) -> np.ndarray:
 _RULES = (
     Rule("world", ("tp", "cp", "pp", "dp", "gpus"), lambda c: c.tp * c.cp * c.pp * c.dp == c.gpus, _world_says,
          "the layout's ranks are the job's: world = tp x cp x pp x dp (every framework's device mesh)"),
+    Rule("processes", ("tp", "cp", "pp", "dp", "mb", "v", "hsdp"), _processes,
+         lambda r: (f"it asks for {float(r.tp * r.cp * r.pp * r.dp):.3g} processes; at most {MAX_PROCESSES:,} are "
+                    "supported"),
+         "no cluster has more than 10^8 GPUs (the largest published jobs use 10^4-10^5), so a larger count is a typo"),
     Rule("hsdp_divides", ("dp", "hsdp"), lambda c: c.dp % c.hsdp == 0,
          lambda r: f"hsdp{r.hsdp} must divide dp{r.dp}",
          "HSDP's replica groups each shard over dp / hsdp ranks (torch FSDP2's 2-D (replicate, shard) mesh)"),
@@ -354,7 +369,7 @@ _RULES = (
 )
 RULES: dict[str, Rule] = {r.name: r for r in _RULES}
 
-LAYOUT = ("hsdp_divides", "hsdp_sharded", "ep_divides", "v_interleaved", "schedule_pp")
+LAYOUT = ("processes", "hsdp_divides", "hsdp_sharded", "ep_divides", "v_interleaved", "schedule_pp")
 FRAMEWORK = ("world", *LAYOUT, "experts_dense", "experts", "heads", "kv_heads", "ffn", "stages", "uneven_cut", "seq",
              "batch")
 SEARCH = ("cut", "interleave_fill")

@@ -277,7 +277,7 @@ Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Recompute = Literal["none", "selective", "full"]
 
 _NUM_TOKEN = re.compile(r"^([a-z]+)([0-9]+)$")  # ASCII digits only: int() would also read other scripts' digits
-MAX_DIGITS = 6  # no layout degree exceeds 10^6 (commands/_common.MAX_PROCESSES); longer numbers are refused unread
+MAX_DIGITS = 6  # no layout degree exceeds 10^6 (rules.MAX_PROCESSES); longer numbers are refused unread
 # number tokens -> the Layout field they set (a later parallel dimension, e.g. ``ep``, is one more entry)
 _NUM_FIELDS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "mb": "mb", "v": "v", "zero": "zero", "hsdp": "hsdp",
                "ep": "ep", "first": "first", "last": "last"}

@@ -80,9 +80,6 @@ def calibrate_command(
 ) -> None:
     """Measure this machine (matmul, attention, memory, AdamW, collectives) and write a hardware profile."""
     counts = parse_processes(processes)
-    for name, x in (("--seq-len", seq_len), ("--micro-batch", micro_batch)):
-        if x is not None and x < 1:
-            raise TrainscaleError(f"{name} must be a positive integer, not {x}")
     spec, seq, mb = _workload(config, model, seq_len, micro_batch)
 
     import time
@@ -108,6 +105,11 @@ def calibrate_command(
     if as_json:
         emit_json({"path": str(path), "seconds": seconds, "profile": profile})
         return
+    _print(profile, path, seconds, seq, mb)
+
+
+def _print(profile: dict, path: Path, seconds: float, seq: int, mb: int) -> None:
+    """The profile for a person: the machine, per-process figures, collectives, tensor parallelism."""
     m = profile["machine"]
     console.print(f"[bold]Hardware profile[/bold] of {m['host']} ({m['device_name']}, {m['cores']} cores, "
                   f"torch {m['torch']}, {m['dtype']}, 1 thread per process) at {m['model']}'s shapes, "

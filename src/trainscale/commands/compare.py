@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number, parse_layout, prepare_job_env
+from trainscale.commands._common import console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
 
 
@@ -45,22 +45,23 @@ def compare_layouts(config: Path, layouts: str | None, steps: int | None, profil
     """Run each layout under the measuring worker (runtime/probe/compare.py), print predicted vs measured."""
     from trainscale.runtime.config import check_layout
     from trainscale.runtime.init import resolved_config
+    from trainscale.runtime.job.local import job_env
     from trainscale.runtime.probe.compare import compare as compare_one
     from trainscale.runtime.probe.compare import compare_command
 
-    if steps is not None and steps <= 0:
-        raise TrainscaleError(f"--steps must be positive, not {steps}")
     cfg = resolved_config(config)
     texts = [x.strip() for x in (layouts if layouts is not None else cfg.run.layout).split(";")]
     if len(texts) > 1 and not all(texts):
         raise TrainscaleError("compare: a layout between ';' is empty; give each one, e.g. 'dp2;tp2'")
     if len(texts) > 64:
         raise TrainscaleError(f"compare measures at most 64 layouts at once, not {len(texts)}")
-    lays = [parse_layout(x) for x in texts]
+    from trainscale.specs import Layout
+
+    lays = [Layout.parse(x) for x in texts]
     for lay in lays:
         check_layout(cfg, lay)
     prof = _load_profile(cfg, config, profile, max(lay.world_size for lay in lays), quiet=as_json)
-    env = prepare_job_env(cfg)
+    env = job_env(cfg, console.status)
     env["OMP_NUM_THREADS"] = "1"  # one thread per rank, as torchrun gives multi-process jobs and calibrate measures
 
     by_world: dict[int, list[str]] = {}

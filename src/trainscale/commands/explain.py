@@ -5,8 +5,8 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from trainscale.commands._common import catalog_or_file, console, emit_json, number, short_source
-from trainscale.errors import TrainscaleError
+from trainscale.commands._common import catalog_or_file, console, emit_json, number
+from trainscale.units import short_source
 
 
 def register(app: typer.Typer) -> None:
@@ -32,12 +32,8 @@ def explain(
 ) -> None:
     """Walk through why training takes a data center, every figure with its formula and source."""
     from trainscale.estimate.walkthrough import walkthrough
-    from trainscale.report.fmt import value
+    from trainscale.units import value
 
-    if gpus is not None and gpus <= 0:
-        raise TrainscaleError(f"--gpus must be positive, not {gpus}")
-    if tokens is not None and tokens <= 0:
-        raise TrainscaleError(f"--tokens must be positive, not {tokens}")
     w = walkthrough(model=model, tokens=tokens, gpu=gpu, gpus=gpus, mfu=mfu, home_gpu=home_gpu,
                     home_model=home_model, gpu_hours=gpu_hours, seq=seq)
     if as_json:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 from pathlib import Path
 
@@ -11,7 +9,6 @@ import typer
 
 from trainscale.commands._common import console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
-from trainscale.safeio import check_output
 
 
 def register(app: typer.Typer) -> None:
@@ -63,55 +60,28 @@ def launch(
 ) -> None:
     """Write the batch script that runs this training job across nodes (torchrun c10d rendezvous) in this folder;
     it is requeueable (always --resume), checkpoints before the time limit and then requeues itself."""
-    from trainscale.runtime.config import check_layout
     from trainscale.runtime.init import resolved_config
-    from trainscale.runtime.job.slurm import SlurmJob, check_script, parse_env, sbatch_script
-    from trainscale.specs import Layout
+    from trainscale.runtime.job.launch import batch_script
+    from trainscale.runtime.job.slurm import parse_env
 
     if not slurm:
         raise TrainscaleError("say which scheduler: --slurm (the only one supported)")
-    if steps is not None and steps <= 0:
-        raise TrainscaleError(f"--steps must be positive, not {steps}")
     sets = list(sets or [])
     cfg = resolved_config(config, {"train": {"steps": steps}} if steps else None, sets=sets)
-    layout_text = layout if layout is not None else cfg.run.layout
-    lay = Layout.parse(layout_text)
-    check_layout(cfg, lay)
-    if script is not None:
-        check_output(script, "--script", folder=False, inputs=(config,))
-    if sets:  # the job reads the config with the overrides, written beside the script (the cluster sees it there)
-        if script is None:
-            raise TrainscaleError("--set needs --script: the config with the overrides is written beside it")
-        config = script.with_name(f"{script.name}.config.toml")
-        check_output(config, "the overridden config", folder=False)
-        try:
-            config.write_text(cfg.to_toml())
-        except OSError as e:
-            raise TrainscaleError(f"cannot write {config}: {e.strerror or e}") from None
-    job_name = re.sub(r"[^A-Za-z0-9._-]", "-", cfg.name)[:64] or "trainscale"  # Slurm's name syntax, one line
-    log_dir = str(script.parent.resolve()) if script is not None else "."
-    job = SlurmJob(config=str(Path(config).resolve()), layout=str(lay), out=str(out or cfg.run.out), nodes=nodes,
-                   procs_per_node=gpus_per_node, gpus=not cpu, job_name=job_name, partition=partition,
-                   account=account, time_limit=time_limit, cpus_per_proc=cpus_per_gpu, mem=mem, setup=setup,
-                   python=python, steps=steps, inject=inject, max_restarts=max_restarts,
-                   signal_before_s=signal_before, log_dir=log_dir, workdir=os.getcwd(), env=parse_env(env or ()),
-                   max_resubmits=max_resubmits)
-    text = sbatch_script(job)
-    if script is not None:
-        try:
-            script.write_text(text)
-            script.chmod(0o755)
-        except OSError as e:
-            raise TrainscaleError(f"cannot write the script {script}: {e.strerror or e}") from None
-        check_script(script)  # bash -n on the file as written: a failure is a bug (exit 1)
+    done = batch_script(config, cfg, layout=layout, sets=sets, steps=steps, out=out, script=script,
+                        nodes=nodes, procs_per_node=gpus_per_node, gpus=not cpu, partition=partition,
+                        account=account, time_limit=time_limit, cpus_per_proc=cpus_per_gpu, mem=mem, setup=setup,
+                        python=python, inject=inject, max_restarts=max_restarts, signal_before_s=signal_before,
+                        env=parse_env(env or ()), max_resubmits=max_resubmits)
+    lay, job, log_dir = done.layout, done.job, done.log_dir
     if as_json:
-        emit_json({"script": text, "path": str(script) if script else None, "layout": str(lay),
+        emit_json({"script": done.text, "path": str(script) if script else None, "layout": str(lay),
                    "processes": lay.world_size, "nodes": nodes, "procs_per_node": gpus_per_node, "gpus": not cpu,
-                   "log": f"{log_dir}/{job_name}-%j.out", "out": job.out, "chdir": job.workdir,
+                   "log": f"{log_dir}/{job.job_name}-%j.out", "out": job.out, "chdir": job.workdir,
                    "max_resubmits": max_resubmits})
         return
     if script is None:
-        sys.stdout.write(text)
+        sys.stdout.write(done.text)
         return
     console.print(f"wrote {script}: sbatch {script}  ({lay.world_size} processes, layout {lay}; "
-                  f"log {log_dir}/{job_name}-<job id>.out)")
+                  f"log {log_dir}/{job.job_name}-<job id>.out)")

@@ -10,9 +10,9 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number, parse_layout
+from trainscale import units as fmt
+from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
-from trainscale.report import fmt
 
 _SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
 
@@ -104,10 +104,13 @@ def plan(
     if asked and explain_step:
         raise TrainscaleError(f"--explain-step explains the searched layout or the one --layout gives, not an answer "
                               f"to {asked[0]}; ask for that answer's layout with --layout")
-    lay = parse_layout(layout) if layout is not None else None
+    from trainscale.specs import Layout
+
+    lay = Layout.parse(layout) if layout is not None else None
     n = gpus if gpus is not None else lay.world_size if lay is not None else 16384
-    p = planner.problem(model, gpu, n, seq, int(gbt), train, cluster, profile, _settings(set_), software,
-                        fix, forbid, max_v, precision, runnable)
+    p = planner.problem(model=model, gpu=gpu, gpus=n, seq=seq, global_batch_tokens=int(gbt), tokens=train,
+                        cluster=cluster, profile=profile, overrides=_settings(set_), software=software,
+                        fix=fix, forbid=forbid, max_v=max_v, precision=precision, runnable=runnable)
     if asked:
         if gpus is None:  # the whole cluster is the most there is
             p = replace(p, n_gpus=p.cluster.gpus)

@@ -13,7 +13,6 @@ from trainscale.commands._common import (
     input_file,
     input_folder,
     number,
-    parse_layout,
 )
 
 
@@ -52,14 +51,12 @@ def report(
 
     check_output(out, "--out", folder=True, inputs=tuple(x for x in (run,) if x is not None))
     if layout:
-        parse_layout(layout)
+        from trainscale.specs import Layout
+
+        Layout.parse(layout)
     from trainscale.errors import TrainscaleError
     from trainscale.report.build import build_report
 
-    if gpus <= 0:
-        raise TrainscaleError(f"--gpus must be positive, not {gpus}")
-    if not 0 < mfu <= 1:
-        raise TrainscaleError(f"--mfu must be in (0, 1], not {mfu}")
     page = build_report(out, model=model, gpu=gpu, gpus=gpus, cluster=cluster, layout=layout or None,
                         tokens=tokens, mfu=mfu, run_dir=run, plan_file=plan, seq=seq, walkthrough=walkthrough)
     result = {"page": str(page), "files": sorted(p.name for p in Path(out).iterdir())}

@@ -4,27 +4,15 @@ rank), with a live progress bar. (`trainscale launch --slurm` is commands/launch
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socket
-import subprocess
-import tempfile
-import time
-import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import typer
 
-from trainscale.commands._common import (
-    console,
-    emit_json,
-    input_file,
-    number,
-    parse_layout,
-    preflight,
-    prepare_job_env,
-)
+from trainscale.commands._common import console, emit_json, input_file, number
 from trainscale.errors import TrainscaleError
 from trainscale.safeio import check_output
 
@@ -37,8 +25,6 @@ def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool, se
     from trainscale.runtime.config import check_layout
     from trainscale.runtime.init import resolved_config
 
-    if steps is not None and steps <= 0:
-        raise TrainscaleError(f"--steps must be positive, not {steps}")
     cfg = resolved_config(config, {"train": {"steps": steps}} if steps else None, sets=sets or ())
     why = None
     if plan:
@@ -48,7 +34,9 @@ def _resolve(config: Path, layout: str | None, steps: int | None, plan: bool, se
 
         layout, why = plan_layout(cfg)
     layout = layout if layout is not None else cfg.run.layout
-    lay = parse_layout(layout)
+    from trainscale.specs import Layout
+
+    lay = Layout.parse(layout)
     check_layout(cfg, lay)
     return cfg, layout, lay, why
 
@@ -91,8 +79,6 @@ def train(
                                  "`trainscale calibrate` wrote; measured first if there is none)"),
 ) -> None:
     """Train a model with real 4D parallelism (torch.distributed: TP+SP, CP, PP, FSDP) on this machine."""
-    from trainscale.runtime.job.launch import torchrun_command
-
     sets = list(sets or [])
     if compare_plan:  # the same as `trainscale compare` (commands/compare.py), kept for scripts that use it
         if sets:
@@ -101,35 +87,9 @@ def train(
 
         compare_layouts(config, layout, steps, profile, as_json)
         return
-    from trainscale.runtime.job.launch import parse_nnodes
-
-    _, max_nodes = parse_nnodes(nnodes)
-    if fallback_layout is not None:
-        from trainscale.specs import Layout as _Layout
-
-        _Layout.parse(fallback_layout)  # a bad fallback is a one-line error here, not in every worker later
-    if extend and not resume:
-        raise TrainscaleError("--extend continues a run past its total steps: use it with --resume and --steps")
-    cfg, layout_text, lay, why = _resolve(config, layout, steps, plan, sets)
-    run_dir = out or Path(cfg.run.out)
-    check_output(run_dir, "the run folder", folder=True)
-    from trainscale.runtime.job.faults import parse_faults
-
-    parse_faults(inject, lay.world_size)  # a bad fault spec is a one-line error here, not a crash in every worker
-    if max_restarts < 0:
-        raise TrainscaleError(f"--max-restarts must be >= 0, not {max_restarts}")
-    memory = preflight(cfg, lay, max_nodes)  # refuses, in one sentence, a layout this machine cannot hold
-    cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
-                           max_restarts=max_restarts, inject=inject, resume=resume, fallback_layout=fallback_layout,
-                           compile=compile, rdzv_timeout=rdzv_timeout)
-    cmd += [a for s in sets for a in ("--set", s)] + (["--extend"] if extend else [])
-    multi_node = max_nodes > 1 or rdzv_endpoint is not None
-    total = cfg.train.steps
-    if resume and not multi_node:  # read-only: a refused --resume leaves the run folder as it was
-        from trainscale.runtime.job import runfolder
-
-        ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-        total = runfolder.check_resume(run_dir, ckpt_root, cfg, steps, extend)
+    job = _job(config, layout, steps, plan, sets, out, nnodes, fallback_layout, rdzv_endpoint, rdzv_timeout, resume,
+               extend, inject, max_restarts, compile)
+    cfg, lay, why, run_dir, cmd, memory, multi_node, total = job
     if dry_run:
         info = {"layout": str(lay), "world_size": lay.world_size, "why": why, "command": cmd, "memory": memory}
         if as_json:
@@ -142,73 +102,81 @@ def train(
         return
     if why and not as_json:
         console.print(f"[bold]plan:[/bold] {lay} ({why})")
-    from trainscale.runtime.job import runfolder
+    from trainscale.runtime.job.local import run_local
 
-    # one machine: this process holds the run folder's lock for the whole job (restarts included) and
-    # names the run; on several machines rank 0 of the job does both (the folder may be shared)
-    lock = runfolder.RunLock(run_dir).acquire() if not multi_node else None
-    # the ranks' one-sentence error goes outside the run folder: a full disk there must not swallow it
-    err_dir = Path(tempfile.mkdtemp(prefix="trainscale-job-"))
-    try:
-        err_file = err_dir / runfolder.ERROR
-        run_id = None
-        if lock is not None:
-            ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-            run_id = runfolder.claim(run_dir, ckpt_root, cfg, resume)
-        env = prepare_job_env(cfg)
-        if run_id is not None:
-            env[runfolder.ENV_RUN_ID] = run_id
-            env[runfolder.ENV_ERROR_FILE] = str(err_file)
-        if not multi_node:  # this invocation is one launch of the job (goodput leaves out the time between)
-            env[runfolder.ENV_LAUNCH] = uuid.uuid4().hex
-        if "trainscale.runtime.job.launch" in cmd:  # our torchrun wrapper ends with this process (PDEATHSIG)
-            env[runfolder.ENV_PARENT] = str(os.getpid())
-        else:
-            env.pop(runfolder.ENV_PARENT, None)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # every node keeps its own log: in a shared run folder the nodes would otherwise overwrite one file
-        log_path = run_dir / (f"train-{socket.gethostname()}-{os.getpid()}.log" if multi_node else "train.log")
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists() and not resume and not multi_node:  # rank 0's node truncates it (runtime/train.py)
-            metrics.unlink()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-            try:
-                rows = _follow(proc, metrics, total, cfg.run.log_every,
-                               str(lay), quiet=as_json, error_file=err_file if lock is not None else None)
-            except BaseException:
-                _stop(proc)
-                raise
-        if proc.returncode != 0 or err_file.exists():
-            _raise_failure(err_file, log_path, proc.returncode)
-    finally:
-        shutil.rmtree(err_dir, ignore_errors=True)
-        if lock is not None:
-            lock.release()
+    done = run_local(cmd, cfg, run_dir, resume=resume, multi_node=multi_node, status=console.status,
+                     watch=lambda: _progress(str(lay), total, cfg.run.log_every, quiet=as_json))
     if multi_node and not (run_dir / "run.json").exists():
         # this node did not run rank 0 and the run folder is not shared: rank 0's node wrote the results
-        note = {"status": "done", "node": socket.gethostname(), "rank0_here": False, "log": str(log_path)}
+        note = {"status": "done", "node": socket.gethostname(), "rank0_here": False, "log": str(done.log)}
         if as_json:
             emit_json(note)
         else:
             console.print(f"this node's ranks finished; the node that ran rank 0 wrote the run folder "
-                          f"(metrics.jsonl, run.json, final/); this node's log is {log_path}")
+                          f"(metrics.jsonl, run.json, final/); this node's log is {done.log}")
         return
     info = json.loads((run_dir / "run.json").read_text())
     if as_json:
         emit_json(info)
         return
-    events = [ln for ln in log_path.read_text(errors="replace").splitlines()
+    events = [ln for ln in done.log.read_text(errors="replace").splitlines()
               if ln.startswith(("[fault]", "initialised from", "resumed from", "checkpoint ",
                                 "no complete checkpoint"))]
     for ln in events:
         console.print(ln, style="yellow", highlight=False, markup=False)
-    _summary(info, rows, run_dir)
+    _summary(info, done.rows, run_dir)
+
+
+class _Job(NamedTuple):
+    """A training job checked and ready to start."""
+
+    cfg: Any  # runtime.config.TrainConfig
+    lay: Any  # specs.Layout
+    why: str | None  # why the planner chose the layout (--plan)
+    run_dir: Path
+    cmd: list[str]  # torchrun's command line
+    memory: dict[str, Any]  # the pre-flight's comparison (runtime/job/preflight.py)
+    multi_node: bool
+    total: int  # the step the run stops at
+
+
+def _job(config: Path, layout: str | None, steps: int | None, plan: bool, sets: list[str], out: Path | None,
+         nnodes: str, fallback_layout: str | None, rdzv_endpoint: str | None, rdzv_timeout: int, resume: bool,
+         extend: bool, inject: str | None, max_restarts: int, compile: bool) -> _Job:
+    """Everything checked before anything starts: the config and layout, the run folder, the faults, the memory
+    pre-flight and a --resume; -> the job (its torchrun command, the steps it runs to, ...)."""
+    from trainscale.runtime.job import runfolder
+    from trainscale.runtime.job.faults import parse_faults
+    from trainscale.runtime.job.launch import parse_nnodes, torchrun_command
+    from trainscale.runtime.job.preflight import preflight
+
+    _, max_nodes = parse_nnodes(nnodes)
+    if fallback_layout is not None:
+        from trainscale.specs import Layout
+
+        Layout.parse(fallback_layout)  # a bad fallback is a one-line error here, not in every worker later
+    if extend and not resume:
+        raise TrainscaleError("--extend continues a run past its total steps: use it with --resume and --steps")
+    cfg, layout_text, lay, why = _resolve(config, layout, steps, plan, sets)
+    run_dir = out or Path(cfg.run.out)
+    check_output(run_dir, "the run folder", folder=True)
+    parse_faults(inject, lay.world_size)  # a bad fault spec is a one-line error here, not a crash in every worker
+    memory = preflight(cfg, lay, max_nodes)  # refuses, in one sentence, a layout this machine cannot hold
+    cmd = torchrun_command(config, layout_text, run_dir, lay.world_size, steps, nnodes, rdzv_endpoint,
+                           max_restarts=max_restarts, inject=inject, resume=resume, fallback_layout=fallback_layout,
+                           compile=compile, rdzv_timeout=rdzv_timeout)
+    cmd += [a for s in sets for a in ("--set", s)] + (["--extend"] if extend else [])
+    multi_node = max_nodes > 1 or rdzv_endpoint is not None
+    total = cfg.train.steps
+    if resume and not multi_node:  # read-only: a refused --resume leaves the run folder as it was
+        total = runfolder.check_resume(run_dir, runfolder.checkpoint_root(run_dir, cfg.checkpoint.dir), cfg, steps,
+                                       extend)
+    return _Job(cfg, lay, why, run_dir, cmd, memory, multi_node, total)
 
 
 def _memory_line(mem: dict[str, Any]) -> str:
     """--dry-run: the pre-flight's prediction against this machine's memory."""
-    from trainscale.report.fmt import size as gb
+    from trainscale.units import size as gb
 
     if not mem.get("checked"):
         return f"memory: not checked ({mem.get('why')})"
@@ -221,91 +189,32 @@ def _memory_line(mem: dict[str, Any]) -> str:
             f"{'bf16' if mem['bf16'] else 'fp32'}) against {has} ({mem['capacity_source']}): fits")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """End the torchrun agent (it stops its ranks on SIGTERM), then make sure."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _raise_failure(err_file: Path, log_path: Path, code: int) -> None:
-    """The one sentence that failed the job: a rank's recorded error (exit 2 for bad input such as a refused
-    checkpoint, 1 for a failed job such as a full disk), else the last rank failure in the log."""
-    from trainscale.errors import JobFailed
-    from trainscale.safeio import read_json_object
-
-    if err_file.exists():
-        try:
-            got = read_json_object(err_file, "error record")
-        except TrainscaleError:
-            got = {}
-        if isinstance(got.get("error"), str):
-            if got.get("exit") == 1:
-                raise JobFailed(got["error"])
-            raise TrainscaleError(got["error"])
-    lines = log_path.read_text(errors="replace").splitlines()
-    err = next((ln for ln in reversed(lines) if "trainscale: error:" in ln), None)
-    if err:
-        raise JobFailed(err.split("trainscale: error:", 1)[1].strip())
-    if any("RendezvousTimeoutError" in ln for ln in lines):
-        raise JobFailed(f"the other machines did not join the rendezvous in time (--rdzv-timeout); the whole log is "
-                        f"{log_path}")
-    cause = next((ln.split("failed: ", 1)[1] for ln in reversed(lines)
-                  if "trainscale: rank" in ln and "failed: " in ln), None)
-    raise JobFailed(f"training failed (exit {code}{'; ' + cause if cause else ''}); the whole log is {log_path}")
-
-
-def _follow(proc: subprocess.Popen, metrics: Path, total: int, log_every: int, layout: str,
-            quiet: bool, error_file: Path | None = None) -> list[dict[str, Any]]:
-    """Tail rank 0's metrics.jsonl into a progress bar until the job ends (or a rank records a
-    deterministic error, which a restart would only repeat: then the job is stopped)."""
+@contextmanager
+def _progress(layout: str, total: int, log_every: int, quiet: bool) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """The live view of a job (runtime/job/local.follow feeds it rank 0's metrics rows): a progress bar, and the
+    console line of each row that has one."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from trainscale.runtime.job.runfolder import console_line
-    from trainscale.runtime.measure import duration_text
+    from trainscale.units import duration_text
 
-    rows: list[dict[str, Any]] = []
-    pos = metrics.stat().st_size if metrics.exists() else 0  # a resumed run's earlier lines are not news
     columns = [TextColumn("[bold]train[/bold] {task.fields[layout]}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
                TextColumn("{task.fields[flops]} GFLOP/s"), TextColumn("MFU {task.fields[mfu]}"), TimeElapsedColumn(),
                TextColumn("ETA {task.fields[eta]}")]
     with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
         task = progress.add_task("train", total=total, layout=layout, loss="-", tps="-", flops="-", mfu="-", eta="-")
-        while True:
-            done = proc.poll() is not None
-            if metrics.exists():
-                pos = 0 if metrics.stat().st_size < pos else pos  # a fresh run truncated an old run's file
-                with open(metrics) as f:
-                    f.seek(pos)
-                    chunk = f.read()
-                complete = chunk[: chunk.rfind("\n") + 1]
-                pos += len(complete.encode())
-                for line in complete.splitlines():
-                    try:
-                        row = json.loads(line)
-                    except ValueError:
-                        continue
-                    text = console_line(row, log_every, total)
-                    if text is not None and not quiet:
-                        progress.console.print(text, highlight=False, markup=False, soft_wrap=True)
-                    if "loss" not in row:
-                        continue
-                    rows.append(row)
-                    progress.update(task, completed=row["step"], loss=f"{row['loss']:.4f}",
-                                    tps=f"{row['tokens_per_s']:,.0f}", flops=f"{row['flops_per_s'] / 1e9:.2f}",
-                                    mfu=f"{row['mfu']:.1%}", eta=duration_text(row.get("eta_s")))
-            if done:
-                break
-            if error_file is not None and error_file.exists():
-                _stop(proc)
-                break
-            time.sleep(0.2)
-    return rows
+
+        def show(row: dict[str, Any]) -> None:
+            text = console_line(row, log_every, total)
+            if text is not None and not quiet:
+                progress.console.print(text, highlight=False, markup=False, soft_wrap=True)
+            if "loss" in row:
+                progress.update(task, completed=row["step"], loss=f"{row['loss']:.4f}",
+                                tps=f"{row['tokens_per_s']:,.0f}", flops=f"{row['flops_per_s'] / 1e9:.2f}",
+                                mfu=f"{row['mfu']:.1%}", eta=duration_text(row.get("eta_s")))
+
+        yield show
 
 
 def _summary(info: dict[str, Any], rows: list[dict[str, Any]], run_dir: Path) -> None:

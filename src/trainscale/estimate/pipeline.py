@@ -5,11 +5,15 @@ Scalars or numpy arrays throughout (the planner evaluates many layouts at once).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
 from trainscale import placement
+from trainscale.specs import Schedule
+
+SCHEDULE: tuple[str, ...] = get_args(Schedule)  # a layout's schedule as a number: its index here
+GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULE.index(s) for s in ("gpipe", "1f1b", "interleaved"))
 
 
 def bubble_fraction(p: Any, m: Any, v: Any = 1) -> Any:
@@ -49,3 +53,17 @@ def dualpipe_bubble_fraction(p: Any, m: Any) -> Any:
     weight gradients), F&B = t and the bubble is (PP/2 - 1) x 2t/3, over m x t of work."""
     p, m = (np.asarray(x, dtype=float) for x in (p, m))
     return np.maximum(p / 2 - 1, 0) * (2.0 / 3.0) / m
+
+
+def in_flight(sched: Any, pp: Any, v: Any, micro: Any, r: Any) -> Any:
+    """Micro-batches (in units of a whole stage's layers) whose activations stage r holds at its peak; ``sched``
+    is an index into ``SCHEDULE``. One function for the planner (planner/stage_memory.py) and the runtime's rank
+    model (measured/rank.py).
+
+    GPipe keeps all m; 1F1B keeps p - r on stage r (Narayanan et al. 2021 Sec. 2.2.1); interleaved 1F1B runs
+    Megatron's warm-up of (p - r - 1) x 2 + (v - 1) x p chunk forwards, plus the one in flight, each chunk
+    1/v of the stage (Megatron-LM schedules.py forward_backward_pipelining_with_interleaving)."""
+    sched, pp, v, micro, r = (np.asarray(x) for x in (sched, pp, v, micro, r))
+    one_f = np.minimum(pp - r, micro)
+    chunks = np.minimum((pp - r - 1) * 2 + (v - 1) * pp + 1, micro * v)
+    return np.select([sched == GPIPE, sched == INTERLEAVED], [micro, chunks / np.maximum(v, 1)], one_f)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from trainscale.errors import TrainscaleError
+from trainscale.errors import FieldError, TrainscaleError
 from trainscale.estimate.memory import training_state_bytes
 
 HOUR = 3600.0
@@ -473,13 +473,13 @@ def _checkpoint(cat: dict[str, Any], n_params: float, ckpt_write_s: float | None
 def _positive(**kw: float | None) -> None:
     for k, v in kw.items():
         if v is not None and not v > 0:
-            raise TrainscaleError(f"--{k.replace('_', '-')} must be positive, not {v}")
+            raise FieldError(k, f"must be positive, not {v}")
 
 
 def _non_negative(**kw: float | None) -> None:
     for k, v in kw.items():
         if v is not None and not (v >= 0 and isfinite(v)):
-            raise TrainscaleError(f"--{k.replace('_', '-')} must be >= 0, not {v}")
+            raise FieldError(k, f"must be >= 0, not {v}")
 
 
 __all__ = [

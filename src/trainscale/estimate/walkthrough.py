@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainscale.errors import TrainscaleError
+from trainscale.errors import FieldError
 from trainscale.estimate import flops, inference, memory, power
 from trainscale.estimate.params import active_params, embedding_params, expert_params, param_count
 from trainscale.specs import Facility, GPUSpec, ModelSpec, facts, load_facility, load_gpu, load_model
@@ -74,9 +74,9 @@ class _Walk:
 def _inputs(model: str, tokens: float | None, gpu: str, gpus: int | None, mfu: float, home_gpu: str,
             home_model: str, gpu_hours: float | None, seq: int | None) -> _Walk:
     if not 0 < mfu <= 1:
-        raise TrainscaleError(f"--mfu must be in (0, 1], not {mfu}")
+        raise FieldError("mfu", f"must be in (0, 1], not {mfu}")
     if seq is not None and seq <= 0:
-        raise TrainscaleError(f"--seq must be a positive number of tokens, not {seq}")
+        raise FieldError("seq", f"must be a positive number of tokens, not {seq}")
     f = facts()
     run = f["llama3_405b_training"]
     w = _Walk(load_model(model), load_gpu(gpu), load_gpu(home_gpu), load_model(home_model), load_facility(), f,

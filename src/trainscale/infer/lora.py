@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -27,7 +26,7 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate.lora import lora_targets
 from trainscale.infer.quantize import GROUP_SIZES, QuantConfig, QuantizedLinear, quantize_linears
 from trainscale.runtime.data.sources import corpus_text
-from trainscale.runtime.model import IGNORE
+from trainscale.runtime.model import IGNORE, lm_loss_sum
 from trainscale.safeio import read_json_object
 
 ADAPTER_FILE = "adapter.safetensors"
@@ -411,10 +410,9 @@ def train_lora_chat(model, convs: list[Conversation], steps: int, batch: int, se
 def lora_loss(model, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(summed next-token cross-entropy, number of tokens counted) of ``model`` on ``inputs`` [b, s], over the
     ``targets`` [b, s] that are not IGNORE (-100: padding, or a chat's prompt tokens). The one loss of LoRA's
-    training (its mean) and of every evaluation in infer/ (infer/evaluate.perplexity sums it)."""
-    logits = model(inputs)
-    nll = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-    return nll, int((targets != IGNORE).sum())
+    training (its mean) and of every evaluation in infer/ (infer/evaluate.perplexity sums it). The loss itself is
+    the trainer's (runtime/model.lm_loss_sum); this adds the forward pass and the count."""
+    return lm_loss_sum(model(inputs), targets), int((targets != IGNORE).sum())
 
 
 def train_lora(model, ids: list[int], steps: int, batch: int, seq_len: int, lr: float, seed: int = 0,

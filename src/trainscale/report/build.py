@@ -73,7 +73,7 @@ def layout_fit(model: str, gpu: str, gpus: int, cluster: str, layout: Layout, se
     from trainscale.estimate.planner.plan import problem
 
     try:
-        row = problem(model, gpu, gpus, seq, cluster=cluster).evaluate_layout(layout)
+        row = problem(model=model, gpu=gpu, gpus=gpus, seq=seq, cluster=cluster).evaluate_layout(layout)
     except TrainscaleError as e:
         return None, str(e)
     return (row["memory_per_gpu_bytes"]["total"], row["memory_capacity_bytes"]), None

@@ -136,14 +136,6 @@ def unigram_entropy(counts) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def duration_text(seconds: float | None) -> str:
-    """3725 -> '1h02m05s', 65 -> '1m05s', 4.2 -> '4s'; None -> '?'."""
-    if seconds is None:
-        return "?"
-    s = int(round(seconds))
-    h, rest = divmod(s, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 class StepProfiler:

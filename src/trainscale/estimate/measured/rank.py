@@ -37,6 +37,7 @@ from math import prod
 from typing import Any
 
 from trainscale.estimate.params import embedding_tensors, head_tensors, layer_tensors
+from trainscale.estimate.pipeline import SCHEDULE, in_flight
 from trainscale.placement import (  # where a rank sits: one placement for the planner and the runtime
     MESH_DIMS,
     chunk_len,
@@ -216,6 +217,43 @@ def stage_saved_bytes(m: ModelSpec, micro_batch: int, seq: int, layout: Layout, 
     rope = 2 * s_loc * (m.head_dim // 2) * FP32 if (m.positions == "rope" and layers) else 0.0
     return Activations(layers=per_layer * len(layers), embedding=emb, head=head, rope=rope, per_layer=per_layer,
                        n_layers=len(layers))
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes the heaviest rank holds at its peak (weights, gradients and AdamW state; the activations its stage
+    keeps in flight), and the sum over every rank (what the shared RAM of a CPU job must hold)."""
+
+    state: float
+    activations: float
+    all_ranks: float
+
+    @property
+    def per_rank(self) -> float:
+        return self.state + self.activations
+
+
+def heaviest_rank_memory(m: ModelSpec, layout: Layout, seq: int, global_batch: int, act_bytes: int) -> RankMemory:
+    """What the heaviest rank of this runtime holds for ``layout``: fp32 weights, gradients and AdamW state
+    (``rank_state_bytes``), plus the activations (``stage_saved_bytes`` in ``act_bytes`` per element: 2 in bf16,
+    4 in fp32) of the micro-batches its pipeline stage keeps in flight (``pipeline.in_flight``: 1F1B keeps pp - r,
+    GPipe all of them). Not counted: the CUDA context, allocator caching and transient gathered weights, so a
+    layout that does not fit by this count cannot fit. The first rank of each pipeline stage stands for the stage
+    (it holds torch.chunk's largest shards)."""
+    micro = global_batch // (layout.dp * layout.mb)
+    per_stage: dict[int, tuple[float, float]] = {}
+    for r in range(layout.world_size):
+        c = coords(layout, r)
+        if c["pp"] in per_stage or any(v for k, v in c.items() if k != "pp"):
+            continue
+        state = float(rank_state_bytes(m, layout, r).total)
+        acts = sum(stage_saved_bytes(m, layout.mb, seq, layout, s, act_bytes).total
+                   for s in local_stage_ids(layout, c["pp"]))
+        held = float(in_flight(SCHEDULE.index(layout.schedule), layout.pp, layout.v, micro, c["pp"]))
+        per_stage[c["pp"]] = (state, acts * held)  # held: in whole stages
+    worst = max(per_stage.values(), key=sum)
+    total = sum(map(sum, per_stage.values())) * (layout.world_size // layout.pp)
+    return RankMemory(state=worst[0], activations=worst[1], all_ranks=total)
 
 
 # ----------------------------------------------------------------------------- FLOPs

@@ -14,12 +14,14 @@ from typing import Any, get_args
 import numpy as np
 
 from trainscale.errors import TrainscaleError
+from trainscale.estimate.pipeline import GPIPE as GPIPE  # cfg["schedule"] holds an index into SCHEDULE
+from trainscale.estimate.pipeline import INTERLEAVED as INTERLEAVED
+from trainscale.estimate.pipeline import ONE_F_ONE_B as ONE_F_ONE_B
+from trainscale.estimate.pipeline import SCHEDULE as SCHEDULE
 from trainscale.estimate.pipeline import layer_placement
-from trainscale.specs import ModelSpec, Recompute, Schedule
+from trainscale.specs import ModelSpec, Recompute
 
-SCHEDULE: tuple[str, ...] = get_args(Schedule)  # cfg["schedule"] holds an index into it
 RECOMPUTE: tuple[str, ...] = get_args(Recompute)  # cfg["recompute"] holds an index into it
-GPIPE, ONE_F_ONE_B, INTERLEAVED = (SCHEDULE.index(s) for s in ("gpipe", "1f1b", "interleaved"))
 NO_RECOMPUTE, SELECTIVE, FULL = (RECOMPUTE.index(r) for r in ("none", "selective", "full"))
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainscale.errors import TrainscaleError
+from trainscale.errors import FieldError, TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.planner.plan import Problem, layout_at
 from trainscale.specs import ClusterSpec, ModelSpec, catalog_names, load_model
@@ -156,7 +156,7 @@ def gpus_for_days(p: Problem, target_days: float, upto: int | None = None) -> An
     """The fewest GPUs (up to ``upto``, default the problem's count) whose best layout trains the problem's
     tokens within ``target_days``: a count that does, next to the count below it that does not."""
     if not target_days > 0:
-        raise TrainscaleError(f"--days must be positive, not {target_days}")
+        raise FieldError("target_days", f"must be positive, not {target_days}")
     tokens = _need_tokens(p, "--days")
     s = Searcher(p)
     counts = gpu_counts(p.cluster, upto or p.n_gpus)
@@ -182,7 +182,7 @@ def budget(p: Problem, gpu_hours: float, upto: int | None = None) -> Answer:
     stay within the budget. Without: the count whose best layout trains the most tokens in the budget (the best
     tokens/s per GPU), and how long that takes."""
     if not gpu_hours > 0:
-        raise TrainscaleError(f"--budget-gpu-hours must be positive, not {gpu_hours}")
+        raise FieldError("gpu_hours", f"must be positive, not {gpu_hours}")
     s = Searcher(p)
     counts = gpu_counts(p.cluster, upto or p.n_gpus)
     if not p.train_tokens:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from trainscale import rules
-from trainscale.errors import TrainscaleError
+from trainscale.errors import FieldError, TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.comms import Topology
 from trainscale.estimate.planner.candidates import INTERLEAVED
@@ -99,16 +99,16 @@ class Problem:
 
     def __post_init__(self) -> None:
         if self.n_gpus <= 0:
-            raise TrainscaleError(f"--gpus must be positive, not {self.n_gpus}")
+            raise FieldError("gpus", f"must be positive, not {self.n_gpus}")
         if self.seq <= 0:
-            raise TrainscaleError(f"--seq must be positive, not {self.seq}")
+            raise FieldError("seq", f"must be positive, not {self.seq}")
         if self.global_batch_tokens <= 0 or self.global_batch_tokens % self.seq:
             lo = max(self.seq, self.global_batch_tokens // self.seq * self.seq)
             raise TrainscaleError(
                 f"a global batch of {self.global_batch_tokens:,} tokens is not a whole number of {self.seq:,}-token "
                 f"sequences; use a multiple of {self.seq:,}, e.g. {lo:,} or {lo + self.seq:,}")
         if self.train_tokens is not None and self.train_tokens <= 0:
-            raise TrainscaleError(f"--tokens must be positive, not {self.train_tokens}")
+            raise FieldError("tokens", f"must be positive, not {self.train_tokens}")
         self.global_seqs = self.global_batch_tokens // self.seq
         if self.runnable:
             rules.check_model(self.model)  # a model this runtime cannot build has no runnable layout, said as such
@@ -118,7 +118,7 @@ class Problem:
         ep = self.fix.get("ep")
         if ep is not None:  # a fixed EP degree the model cannot take is said as such, not as "no layout divides"
             if ep < 1:
-                raise TrainscaleError(f"--fix ep={ep}: the expert-parallel degree must be at least 1")
+                raise FieldError("fix", f"ep={ep}: the expert-parallel degree must be at least 1")
             # the experts rules alone, over the whole GPU count (dp is not known yet) for what would divide
             fixed = rules.Case({"ep": np.array([ep]), "dp": np.array([self.n_gpus]), "hsdp": np.array([1])},
                                model=self.model)
@@ -538,7 +538,7 @@ def layout_at(cfg: dict[str, np.ndarray], i: int) -> Layout:
                   last=int(cfg["last"][i]) if "last" in cfg else 0)
 
 
-def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: int = 16384, seq: int = 8192,
+def problem(*, model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: int = 16384, seq: int = 8192,
             global_batch_tokens: int = 2**24, tokens: float | None = None, cluster: str | None = None,
             profile: str | None = None, overrides: dict[str, float] | None = None,
             software: str | Software | None = None, fix: str | dict[str, Any] | None = None,
@@ -547,13 +547,13 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
     """Build a planning problem from catalog names (or files), with the catalog's default efficiencies.
     ``precision`` (bf16 | fp16 | fp8) replaces the software's (fp16: the GEMMs at the bf16 rate, which the A100 and
     H100 datasheets give fp16 too, and the gradients as the software keeps them in fp16); ``runnable`` searches
-    only what this runtime trains."""
+    only what this runtime trains. Keyword-only: fifteen settings read by name, never by position."""
     m = load_model(model)
     cl, g = pick_cluster(gpu, gpus, cluster)
     sw = load_software(software)
     if precision is not None:
         if precision not in PRECISIONS:
-            raise TrainscaleError(f"--precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+            raise FieldError("precision", f"must be one of {', '.join(PRECISIONS)}, not {precision!r}")
         sw = with_knobs(sw, precision=precision)
     sw = resolve_precision(sw)
     if sw.precision == "fp8" and not g.peak_fp8_flops:
@@ -561,7 +561,7 @@ def problem(model: str = "llama3.1-405b", gpu: str | None = "h100-sxm", gpus: in
                               "training cannot be planned on it; use --precision bf16")
     eff = load_efficiencies(g, profile, overrides, g.peak_bf16_flops, g.hbm_bandwidth, g.scale_up_bandwidth)
     if max_v is not None and max_v < 1:
-        raise TrainscaleError(f"--max-v must be at least 1, not {max_v}")
+        raise FieldError("max_v", f"must be at least 1, not {max_v}")
     return Problem(m, g, cl, cluster_topology(cl, g, eff), eff, gpus, seq, global_batch_tokens, tokens,
                    sw, fix or {}, forbid or (), max_v, runnable)
 

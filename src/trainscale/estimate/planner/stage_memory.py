@@ -15,25 +15,14 @@ import numpy as np
 
 from trainscale.estimate import memory
 from trainscale.estimate.params import layer_params
-from trainscale.estimate.planner.candidates import FULL, GPIPE, INTERLEAVED, RECOMPUTE, SELECTIVE, Candidates, per_mode
+from trainscale.estimate.pipeline import in_flight
+from trainscale.estimate.planner.candidates import FULL, RECOMPUTE, SELECTIVE, Candidates, per_mode
 from trainscale.estimate.planner.dp import n_shard, n_shard_experts
 from trainscale.estimate.planner.efficiencies import Efficiencies
 from trainscale.estimate.planner.layer import ACT_BYTES, LOSS_BYTES, layer_gemm_shapes
 from trainscale.estimate.planner.software import Software
 from trainscale.estimate.planner.stages import DenseLayers, StageParams, moe_layer_params
 from trainscale.specs import ModelSpec
-
-
-def in_flight(sched: Any, pp: Any, v: Any, micro: Any, r: Any) -> Any:
-    """Micro-batches (in units of a whole stage's layers) whose activations stage r holds at its peak.
-
-    GPipe keeps all m; 1F1B keeps p - r on stage r (Narayanan et al. 2021 Sec. 2.2.1); interleaved 1F1B runs
-    Megatron's warm-up of (p - r - 1) x 2 + (v - 1) x p chunk forwards, plus the one in flight, each chunk
-    1/v of the stage (Megatron-LM schedules.py forward_backward_pipelining_with_interleaving)."""
-    sched, pp, v, micro, r = (np.asarray(x) for x in (sched, pp, v, micro, r))
-    one_f = np.minimum(pp - r, micro)
-    chunks = np.minimum((pp - r - 1) * 2 + (v - 1) * pp + 1, micro * v)
-    return np.select([sched == GPIPE, sched == INTERLEAVED], [micro, chunks / np.maximum(v, 1)], one_f)
 
 
 def held(c: Candidates, sw: Software, r: Any) -> Any:

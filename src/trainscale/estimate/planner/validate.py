@@ -171,8 +171,8 @@ def load_runs(path: str | Path | None = None) -> list[Run]:
 def predict(run: Run, overrides: dict[str, float] | None = None) -> dict[str, Any]:
     """One run predicted from its own layout and software: the figure it published, and ours. ``overrides``
     replaces planner constants (``--set``), e.g. sustained_clock_fraction=1 for the unfitted model."""
-    p = plan.problem(run.model, None, run.gpus, run.seq, run.global_batch_tokens, cluster=run.cluster,
-                     software=run.software, overrides=overrides, precision=run.precision)
+    p = plan.problem(model=run.model, gpu=None, gpus=run.gpus, seq=run.seq, global_batch_tokens=run.global_batch_tokens,
+                     cluster=run.cluster, software=run.software, overrides=overrides, precision=run.precision)
     row = p.evaluate_layout(Layout.parse(run.layout))
     tps_gpu = row["tokens_per_s"] / run.gpus
     m = p.model

@@ -14,7 +14,9 @@ import ipaddress
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.config import TrainConfig
@@ -121,13 +123,58 @@ def plan_layout(cfg: TrainConfig) -> tuple[str, str]:
     if b is None:
         raise TrainscaleError(result.nothing_fits())
     tps = float(result.res["tokens_per_s"][b])
-    return (layout_string(layout_at(result.cfg, b)),
+    return (str(layout_at(result.cfg, b)),
             f"planner's fastest fitting layout this runtime trains on {n} x {gpu}: {tps:,.0f} tokens/s predicted")
 
 
-def layout_string(lay: Layout) -> str:
-    """The layout as ``Layout.parse`` reads it, micro-batch included."""
-    return str(lay)
+@dataclass(frozen=True)
+class BatchScript:
+    """``trainscale launch --slurm``'s result: the sbatch script (written to ``path``, unless None: for stdout) and
+    what it runs."""
+
+    text: str
+    path: Path | None
+    layout: Layout
+    job: Any  # runtime/job/slurm.SlurmJob
+    log_dir: str
+
+
+def batch_script(config: Path, cfg: Any, *, layout: str | None, sets: list[str], steps: int | None,
+                 out: Path | None, script: Path | None, **job: Any) -> BatchScript:
+    """The Slurm batch script of a training job (runtime/job/slurm.py), written to ``script`` when given (then
+    checked with ``bash -n``). ``cfg``: the config file ``config`` as read with ``steps`` and ``sets``
+    (runtime/init.resolved_config); with ``sets`` the job reads the overridden config, written beside the script
+    (the cluster sees it there). ``job``: SlurmJob's remaining fields (nodes, procs_per_node, ...)."""
+    from trainscale.runtime.config import check_layout
+    from trainscale.runtime.job.slurm import SlurmJob, check_script, sbatch_script
+    from trainscale.safeio import check_output
+
+    lay = Layout.parse(layout if layout is not None else cfg.run.layout)
+    check_layout(cfg, lay)
+    if script is not None:
+        check_output(script, "--script", folder=False, inputs=(config,))
+    if sets:  # the job reads the config with the overrides, written beside the script (the cluster sees it there)
+        if script is None:
+            raise TrainscaleError("--set needs --script: the config with the overrides is written beside it")
+        config = script.with_name(f"{script.name}.config.toml")
+        check_output(config, "the overridden config", folder=False)
+        try:
+            config.write_text(cfg.to_toml())
+        except OSError as e:
+            raise TrainscaleError(f"cannot write {config}: {e.strerror or e}") from None
+    job_name = re.sub(r"[^A-Za-z0-9._-]", "-", cfg.name)[:64] or "trainscale"  # Slurm's name syntax, one line
+    log_dir = str(script.parent.resolve()) if script is not None else "."
+    sj = SlurmJob(config=str(Path(config).resolve()), layout=str(lay), out=str(out or cfg.run.out), steps=steps,
+                  job_name=job_name, log_dir=log_dir, workdir=os.getcwd(), **job)
+    text = sbatch_script(sj)
+    if script is not None:
+        try:
+            script.write_text(text)
+            script.chmod(0o755)
+        except OSError as e:
+            raise TrainscaleError(f"cannot write the script {script}: {e.strerror or e}") from None
+        check_script(script)  # bash -n on the file as written: a failure is a bug (exit 1)
+    return BatchScript(text=text, path=script, layout=lay, job=sj, log_dir=log_dir)
 
 
 def _local_store_class():

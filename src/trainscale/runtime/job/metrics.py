@@ -111,7 +111,7 @@ class MetricsLog:
     def step(self, row: dict[str, Any]) -> None:
         """A training step's row (runtime/train.py), completed with its clocks, attempt and ETA, then written."""
         from trainscale.runtime.job.faults import requeue_count, restart_count
-        from trainscale.runtime.measure import duration_text
+        from trainscale.units import duration_text
 
         step = int(row["step"])
         row["time"] = self.seconds()

@@ -443,7 +443,7 @@ def console_line(row: dict[str, Any], log_every: int, total: int) -> str | None:
     """The console's line for a metrics.jsonl row (``trainscale train`` tails the file), or None: a resume says
     so first ("resumed from step N"), a step every ``log_every`` steps with its ETA (measured step times x the
     steps left, runtime/job/metrics.Eta), a held-out evaluation whenever ``eval_every`` ran one."""
-    from trainscale.runtime.measure import duration_text
+    from trainscale.units import duration_text
 
     if row.get("event") == "resumed":
         return f"resumed from step {int(row['step'])} (steps {int(row['step']) + 1}..{total} follow)"

@@ -1,6 +1,11 @@
-"""Humanising numbers at the edge: code keeps bytes, seconds and FLOPs; people read GB, days, MW."""
+"""Humanising numbers at the edge: code keeps bytes, seconds and FLOPs; people read GB, days, MW.
+
+A leaf (it imports nothing of trainscale), so every layer that prints (runtime's console line, report, commands)
+humanises with the same functions."""
 
 from __future__ import annotations
+
+import re
 
 
 def num(x: float, digits: int = 3) -> str:
@@ -139,3 +144,19 @@ def size(b: float) -> str:
         if abs(b) >= div:
             return f"{b / div:,.1f} {unit}"
     return f"{b:,.0f} B"
+
+
+def duration_text(seconds: float | None) -> str:
+    """3725 -> '1h02m05s', 65 -> '1m05s', 4.2 -> '4s'; None -> '?'."""
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def short_source(src: str) -> str:
+    """A citation for a table cell: the first clause, without long parenthetical figure lists."""
+    first = src.split(";")[0]
+    return re.sub(r" \([^)]{40,}\)", "", first)
