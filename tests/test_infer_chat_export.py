@@ -15,6 +15,7 @@ from _chat_fixtures import chat_folder
 from typer.testing import CliRunner
 
 from trainscale.cli import app
+from trainscale.errors import TrainscaleError
 
 transformers = pytest.importorskip("transformers")
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -106,3 +107,23 @@ def test_llama_cpp_chat_completion_on_the_gguf_answers_as_generate_chat(source, 
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "stop"  # llama.cpp stopped at the end of the turn, not at max_tokens
     assert choice["message"]["content"] == ours["chat"]["reply"] == tok.decode(new[:-1], skip_special_tokens=True)
+
+
+def test_generate_chat_stops_at_every_end_id_of_the_folder(source, tmp_path):
+    """A folder whose eos_token is <|end_of_text|> and whose generation_config.json also lists <|eot_id|> (as Llama
+    3.1 Instruct's lists three ids): the reply stops at <|eot_id|>, which only generation_config.json names."""
+    import shutil
+
+    folder = tmp_path / "two-ends"
+    shutil.copytree(source, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": "<|end_of_text|>"}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [END_OF_TEXT, EOT]}))
+    user = CONVERSATIONS[0][0]["content"]
+    out = cli("generate", str(folder), "--chat", "-p", user, "--temperature", "0", "-n", str(N))
+    assert out["token_ids"][-1] == EOT and len(out["token_ids"]) < N and out["chat"]["end_of_turn"] is True
+    assert out["chat"]["reply"] == cli("generate", str(source), "--chat", "-p", user, "--temperature", "0", "-n",
+                                       str(N))["chat"]["reply"]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [END_OF_TEXT, 99999]}))
+    r = CliRunner().invoke(app, ["generate", str(folder), "--chat", "-p", user, "-n", "2"])
+    assert isinstance(r.exception, TrainscaleError) and "not a token of the tokenizer" in str(r.exception)

@@ -52,18 +52,19 @@ def generate(
         raise TrainscaleError("--system is a chat message; give it with --chat")
     sampling = Sampling(temperature, top_k, top_p, seed).check()
     model, spec, folder = load_for_inference(checkpoint)
-    if chat:
+    if chat:  # a chat reply ends at any of the folder's end ids (generation_config.json may list several)
         rendered = chat_prompt(folder, prompt, system)
-        tok, ids, stop_id = rendered.tokenizer, rendered.ids, rendered.stop_id
+        tok, ids, stops = rendered.tokenizer, rendered.ids, rendered.stop_ids
     else:
         tok = load_tokenizer_for(folder)
-        ids, stop_id = tok.encode(prompt).ids, stop_token_id(tok, folder)
+        ids, stops = tok.encode(prompt).ids, (stop_token_id(tok, folder),)
+    stops = tuple(i for i in stops if i is not None) if stop else ()
     dt = getattr(torch, kv_dtype)
     t0 = time.perf_counter()
-    g = generate_ids(model, ids, max_new_tokens, sampling, kv_dtype=dt, stop_id=stop_id if stop else None)
+    g = generate_ids(model, ids, max_new_tokens, sampling, kv_dtype=dt, stop_id=stops)
     secs = time.perf_counter() - t0
     predicted = kv_cache_bytes(spec, g.kv_capacity, 1, torch.empty((), dtype=dt).element_size())
-    ended = stop and stop_id is not None and g.new_ids[-1:] == [stop_id]
+    ended = bool(g.new_ids) and g.new_ids[-1] in stops
     text = tok.decode(g.new_ids[:-1] if ended else g.new_ids)
     out = {
         "checkpoint": str(folder), "prompt": prompt, "completion": text, "prompt_tokens": len(ids),

@@ -165,4 +165,5 @@ def chat_prompt(folder: Path, prompt: str, system: str | None = None) -> ChatPro
         [{"role": "user", "content": prompt}]
     text, ids = encode_prompt(tok, messages)
     ends = read_chat_files(here, tok.tokenizer).end_ids
-    return ChatPrompt(here, text, ids, tok.tokenizer, ends[0] if ends else stop_token_id(tok.tokenizer, here), ends)
+    first = ends[0] if ends else stop_token_id(tok.tokenizer, here)
+    return ChatPrompt(here, text, ids, tok.tokenizer, first, ends or ((first,) if first is not None else ()))
