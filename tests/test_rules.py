@@ -140,9 +140,10 @@ def test_context_parallel_attention_rules_are_known_to_the_runnable_search():
     offers no cp > 1 for such a model, where the plain search does."""
     for update in ({"sliding_window": 4096}, {"attn_softcap": 50.0}):
         model = L8.model_copy(update=update)
-        runnable = plan.problem(model, "h100-sxm", 64, 8192, 2**24, runnable=True).search()
+        kw = {"model": model, "gpu": "h100-sxm", "gpus": 64, "seq": 8192, "global_batch_tokens": 2**24}
+        runnable = plan.problem(**kw, runnable=True).search()
         assert runnable.n_valid > 0 and set(runnable.cfg["cp"].tolist()) == {1}, update
-        assert (plan.problem(model, "h100-sxm", 64, 8192, 2**24).search().cfg["cp"] > 1).any(), update
+        assert (plan.problem(**kw).search().cfg["cp"] > 1).any(), update
 
 
 def test_documents_apart_is_refused_under_cp_or_pp_only():
