@@ -73,23 +73,24 @@ $TS lora runs/llama32 --data examples/chat.jsonl --rank 8 --steps 60 --merge --o
 $TS export runs/llama32-lora runs/llama32-peft --to peft
 $TS export runs/llama32-lora runs/llama32.gguf --to gguf
 .venv/bin/python - <<'PY' 2>/dev/null
-# peft puts the adapter on transformers' model of the folder; llama.cpp runs the merged GGUF: the same reply
+# the exports carry the chat: transformers renders the question with the PEFT folder's own tokenizer files and puts
+# the adapter on the base; llama.cpp answers the merged GGUF through its own chat completion (the file's template
+# and end-of-turn id): the same reply, stopped at the end of the turn
 import torch
 from llama_cpp import Llama
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-tok = AutoTokenizer.from_pretrained("runs/llama32")
+tok = AutoTokenizer.from_pretrained("runs/llama32-peft")
 question = [{"role": "user", "content": "What is a good way to learn to cook?"}]
-prompt = tok.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
-ids = tok(prompt, add_special_tokens=False).input_ids
+ids = tok.apply_chat_template(question, add_generation_prompt=True, return_dict=True)["input_ids"]
 model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("runs/llama32"), "runs/llama32-peft").eval()
 with torch.no_grad():
-    out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_token_id)
 print("transformers + peft (adapter):", repr(tok.decode(out[0, len(ids):], skip_special_tokens=True)))
 llm = Llama(model_path="runs/llama32.gguf", n_ctx=256, verbose=False)
-reply = llm.create_completion(prompt, max_tokens=24, temperature=0.0)["choices"][0]["text"]
-print("llama.cpp (merged GGUF):     ", repr(reply))
+reply = llm.create_chat_completion(question, max_tokens=24, temperature=0.0)["choices"][0]["message"]["content"]
+print("llama.cpp (merged GGUF, its own chat template):", repr(reply))
 PY
 $TS generate runs/llama32-lora --chat --prompt "What is a good way to learn to cook?" --temperature 0 \
   --max-new-tokens 24   # trainscale's own generate, the prompt rendered with the folder's chat template

@@ -458,7 +458,8 @@ def train_adapters(model, next_batch, steps: int, lr: float, seed: int = 0, prog
 
 # the tokenizer's files an adapter folder carries from its base: the vocabulary, and a Hugging Face folder's
 # settings (eos_token, chat_template: transformers' tokenizer_config.json / special_tokens_map.json)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")  # and every id that ends a reply (infer/chatfiles.py)
 
 
 def save_adapter_folder(out: Path, model, spec, base_folder: Path, config: dict[str, Any]) -> Path:
