@@ -47,6 +47,7 @@ def test_runtime_mfu_equals_the_planners(model, gpus, seq, layout):
     assert r["mfu_by_convention"]["6N+attention causal"] == pytest.approx(r["mfu"])
 
 
+@pytest.mark.dist
 def test_a_real_run_logs_the_planners_mfu(tmp_path):
     """A real `trainscale train` (one CPU process): its FLOPs per token are the planner's for its model and
     sequence, and every MFU it logs is tokens/s x those FLOPs / its peak, under the convention it names."""

@@ -21,6 +21,8 @@ import torch
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.artifact import find_model_folder
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_ckpt_worker.py"
 LAYOUTS = ["dp2", "tp2", "pp2", "fsdp2", "cp2", "pp2,v2,interleaved", "moe:dp2,ep2"]

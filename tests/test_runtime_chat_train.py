@@ -21,6 +21,8 @@ from trainscale.runtime.data.corpus import corpus_for
 from trainscale.runtime.data.loader import TokenLoader
 from trainscale.runtime.model import IGNORE, build_model, lm_loss
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "chat.jsonl"
 STEPS = 6

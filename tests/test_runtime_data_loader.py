@@ -90,6 +90,7 @@ def _losses(out: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["loss"]) for r in rows if "loss" in r and "step_time_s" in r}
 
 
+@pytest.mark.dist
 def test_resume_under_another_dp_and_pp_continues_on_the_same_sequences(tmp_path):
     jsonl = tmp_path / "user.jsonl"
     paragraphs = [p for p in corpus_text("train", 120_000).split("\n\n") if p.strip()]

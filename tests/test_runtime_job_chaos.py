@@ -21,6 +21,8 @@ import pytest
 
 from trainscale.runtime.job.checkpoint import committed_steps, latest_good, verify
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16
 ENV = {**os.environ, "TRAINSCALE_CPU_PEAK": "1e11", "PYTHONPATH": os.pathsep.join(

@@ -23,6 +23,8 @@ from trainscale.runtime.job.elastic import layout_for_world
 from trainscale.runtime.parallel.mesh import free_port
 from trainscale.specs import Layout
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 STEPS = 20

@@ -12,6 +12,8 @@ import pytest
 from trainscale.runtime.job.checkpoint import committed_steps
 from trainscale.runtime.job.launch import torchrun_command
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = "\n[checkpoint]\nevery_steps = {every}\nkeep = 3\ncollective_timeout_s = {timeout}\n"
 

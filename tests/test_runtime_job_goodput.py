@@ -10,6 +10,8 @@ import pytest
 
 from trainscale.runtime.job.runfolder import RunFolder, launch_wall
 
+pytestmark = pytest.mark.dist
+
 
 def _rows(*spec):
     rows = []

@@ -14,6 +14,8 @@ import pytest
 
 from trainscale.runtime.parallel.mesh import free_port
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 STEPS = 6

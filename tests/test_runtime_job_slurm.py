@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from slurm_cluster import SlurmCluster, slurm_missing
 
+pytestmark = pytest.mark.service
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 STEPS = 24

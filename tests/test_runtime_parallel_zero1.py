@@ -24,6 +24,8 @@ from trainscale.estimate.measured.rank import ADAM_STEP_BYTES, rank_state_bytes
 from trainscale.runtime.config import load_config
 from trainscale.specs import Layout
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"
 STEPS, SAVE_AT = 8, 4
