@@ -58,6 +58,7 @@ def tok_file(tmp_path_factory) -> Path:
 # --------------------------------------------------------------------------- many files, few open
 
 
+@pytest.mark.dist
 def test_5000_files_prepare_and_train_under_ulimit_256(tmp_path):
     """5,000 small files become a few hundred shards, and prepare-data and an 8-step training run both work with at
     most 256 open files: the run's 512 sequences and 64 held-out ones touch more shards than that limit, so
