@@ -1,5 +1,6 @@
-"""Issue 4, the command line: `trainscale train` (torchrun underneath, run folder, consolidated model)
-(`launch --slurm` is tests/test_runtime_job_slurm.py); bad input is one line and exit code 2."""
+"""`trainscale train` on the command line: torchrun underneath, the run folder, a consolidated model, the memory
+pre-flight and --dry-run; bad input is one line and exit code 2 (`launch --slurm` is tests/test_runtime_job_slurm.py;
+issue 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 19 item 2: one FLOP convention per printed number. explain, plan, report and the runtime count a model's
+"""One FLOP convention per printed number (issue 19 item 2). explain, plan, report and the runtime count a model's
 training FLOPs with one function (estimate/flops.py training_flops_per_token / training_compute: 6N + 6LHQT, N the
 matmul weights a token passes through, active ones for a MoE, attention halved for causal masking)."""
 

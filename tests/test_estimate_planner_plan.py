@@ -1,4 +1,5 @@
-"""Issue 3: the planner, pinned to Llama 3's Table 4 (arXiv 2407.21783) and to the textbook formulas.
+"""The planner's search and step model, pinned to Llama 3's Table 4 (arXiv 2407.21783) and to the textbook formulas
+(issue 3).
 
 Table 4 (405B on H100s, peak 989 TFLOP/s BF16 dense):
   GPUs    TP CP PP DP   seq      batch/DP  tokens/batch  TFLOP/s/GPU  BF16 MFU

@@ -1,4 +1,5 @@
-"""Issue 12: the step-time/memory model from shapes, software as an input, and `trainscale validate`."""
+"""The planner's step time and memory from shapes (roofline GEMMs, in-flight micro-batches), software as an input,
+and `trainscale validate` against published runs (issue 12)."""
 
 from __future__ import annotations
 

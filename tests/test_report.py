@@ -1,4 +1,5 @@
-"""Issue 7: the report renders, and a reader's browser sees every image and no console errors."""
+"""The HTML report renders, and a reader's browser (headless Chromium) sees every image and no console errors
+(issue 7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 21 item 2: the real trainer on chat data (examples/chat.jsonl, a Llama-3-style chat template). The loss
+"""The real trainer on chat data (examples/chat.jsonl, a Llama-3-style chat template; issue 21 item 2). The loss
 is the mean over the learned targets of the whole global batch, so real processes under dp2, tp2 and fsdp2 give
 the single process's losses; a run started from a Hugging Face folder uses its tokenizer and chat template and
 leaves them in final/."""

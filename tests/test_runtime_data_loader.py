@@ -1,6 +1,6 @@
-"""Issue 13: the loader's position is global (sequences consumed by the whole job), so a run saved under
-one layout resumes under another on exactly the sequences the uninterrupted run would have read; real
-processes (torchrun) train on a user's JSONL shards."""
+"""The loader's position is global (sequences consumed by the whole job), so a run saved under one layout resumes
+under another on exactly the sequences the uninterrupted run would have read; real processes (torchrun) train on a
+user's JSONL shards (issue 13)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 22, data at scale: shards decoupled from input files (5,000 files prepared and trained on under
+"""Data at scale (issue 22): shards decoupled from input files (5,000 files prepared and trained on under
 ``ulimit -n 256``), a bounded cache of shard maps, weighted mixtures that draw their weights and resume exactly,
 and token ids people already have (Megatron .bin/.idx, numpy .npy) read back equal, corrupt ones refused."""
 

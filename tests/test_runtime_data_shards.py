@@ -1,4 +1,4 @@
-"""Issue 13, your own data: `trainscale prepare-data` turns JSONL / Parquet / text into token shards
+"""Your own data (issue 13): `trainscale prepare-data` turns JSONL / Parquet / text into token shards
 (runtime/data/shards.py); `trainscale train` learns from them (held-out loss below the unigram baseline);
 re-running is a no-op, an interrupted run resumes, bad input is one line and exit code 2 with nothing
 half-written."""

@@ -1,4 +1,4 @@
-"""Issue 15, elastic: a job of 2 nodes x 2 processes (`--nnodes 1:2`, two torchrun agents on loopback)
+"""Elastic training (issue 15): a job of 2 nodes x 2 processes (`--nnodes 1:2`, two torchrun agents on loopback)
 loses one node mid-run; the survivor's agent re-forms the job on 2 processes, the layout is re-planned
 (dp4 -> dp2, runtime/job/elastic.py), training resumes from the newest checkpoint by resharding, and the job
 finishes. Its losses from the resume point equal a run started from that checkpoint on the smaller layout."""

@@ -1,5 +1,5 @@
-"""Issue 5: real processes under torchrun crash, hang and die mid-save; the job restarts, resumes
-from the newest good checkpoint and ends with the same losses as an uninterrupted run."""
+"""Real processes under torchrun crash, hang and die mid-save; the job restarts, resumes from the newest good
+checkpoint and ends with the same losses as an uninterrupted run (issue 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 15, many nodes: two torchrun agents on loopback (`trainscale train --nnodes 2 --rdzv-endpoint`),
+"""Many nodes (issue 15): two torchrun agents on loopback (`trainscale train --nnodes 2 --rdzv-endpoint`),
 each as a separate "node" with one process, training dp2 together — with a shared run folder and with a
 run folder per node. Only the node that runs rank 0 writes the run folder's files, every node writes its
 own log, no node ends in a traceback, and the losses equal a one-node dp2 run's."""

@@ -1,4 +1,4 @@
-"""Issue 14, the run: a mixture-of-experts model (configs/moe-tiny.toml: 1 dense + 3 MoE layers of 8 experts,
+"""A mixture-of-experts run (issue 14): a model (configs/moe-tiny.toml: 1 dense + 3 MoE layers of 8 experts,
 top-2, a gated shared expert) trained 10 steps in fp32 on CPU (gloo) under expert-parallel layouts gives the
 single-process losses to 1e-4 relative (as tests/test_runtime_parallel_parity.py for dense layouts); its metrics
 carry the per-expert token counts and the all-to-all time; an EP checkpoint resumes at another EP size on

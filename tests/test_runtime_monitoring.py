@@ -1,6 +1,6 @@
-"""Monitoring a long run (issue 22, items 5 and 6): ``[train] eval_every`` held-out losses, TensorBoard after two
+"""Monitoring a long run: ``[train] eval_every`` held-out losses, TensorBoard after two
 kill + ``--resume`` restarts, the console of a resumed run, the ETA, ``[profile]``, the optional sinks, and
-``report --run`` of that run (the run first, each restart marked).
+``report --run`` of that run (the run first, each restart marked; issue 22, items 5 and 6).
 
 The run under test is the tiny config for 8 steps (checkpoint every 3, eval every 2, 8 held-out sequences):
 uninterrupted, and killed twice (an abrupt ``os._exit`` of the rank before step 5, then before step 8, each

@@ -1,4 +1,4 @@
-"""Issue 19, zero1 in the runtime: the optimizer state sharded over the data-parallel ranks with whole weights and
+"""zero1 in the runtime (issue 19): the optimizer state sharded over the data-parallel ranks with whole weights and
 gradients on every rank (Megatron-LM's distributed optimizer; runtime/parallel/zero1.py).
 
 - the losses of zero1 layouts (dp, with tensor parallelism, with a pipeline, with gradient accumulation, HSDP)

@@ -1,4 +1,4 @@
-"""Issue 8, the plan checked against the runtime: for real layouts run by real processes (gloo), each rank's
+"""The plan checked against the runtime (issue 8): for real layouts run by real processes (gloo), each rank's
 parameter, gradient and AdamW bytes equal estimate/measured/rank.py's prediction exactly, the activations autograd
 saves for backward match to 1 % (the issue asks 10 %) under no / selective / full recomputation, and the
 FLOPs torch's FlopCounterMode counts in a step match to 2 %. Llama-style (RMSNorm, GQA, RoPE, SwiGLU) and

@@ -1,4 +1,4 @@
-"""Issue 21 item 6: runs continue correctly. The learning-rate schedules against their formulas; a resumed run
+"""Runs continue correctly (issue 21 item 6). The learning-rate schedules against their formulas; a resumed run
 keeps its schedule whatever --steps says (its losses are the uninterrupted run's, bit for bit: fp32 on CPU);
 going past the run's total is explicit (--extend), and a WSD run extended in its stable phase is the longer run;
 a refused resume writes nothing. One-process runs of the tiny config (python -m trainscale.runtime.train)."""

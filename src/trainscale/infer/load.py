@@ -2,8 +2,8 @@
 resharded into one: runtime/artifact.find_model_folder), a quantized
 folder (quantized.safetensors, dequantized to fp32 on load), a LoRA adapter folder (adapter.json
 naming its base; the adapters are folded into the base weights on load) and a Hugging Face model folder
-(config.json + model.safetensors or shards named by model.safetensors.index.json, + tokenizer.json), read
-through the one Hugging Face bridge (runtime/hf_init.py: hf_folder_spec, load_into) into trainscale's model.
+(config.json + model.safetensors or shards named by model.safetensors.index.json, + tokenizer.json), read into
+trainscale's model by runtime/hf_init.py (hf_folder_spec, check_hf_weights, load_into) through trainscale/hf.py.
 
 It sits above the folder formats it reads (infer/quantize.py, infer/lora.py, runtime/artifact.py), which
 import nothing from it: the pipelines that start from a folder (commands/, export) load through here."""
