@@ -19,8 +19,8 @@ from tests.test_specs_moe import DEEPSEEK_V3, MIXTRAL
 from trainscale.cli import app
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
+from trainscale.estimate.flops import matmul_params
 from trainscale.estimate.planner import plan
-from trainscale.estimate.planner.step import matmul_params
 from trainscale.estimate.planner.validate import load_runs, predict
 from trainscale.specs import Layout, load_model
 

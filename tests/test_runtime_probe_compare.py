@@ -196,7 +196,7 @@ bus_bandwidth = 3.6e11
 def test_planner_takes_a_calibrated_gpu_profile(tmp_path):
     """A profile `trainscale calibrate` wrote on an H100 replaces the catalog defaults: figures over the
     datasheet (H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s HBM, NVLink 450 GB/s per direction)."""
-    from trainscale.estimate.planner.step import load_efficiencies
+    from trainscale.estimate.planner.efficiencies import load_efficiencies
 
     path = tmp_path / "h100.toml"
     path.write_text(GPU_PROFILE)

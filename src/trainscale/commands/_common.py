@@ -214,8 +214,8 @@ def rank_memory(cfg: Any, lay: Any, bf16: bool) -> dict[str, float]:
     allocator caching and transient gathered weights, so a layout refused here cannot fit. Also the sum over
     ranks (what a CPU job's shared RAM must hold)."""
     from trainscale.estimate.measured import rank as R
+    from trainscale.estimate.planner.candidates import SCHEDULE
     from trainscale.estimate.planner.stage_memory import in_flight
-    from trainscale.estimate.planner.step import SCHEDULE
 
     m, t = cfg.model, cfg.train
     micro = t.global_batch // (lay.dp * lay.mb)
