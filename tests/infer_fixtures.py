@@ -63,9 +63,11 @@ _BUILT: dict[str, Path] = {}
 @pytest.fixture(scope="session")
 def small_model_dir(tmp_path_factory) -> Path:
     """Trained once per test session: each test module imports this fixture, which pytest registers per
-    module, so the folder is cached here (this module is imported once). Tests must not write into it."""
+    module, so the folder is cached here (this module is imported once). Tests must not write into it.
+    100 steps of 8 sequences (a fifth of train_small_model's default tokens, which benchmarks keep): the fast
+    loop's one in-process training run, a trained model's text for the tests that read it."""
     if "small" not in _BUILT:
-        _BUILT["small"] = train_small_model(tmp_path_factory.mktemp("infer") / "small")
+        _BUILT["small"] = train_small_model(tmp_path_factory.mktemp("infer") / "small", steps=100, batch=8)
     return _BUILT["small"]
 
 

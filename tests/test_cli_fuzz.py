@@ -1,4 +1,5 @@
-"""Issue 16: property-based fuzzing of every sub-command, in-process (trainscale.cli.main with sys.argv).
+"""Every sub-command under property-based fuzzing ends in exit 0, or 2 / 1 with one line on stderr, never a traceback
+(in-process: trainscale.cli.main with sys.argv; issue 16).
 
 Layout strings, config TOML files, Hugging Face config.json files, model folders whose files lie,
 numeric flags (negative, zero, NaN, inf, 1e400, 20-digit) and paths (missing, FIFO, device, folder

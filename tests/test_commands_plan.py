@@ -1,6 +1,6 @@
-"""Issue 22 item 3: `trainscale plan` read by a person at 80 columns, and asked backwards (--days,
---budget-gpu-hours, --max-model). The printed numbers are read back and checked against the planner's own
-Problem/SearchResult; the inverse answers against the planner's search on the neighbouring GPU counts."""
+"""`trainscale plan` read by a person at 80 columns, and asked backwards (--days, --budget-gpu-hours, --max-model;
+issue 22 item 3). The printed numbers are read back and checked against the planner's own Problem/SearchResult;
+the inverse answers against the planner's search on the neighbouring GPU counts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 20: `trainscale plan --explain-step`, a layout's step kernel by kernel. Its items come from the planner's own
+"""`trainscale plan --explain-step`, a layout's step kernel by kernel (issue 20). Its items come from the planner's own
 evaluation (estimate/planner/breakdown.py reads step.step_parts), so their exposed times must add up to the step
 time `plan` prints, for every kind of layout; a collective's bytes are checked against a hand count and against
 the time the planner gives it."""

@@ -1,5 +1,6 @@
-"""Issue 4, the command line: `trainscale train` (torchrun underneath, run folder, consolidated model)
-(`launch --slurm` is tests/test_runtime_job_slurm.py); bad input is one line and exit code 2."""
+"""`trainscale train` on the command line: torchrun underneath, the run folder, a consolidated model, the memory
+pre-flight and --dry-run; bad input is one line and exit code 2 (`launch --slurm` is tests/test_runtime_job_slurm.py;
+issue 4)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def ts(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.dist
 def test_train_writes_the_run_folder_and_a_loadable_model(tmp_path):
     out = tmp_path / "run"
     p = ts("train", "--config", str(TINY), "--layout", "pp2,gpipe", "--steps", "4", "--out", str(out), "--json")
@@ -159,6 +161,7 @@ def _snapshot(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*"))}
 
 
+@pytest.mark.dist
 def test_a_refused_resume_is_one_sentence_and_changes_nothing_in_the_run_folder(tmp_path):
     """Main before this: `--resume` on a finished run without checkpoints printed "no complete checkpoint to resume
     from: starting at step 0" and trained from scratch over it; a refusal rewrote run.json to "running" and counted
@@ -226,6 +229,7 @@ def test_launch_set_writes_the_overridden_config_beside_the_script(tmp_path):
     assert p.returncode == 2 and "--set needs --script" in p.stderr
 
 
+@pytest.mark.dist
 def test_set_overrides_are_the_runs_config_and_resume_sees_them(tmp_path):
     out = tmp_path / "run"
     cfg = _short(tmp_path)

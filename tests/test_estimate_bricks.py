@@ -1,4 +1,4 @@
-"""Issue 2: the catalog and the seed's arithmetic, pinned to published figures.
+"""The catalog and the seed's arithmetic (params, FLOPs, memory, comms, power), pinned to published figures (issue 2).
 
 Seed: ../shared/seed/why-training-takes-a-data-center.md (kirupa.com, "Why Training Takes a Data Center").
 """

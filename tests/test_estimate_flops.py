@@ -1,4 +1,4 @@
-"""Issue 19 item 2: one FLOP convention per printed number. explain, plan, report and the runtime count a model's
+"""One FLOP convention per printed number (issue 19 item 2). explain, plan, report and the runtime count a model's
 training FLOPs with one function (estimate/flops.py training_flops_per_token / training_compute: 6N + 6LHQT, N the
 matmul weights a token passes through, active ones for a MoE, attention halved for causal masking)."""
 
@@ -47,6 +47,7 @@ def test_runtime_mfu_equals_the_planners(model, gpus, seq, layout):
     assert r["mfu_by_convention"]["6N+attention causal"] == pytest.approx(r["mfu"])
 
 
+@pytest.mark.dist
 def test_a_real_run_logs_the_planners_mfu(tmp_path):
     """A real `trainscale train` (one CPU process): its FLOPs per token are the planner's for its model and
     sequence, and every MFU it logs is tokens/s x those FLOPs / its peak, under the convention it names."""

@@ -1,5 +1,5 @@
-"""The planner's model read from the kernels, papers and recipes it cites (issue 20): each test holds one figure
-against a count made by hand from the cited source."""
+"""The planner's model read from the kernels, papers and recipes it cites: each test holds one figure against a
+count made by hand from the cited source (issue 20)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Issue 14, the planner side: a mixture of experts counted (compute from the active parameters, state from the
-total), expert parallelism in the plan and the search, FP8 GEMMs, and the DeepSeek-V3 validation row.
+"""The planner's mixture of experts: compute counted from the active parameters, state from the total, expert
+parallelism in the plan and the search, FP8 GEMMs, and the DeepSeek-V3 validation row (issue 14, the planner side).
 
 Published figures: DeepSeek-V3 671B total / 37B activated (arXiv 2412.19437 abstract), 2.664M H800 GPU-hours of
 pre-training for 14.8T tokens (Table 1); Mixtral 8x7B 46.7B total / 12.9B active (arXiv 2401.04088).
@@ -19,8 +19,8 @@ from tests.test_specs_moe import DEEPSEEK_V3, MIXTRAL
 from trainscale.cli import app
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import flops
+from trainscale.estimate.flops import matmul_params
 from trainscale.estimate.planner import plan
-from trainscale.estimate.planner.step import matmul_params
 from trainscale.estimate.planner.validate import load_runs, predict
 from trainscale.specs import Layout, load_model
 

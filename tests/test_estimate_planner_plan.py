@@ -1,4 +1,5 @@
-"""Issue 3: the planner, pinned to Llama 3's Table 4 (arXiv 2407.21783) and to the textbook formulas.
+"""The planner's search and step model, pinned to Llama 3's Table 4 (arXiv 2407.21783) and to the textbook formulas
+(issue 3).
 
 Table 4 (405B on H100s, peak 989 TFLOP/s BF16 dense):
   GPUs    TP CP PP DP   seq      batch/DP  tokens/batch  TFLOP/s/GPU  BF16 MFU
@@ -21,7 +22,7 @@ from typer.testing import CliRunner
 from trainscale.cli import app
 from trainscale.errors import TrainscaleError
 from trainscale.estimate import comms, memory, pipeline
-from trainscale.estimate.planner import plan, step
+from trainscale.estimate.planner import efficiencies, plan
 from trainscale.estimate.planner.validate import convention_flops_per_token
 from trainscale.specs import Layout, load_model
 
@@ -234,15 +235,15 @@ def test_memory_functions_take_arrays():
 
 
 def test_efficiencies_have_sources_and_overrides(tmp_path):
-    e = step.load_efficiencies("h100-sxm")
+    e = efficiencies.load_efficiencies("h100-sxm")
     assert all(e.sources[k] for k in e.as_dict())
-    e2 = step.load_efficiencies("h100-sxm", overrides={"matmul_efficiency": 0.7})
+    e2 = efficiencies.load_efficiencies("h100-sxm", overrides={"matmul_efficiency": 0.7})
     assert e2.matmul_efficiency == 0.7
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"matmul_flops": 600e12}))
-    assert step.load_efficiencies("h100-sxm", prof, peak_flops=1000e12).matmul_efficiency == pytest.approx(0.6)
+    assert efficiencies.load_efficiencies("h100-sxm", prof, peak_flops=1000e12).matmul_efficiency == pytest.approx(0.6)
     with pytest.raises(TrainscaleError):
-        step.load_efficiencies(overrides={"nope": 1})
+        efficiencies.load_efficiencies(overrides={"nope": 1})
 
 
 # ------------------------------------------------------------------ CLI

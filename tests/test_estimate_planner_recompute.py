@@ -1,5 +1,5 @@
-"""Full activation recomputation as torch runs it (issue 20, the activation-checkpointing split): torch's
-non-reentrant checkpoint stops its recomputation early, before a block's last GEMM, and the planner charges that."""
+"""Full activation recomputation as torch runs it: torch's non-reentrant checkpoint stops its recomputation early,
+before a block's last GEMM, and the planner charges that (issue 20, the activation-checkpointing split)."""
 
 from __future__ import annotations
 

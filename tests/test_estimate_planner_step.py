@@ -55,7 +55,7 @@ def test_codes_are_the_specs_literals():
     assert SCHEDULE == get_args(Schedule) and RECOMPUTE == get_args(Recompute)
     assert (SCHEDULE[GPIPE], SCHEDULE[ONE_F_ONE_B], SCHEDULE[INTERLEAVED]) == ("gpipe", "1f1b", "interleaved")
     assert (RECOMPUTE[NO_RECOMPUTE], RECOMPUTE[SELECTIVE], RECOMPUTE[FULL]) == ("none", "selective", "full")
-    assert step.SCHEDULE is SCHEDULE and step.RECOMPUTE is RECOMPUTE  # what plan.py imports
+    assert plan.SCHEDULE is SCHEDULE and plan.RECOMPUTE is RECOMPUTE  # what plan.py imports
 
 
 DENSE = ("tp8,pp4,dp2,mb1,v2,interleaved,zero1,rc=selective", "tp4,cp2,pp2,dp8,mb2,gpipe,zero3,rc=full",

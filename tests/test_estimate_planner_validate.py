@@ -1,4 +1,5 @@
-"""Issue 12: the step-time/memory model from shapes, software as an input, and `trainscale validate`."""
+"""The planner's step time and memory from shapes (roofline GEMMs, in-flight micro-batches), software as an input,
+and `trainscale validate` against published runs (issue 12)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from typer.testing import CliRunner
 
 from trainscale.cli import app
 from trainscale.errors import TrainscaleError
-from trainscale.estimate import memory
+from trainscale.estimate import flops, memory
 from trainscale.estimate.params import param_count
-from trainscale.estimate.planner import plan, step
+from trainscale.estimate.planner import efficiencies, layer, plan, stage_memory
 from trainscale.estimate.planner.intervals import MIN_ROWS, interval_for
 from trainscale.estimate.planner.software import load_software, software_names
 from trainscale.estimate.planner.validate import (
@@ -36,17 +37,17 @@ from trainscale.specs import Layout, load_gpu, load_model
 
 def test_gemm_rate_rises_with_shape_toward_the_roofline():
     g = load_gpu("h100-sxm")
-    eff = step.load_efficiencies("h100-sxm")
+    eff = efficiencies.load_efficiencies("h100-sxm")
     f_mm, hbm = g.peak_bf16_flops * eff.matmul_efficiency, g.hbm_bandwidth * eff.hbm_efficiency
     sizes = np.array([64, 256, 1024, 4096, 16384])
-    t = step.gemm_time(sizes, sizes, sizes, f_mm, hbm, g.sm_count, eff.launch_gap_s)
+    t = layer.gemm_time(sizes, sizes, sizes, f_mm, hbm, g.sm_count, eff.launch_gap_s)
     rate = 2.0 * sizes**3 / t
     assert np.all(np.diff(rate) > 0)  # achieved FLOP/s grows with the shape...
     assert rate[-1] == pytest.approx(f_mm, rel=0.02) and rate[-1] <= f_mm  # ...up to the sustained ceiling
     assert rate[0] < 0.05 * f_mm  # a tiny GEMM is launch- and memory-bound
     # a partial wave idles SMs: 12 x 11 = 132 tiles fill 132 SMs once; one more column makes 144 tiles, two waves
-    one = step.gemm_time(128 * 12, 8192, 128 * 11, f_mm, hbm, 132)
-    two = step.gemm_time(128 * 12, 8192, 128 * 11 + 1, f_mm, hbm, 132)
+    one = layer.gemm_time(128 * 12, 8192, 128 * 11, f_mm, hbm, 132)
+    two = layer.gemm_time(128 * 12, 8192, 128 * 11 + 1, f_mm, hbm, 132)
     assert two / one == pytest.approx(2.0, rel=0.05)
 
 
@@ -71,9 +72,9 @@ def test_405b_pp16_llama3_placement_is_judged_by_its_heaviest_stage():
 
 def test_in_flight_micro_batches_per_schedule():
     # 1F1B: p - r on stage r; interleaved: Megatron's warm-up (p - r - 1) x 2 + (v - 1) x p, + 1, in chunks of 1/v
-    assert step.in_flight(1, 16, 1, 32, np.array([0, 1, 15])).tolist() == [16, 15, 1]
-    assert step.in_flight(2, 16, 8, 32, 0) == pytest.approx((15 * 2 + 7 * 16 + 1) / 8)
-    assert step.in_flight(0, 16, 1, 32, 3) == 32  # GPipe keeps every micro-batch
+    assert stage_memory.in_flight(1, 16, 1, 32, np.array([0, 1, 15])).tolist() == [16, 15, 1]
+    assert stage_memory.in_flight(2, 16, 8, 32, 0) == pytest.approx((15 * 2 + 7 * 16 + 1) / 8)
+    assert stage_memory.in_flight(0, 16, 1, 32, 3) == 32  # GPipe keeps every micro-batch
 
 
 def test_fp32_main_grads_give_18_bytes_per_param():
@@ -114,7 +115,7 @@ def test_flash_without_recompute_keeps_no_score_matrices():
 def test_tied_embeddings_count_their_lm_head_gemm_and_conventions_are_named():
     m = load_model("mpt-7b")
     assert m.tied_embeddings
-    assert step.matmul_params(m) == param_count(m)  # the embedding lookup is not counted, its GEMM as head is
+    assert flops.matmul_params(m) == param_count(m)  # the embedding lookup is not counted, its GEMM as head is
     p = plan.problem(model="mpt-7b", gpu="h100-sxm", gpus=8, seq=2048, global_batch_tokens=48 * 2048,
                      cluster="dgx-h100", software="llm-foundry")
     r = p.evaluate_layout(Layout.parse("dp8,zero3,mb6"))

@@ -1,4 +1,5 @@
-"""Issue 5 (the model): failure rates, Young/Daly intervals, checkpoint size, Monte Carlo of a whole run.
+"""Reliability arithmetic: failure rates, Young/Daly checkpoint intervals, checkpoint size, Monte Carlo of a whole run
+(issue 5, the model).
 
 Sources: Meta, The Llama 3 Herd of Models (arXiv 2407.21783) Sec. 3.3.1, 3.3.4 and Table 5; Young 1974;
 Daly 2006, FGCS 22(3).

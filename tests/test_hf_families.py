@@ -141,6 +141,7 @@ def _config(folder: Path, path: Path) -> Path:
     return path
 
 
+@pytest.mark.dist
 def test_families_train_under_dp_tp_pp_like_one_process_and_export(folders, tmp_path):
     """One process, then one 2-process torchrun job for every family and layout: each layout's step-0 weights
     are the folder's (gathered from the shards), its losses equal one process's within 1e-4 (relative) over 4
@@ -182,6 +183,7 @@ def test_families_train_under_dp_tp_pp_like_one_process_and_export(folders, tmp_
         assert logit_diff(back, model.eval(), batch(3)) < 1e-5, name
 
 
+@pytest.mark.dist
 def test_tied_embedding_under_deeper_pipelines_and_with_tp_fsdp_zero1(tmp_path):
     """Llama 3.2's shape (tied, llama3 RoPE) with 4 layers on 4 processes: pp4 (an embedding group of stages 0 and 3
     made with new_group), pp2 with tp2, with FSDP and with zero1 (whose gradient norm runs over its own shards, the

@@ -140,6 +140,7 @@ def test_non_mixtral_moe_is_refused(fields, says):
             check_mixtral(spec, target)
 
 
+@pytest.mark.dist
 def test_cli_refuses_moe_tiny_in_one_line(tmp_path):
     """configs/moe-tiny.toml's model (a gated shared expert, a dense first layer, GELU variant too): exit 2."""
     from trainscale.runtime.artifact import save_model_dir

@@ -1,4 +1,4 @@
-"""Issue 21 item 4: a model out of any checkpoint. One torchrun job (tests/_ckpt_worker.py) trains configs/tiny.toml
+"""A model out of any checkpoint (issue 21 item 4). One torchrun job (tests/_ckpt_worker.py) trains configs/tiny.toml
 4 steps under each layout into its own run folder, with final/ and a DCP checkpoint at steps 2 and 4; the model
 resharded in one process from the step-4 checkpoint must be final/ (the weights train.py gathered), tensor for tensor
 and byte for byte, whatever layout wrote it. Plus: the references every infer command accepts, ``[model] init`` from a
@@ -20,6 +20,8 @@ import torch
 
 from trainscale.errors import TrainscaleError
 from trainscale.runtime.find_model import find_model_folder
+
+pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_ckpt_worker.py"

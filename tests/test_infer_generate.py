@@ -8,7 +8,7 @@ from infer_fixtures import small_model_dir  # noqa: F401  (session fixture)
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.memory import kv_cache_bytes, kv_cache_bytes_per_token
-from trainscale.infer.generate import KVCache, Sampling, forward_cached, generate_ids, sample_next
+from trainscale.infer.generate import KVCache, Sampling, generate_ids, sample_next
 from trainscale.runtime.model import build_model
 from trainscale.specs import load_model
 
@@ -27,11 +27,11 @@ def test_cached_forward_equals_full_forward(fields):
         full = model(tokens)
         for cuts in ([0, *range(7, 21)], [0, 5, 11, 12, 20]):
             cache = KVCache(spec, 2, 20)
-            parts = [forward_cached(model, tokens[:, a:b], cache) for a, b in zip(cuts, cuts[1:], strict=False)]
+            parts = [model(tokens[:, a:b], cache=cache) for a, b in zip(cuts, cuts[1:], strict=False)]
             assert cache.length == 20
             assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
         with pytest.raises(TrainscaleError, match="holds 20 positions"):
-            forward_cached(model, tokens[:, :1], cache)
+            model(tokens[:, :1], cache=cache)
 
 
 @pytest.mark.parametrize("fields", [GQA, {**GQA, "mlp": "gelu", "norm": "layernorm", "positions": "learned"}])

@@ -1,5 +1,5 @@
-"""Issue 23: every planner knob (catalog/planner.toml, --profile, --set) and every software knob
-(catalog/software.toml, --software FILE) goes through one strict schema per file kind; numbers in layout
+"""Every planner knob (catalog/planner.toml, --profile, --set) and every software knob (catalog/software.toml,
+--software FILE) goes through one strict schema per file kind (issue 23); numbers in layout
 strings and --fix are bounded before conversion. Bad values reach the real CLI (in this process) and must end
 with exit 2 and one sentence naming the knob and what it allows; good values still plan."""
 

@@ -1,4 +1,4 @@
-"""Issue 12, one grammar and one placement: a layout string means one thing to the planner and the runtime,
+"""One grammar and one placement (issue 12): a layout string means one thing to the planner and the runtime,
 ``str`` and ``Layout.parse`` round-trip to an equal, identically-behaving layout, and the planner
 (estimate/pipeline.py, estimate/measured/rank.py) and the runtime (runtime/parallel/pipeline.py's split_model on a
 real model, runtime/parallel/mesh.py's DeviceMesh, runtime/parallel/parallelize.py's DTensor plan) agree on every

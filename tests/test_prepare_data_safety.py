@@ -1,4 +1,4 @@
-"""Issue 23: `trainscale prepare-data` on hostile input, through the real CLI (no torchrun): a `**` glob over a
+"""`trainscale prepare-data` on hostile input, through the real CLI (no torchrun; issue 23): a `**` glob over a
 whole file system, an output folder holding a user's own files, a FIFO or a tokenizer with one enormous token.
 Each is one sentence and exit 2 within seconds, and nothing the user owns is written or deleted."""
 

@@ -1,4 +1,5 @@
-"""Issue 7: the report renders, and a reader's browser sees every image and no console errors."""
+"""The HTML report renders, and a reader's browser (headless Chromium) sees every image and no console errors
+(issue 7)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def test_schedule_bubble_matches_formula(schedule, v):
     assert b / (1 - b) == pytest.approx((p - 1) / (v * m))
 
 
+@pytest.mark.service
 def test_seed_report_in_chromium(tmp_path):
     page = build_report(tmp_path / "seed")
     data = json.loads((tmp_path / "seed" / "report.json").read_text())
@@ -69,6 +71,7 @@ def test_report_from_plan_json(tmp_path):
         build_report(tmp_path / "r2", plan_file=tmp_path / "bad.json")
 
 
+@pytest.mark.service
 def test_report_of_a_real_tiny_run_in_chromium(tmp_path):
     import subprocess
 

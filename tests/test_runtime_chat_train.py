@@ -1,4 +1,4 @@
-"""Issue 21 item 2: the real trainer on chat data (examples/chat.jsonl, a Llama-3-style chat template). The loss
+"""The real trainer on chat data (examples/chat.jsonl, a Llama-3-style chat template; issue 21 item 2). The loss
 is the mean over the learned targets of the whole global batch, so real processes under dp2, tp2 and fsdp2 give
 the single process's losses; a run started from a Hugging Face folder uses its tokenizer and chat template and
 leaves them in final/."""
@@ -20,6 +20,8 @@ from trainscale.runtime.data.chat import load_chat_tokenizer
 from trainscale.runtime.data.corpus import corpus_for
 from trainscale.runtime.data.loader import TokenLoader
 from trainscale.runtime.model import IGNORE, build_model, lm_loss
+
+pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "chat.jsonl"

@@ -1,6 +1,6 @@
-"""Chat data (issue 21 item 2): conversations rendered with the folder's own chat template exactly as
-transformers renders them, tokenized as transformers tokenizes them, and a loss mask that learns the assistant's
-words and end-of-turn tokens, nothing else; every bad record one sentence naming its file and line."""
+"""Chat data: conversations rendered with the folder's own chat template exactly as transformers renders them,
+tokenized as transformers tokenizes them, and a loss mask that learns the assistant's words and end-of-turn tokens,
+nothing else; every bad record one sentence naming its file and line (issue 21 item 2)."""
 
 from __future__ import annotations
 

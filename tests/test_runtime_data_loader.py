@@ -1,6 +1,6 @@
-"""Issue 13: the loader's position is global (sequences consumed by the whole job), so a run saved under
-one layout resumes under another on exactly the sequences the uninterrupted run would have read; real
-processes (torchrun) train on a user's JSONL shards."""
+"""The loader's position is global (sequences consumed by the whole job), so a run saved under one layout resumes
+under another on exactly the sequences the uninterrupted run would have read; real processes (torchrun) train on a
+user's JSONL shards (issue 13)."""
 
 from __future__ import annotations
 
@@ -90,6 +90,7 @@ def _losses(out: Path) -> dict[int, float]:
     return {int(r["step"]): float(r["loss"]) for r in rows if "loss" in r and "step_time_s" in r}
 
 
+@pytest.mark.dist
 def test_resume_under_another_dp_and_pp_continues_on_the_same_sequences(tmp_path):
     jsonl = tmp_path / "user.jsonl"
     paragraphs = [p for p in corpus_text("train", 120_000).split("\n\n") if p.strip()]

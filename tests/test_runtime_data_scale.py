@@ -1,4 +1,4 @@
-"""Issue 22, data at scale: shards decoupled from input files (5,000 files prepared and trained on under
+"""Data at scale (issue 22): shards decoupled from input files (5,000 files prepared and trained on under
 ``ulimit -n 256``), a bounded cache of shard maps, weighted mixtures that draw their weights and resume exactly,
 and token ids people already have (Megatron .bin/.idx, numpy .npy) read back equal, corrupt ones refused."""
 
@@ -58,6 +58,7 @@ def tok_file(tmp_path_factory) -> Path:
 # --------------------------------------------------------------------------- many files, few open
 
 
+@pytest.mark.dist
 def test_5000_files_prepare_and_train_under_ulimit_256(tmp_path):
     """5,000 small files become a few hundred shards, and prepare-data and an 8-step training run both work with at
     most 256 open files: the run's 512 sequences and 64 held-out ones touch more shards than that limit, so

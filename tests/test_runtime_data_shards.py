@@ -1,4 +1,4 @@
-"""Issue 13, your own data: `trainscale prepare-data` turns JSONL / Parquet / text into token shards
+"""Your own data (issue 13): `trainscale prepare-data` turns JSONL / Parquet / text into token shards
 (runtime/data/shards.py); `trainscale train` learns from them (held-out loss below the unigram baseline);
 re-running is a no-op, an interrupted run resumes, bad input is one line and exit code 2 with nothing
 half-written."""
@@ -79,6 +79,7 @@ def train(cfg: Path, out: Path, layout: str = "", world: int = 1) -> dict:
     return json.loads((out / "run.json").read_text())
 
 
+@pytest.mark.dist
 def test_jsonl_corpus_trains_below_the_unigram_baseline(tmp_path, jsonl, docs):
     prepared = tmp_path / "prepared"
     cfg = write_config(tmp_path / "jsonl.toml", f'files = ["{jsonl}"]\ntext_field = "content"\nshard_mb = 0.05\n'
@@ -112,6 +113,7 @@ def test_jsonl_corpus_trains_below_the_unigram_baseline(tmp_path, jsonl, docs):
     assert (out / "tokenizer.json").read_bytes() == (prepared / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.dist
 def test_parquet_folder_with_a_loaded_tokenizer_trains_below_the_unigram_baseline(tmp_path, docs, hf_tokenizer):
     import pyarrow as pa
     import pyarrow.parquet as pq

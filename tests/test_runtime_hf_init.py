@@ -72,6 +72,7 @@ def test_logits_equal_transformers(hf_dirs, tmp_path, which):
     assert diff < 1e-5
 
 
+@pytest.mark.dist
 def test_layouts_read_their_shards_train_and_round_trip(hf_dirs, tmp_path):
     folder, hf = hf_dirs[0], hf_dirs[2]
     config = write_config(tmp_path / "c.toml", folder)

@@ -1,4 +1,4 @@
-"""Issue 16, chaos: real `trainscale train` jobs (2 ranks under torchrun) killed with SIGKILL at random
+"""Chaos (issue 16): real `trainscale train` jobs (2 ranks under torchrun) killed with SIGKILL at random
 moments — a rank, the torchrun agent, the CLI itself, and each of the first two mid-save — and
 continued with --resume after every kill. After each kill no process of the job survives, the
 newest committed checkpoint verifies, and the finished run's losses equal an uninterrupted run's,
@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from trainscale.runtime.job.checkpoint import committed_steps, latest_good, verify
+
+pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 16

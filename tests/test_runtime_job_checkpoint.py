@@ -1,4 +1,4 @@
-"""Issue 5: atomic, verified checkpoints (single process; the multi-process cases run with the trainer)."""
+"""Atomic, verified checkpoints (single process; the multi-process cases run with the trainer; issue 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 16: reading a checkpoint or run folder never runs code, whoever made it. Each crafted folder
+"""Reading a checkpoint or run folder never runs code, whoever made it (issue 16). Each crafted folder
 carries a manifest whose sizes and sha256 match, so only the format checks stand between it and
 the loader; a marker file that the payload would create must stay absent."""
 

@@ -1,4 +1,4 @@
-"""Issue 15, elastic: a job of 2 nodes x 2 processes (`--nnodes 1:2`, two torchrun agents on loopback)
+"""Elastic training (issue 15): a job of 2 nodes x 2 processes (`--nnodes 1:2`, two torchrun agents on loopback)
 loses one node mid-run; the survivor's agent re-forms the job on 2 processes, the layout is re-planned
 (dp4 -> dp2, runtime/job/elastic.py), training resumes from the newest checkpoint by resharding, and the job
 finishes. Its losses from the resume point equal a run started from that checkpoint on the smaller layout."""
@@ -22,6 +22,8 @@ from trainscale.runtime.config import load_config
 from trainscale.runtime.job.elastic import layout_for_world
 from trainscale.runtime.parallel.mesh import free_port
 from trainscale.specs import Layout
+
+pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

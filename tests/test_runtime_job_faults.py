@@ -1,5 +1,5 @@
-"""Issue 5: real processes under torchrun crash, hang and die mid-save; the job restarts, resumes
-from the newest good checkpoint and ends with the same losses as an uninterrupted run."""
+"""Real processes under torchrun crash, hang and die mid-save; the job restarts, resumes from the newest good
+checkpoint and ends with the same losses as an uninterrupted run (issue 5)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 
 from trainscale.runtime.job.checkpoint import committed_steps
 from trainscale.runtime.job.launch import torchrun_command
+
+pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = "\n[checkpoint]\nevery_steps = {every}\nkeep = 3\ncollective_timeout_s = {timeout}\n"

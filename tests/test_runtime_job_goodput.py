@@ -1,4 +1,4 @@
-"""Issue 15, goodput that tells the truth across restarts: inside one launch (a CLI invocation, a Slurm job
+"""Goodput that tells the truth across restarts (issue 15): inside one launch (a CLI invocation, a Slurm job
 across its requeues) the time from a failure to the restarted attempt is the job's, lost; between two
 launches (a run resumed by hand later) the idle time is not the job's."""
 
@@ -9,6 +9,8 @@ import json
 import pytest
 
 from trainscale.runtime.job.runfolder import RunFolder, launch_wall
+
+pytestmark = pytest.mark.dist
 
 
 def _rows(*spec):

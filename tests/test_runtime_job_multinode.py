@@ -1,4 +1,4 @@
-"""Issue 15, many nodes: two torchrun agents on loopback (`trainscale train --nnodes 2 --rdzv-endpoint`),
+"""Many nodes (issue 15): two torchrun agents on loopback (`trainscale train --nnodes 2 --rdzv-endpoint`),
 each as a separate "node" with one process, training dp2 together — with a shared run folder and with a
 run folder per node. Only the node that runs rank 0 writes the run folder's files, every node writes its
 own log, no node ends in a traceback, and the losses equal a one-node dp2 run's."""
@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from trainscale.runtime.parallel.mesh import free_port
+
+pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

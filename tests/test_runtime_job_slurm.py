@@ -1,5 +1,5 @@
-"""Issue 15: the script `trainscale launch --slurm` writes, run by a real Slurm (slurm-wlm 22.05 + munge on
-localhost, tests/slurm_cluster.py): it is accepted, logs, trains and writes final/; a requeue mid-run resumes
+"""The script `trainscale launch --slurm` writes, run by a real Slurm (slurm-wlm 22.05 + munge on localhost,
+tests/slurm_cluster.py; issue 15): it is accepted, logs, trains and writes final/; a requeue mid-run resumes
 from the newest good checkpoint, appends to the metrics and reproduces the uninterrupted run's losses, and
 counts the restart in goodput; the early signal before the time limit makes the trainer checkpoint, end the
 attempt cleanly and the job requeue itself. Issue 22: a job with a 1-minute time limit finishes a run that needs
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from slurm_cluster import SlurmCluster, slurm_missing
+
+pytestmark = pytest.mark.service
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

@@ -1,4 +1,4 @@
-"""Issue 23: no value reaches the shell of the batch script `trainscale launch --slurm` writes.
+"""No value reaches the shell of the batch script `trainscale launch --slurm` writes (issue 23).
 
 Shell text ($(...), backticks, ';', '|', '&&', quotes, blanks, $HOME) is put in every field a user controls
 (--out, --python, --env values, the config's [run] out and name, the config's own path); the script is then RUN

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
 

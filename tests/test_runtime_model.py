@@ -1,5 +1,5 @@
-"""Issue 4, single-process parts of the runtime: the model against the estimator, pipeline splits,
-context-parallel positions, the loader, the config, FLOPs per token."""
+"""The runtime's single-process parts: the model against the estimator, pipeline splits, context-parallel positions,
+the loader, the config, FLOPs per token (issue 4)."""
 
 from __future__ import annotations
 

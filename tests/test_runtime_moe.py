@@ -1,4 +1,4 @@
-"""Issue 14, the run: a mixture-of-experts model (configs/moe-tiny.toml: 1 dense + 3 MoE layers of 8 experts,
+"""A mixture-of-experts run (issue 14): a model (configs/moe-tiny.toml: 1 dense + 3 MoE layers of 8 experts,
 top-2, a gated shared expert) trained 10 steps in fp32 on CPU (gloo) under expert-parallel layouts gives the
 single-process losses to 1e-4 relative (as tests/test_runtime_parallel_parity.py for dense layouts); its metrics
 carry the per-expert token counts and the all-to-all time; an EP checkpoint resumes at another EP size on
@@ -50,6 +50,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 PARALLEL = [lay for lays in JOBS.values() for lay in lays if lay != "mb8"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("layout", PARALLEL)
 def test_moe_loss_matches_single_process(runs, layout):
     ref, got = runs["mb8"]["losses"], runs[layout]["losses"]
@@ -58,6 +59,7 @@ def test_moe_loss_matches_single_process(runs, layout):
     assert rel < TOL, f"{layout}: {got} vs single process {ref}"
 
 
+@pytest.mark.dist
 def test_moe_learns_and_experts_split(runs):
     spec = load_config(CONFIG).model
     total = param_count(spec)
@@ -89,6 +91,7 @@ def _rows(out: Path) -> dict[int, dict]:
     return {int(r["step"]): r for r in rows if "loss" in r and "step_time_s" in r}
 
 
+@pytest.mark.dist
 def test_ep_checkpoint_resumes_at_another_ep_size_and_metrics_count_experts(tmp_path):
     cfg = tmp_path / "moe.toml"
     cfg.write_text(RUN_CONFIG)
@@ -169,6 +172,7 @@ def compared(tmp_path_factory) -> dict[str, dict]:
     return got
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("layout", [lay for lays in COMPARE.values() for lay in lays])
 def test_compare_plan_moe_state_flops_and_all_to_all(compared, layout):
     """Each rank's parameter, gradient and AdamW bytes equal estimate/measured/rank.py's exactly (experts split over

@@ -1,6 +1,6 @@
-"""Monitoring a long run (issue 22, items 5 and 6): ``[train] eval_every`` held-out losses, TensorBoard after two
+"""Monitoring a long run: ``[train] eval_every`` held-out losses, TensorBoard after two
 kill + ``--resume`` restarts, the console of a resumed run, the ETA, ``[profile]``, the optional sinks, and
-``report --run`` of that run (the run first, each restart marked).
+``report --run`` of that run (the run first, each restart marked; issue 22, items 5 and 6).
 
 The run under test is the tiny config for 8 steps (checkpoint every 3, eval every 2, 8 held-out sequences):
 uninterrupted, and killed twice (an abrupt ``os._exit`` of the rank before step 5, then before step 8, each
@@ -61,6 +61,7 @@ def runs(tmp_path_factory):
     return {"cfg": cfg, "whole": whole, "killed": killed, "second": second, "third": third, "tmp": tmp}
 
 
+@pytest.mark.dist
 def test_eval_every_at_its_steps_and_equal_after_two_resumes(runs):
     whole, killed = _evals(runs["whole"]), _evals(runs["killed"])
     assert sorted(whole) == list(range(EVERY, STEPS + 1, EVERY))
@@ -79,6 +80,7 @@ def test_eval_every_at_its_steps_and_equal_after_two_resumes(runs):
     assert losses == sorted(losses, reverse=True)
 
 
+@pytest.mark.dist
 def test_tensorboard_holds_every_step_once_after_two_resumes(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -94,6 +96,7 @@ def test_tensorboard_holds_every_step_once_after_two_resumes(runs):
     assert [e.step for e in acc.Scalars("eval/val_loss")] == list(range(EVERY, STEPS + 1, EVERY))
 
 
+@pytest.mark.dist
 def test_console_of_a_resumed_run_starts_with_the_resume_and_shows_only_new_steps(runs):
     for key, frm in (("second", CKPT), ("third", 2 * CKPT)):
         lines = [ln for ln in runs[key].stdout.splitlines() if ln.strip()]
@@ -108,6 +111,7 @@ def test_console_of_a_resumed_run_starts_with_the_resume_and_shows_only_new_step
     assert "ETA " in runs["third"].stdout
 
 
+@pytest.mark.dist
 def test_unigram_entropy_is_the_training_tokens(runs):
     from trainscale.runtime.config import load_config
     from trainscale.runtime.data.corpus import corpus_for
@@ -119,6 +123,7 @@ def test_unigram_entropy_is_the_training_tokens(runs):
     assert 0 < info["unigram_entropy"] < math.log(512)
 
 
+@pytest.mark.dist
 def test_report_leads_with_the_run_and_marks_each_restart(runs):
     out = runs["tmp"] / "report"
     p = subprocess.run([sys.executable, "-m", "trainscale", "report", "--run", str(runs["killed"]), "--out", str(out),
@@ -181,6 +186,7 @@ def test_a_missing_sink_package_is_one_sentence():
             check_sinks((sink,))
 
 
+@pytest.mark.dist
 def test_mlflow_file_store_gets_every_step(tmp_path):
     pytest.importorskip("mlflow")
     import os

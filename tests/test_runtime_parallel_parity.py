@@ -1,4 +1,4 @@
-"""Issue 4, loss parity: the tiny model trained 10 steps in fp32 on CPU (gloo) under every parallel
+"""Loss parity (issue 4): the tiny model trained 10 steps in fp32 on CPU (gloo) under every parallel
 layout gives the single-process losses to 1e-4 relative, with the same global batch and weights.
 
 Real processes: one torchrun job per world size (1, 2, 4, 8), each running its layouts one after
@@ -16,6 +16,8 @@ from _parity import run_jobs
 
 from trainscale.estimate.params import param_count
 from trainscale.runtime.config import load_config
+
+pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"

@@ -1,4 +1,4 @@
-"""Issue 19, zero1 in the runtime: the optimizer state sharded over the data-parallel ranks with whole weights and
+"""zero1 in the runtime (issue 19): the optimizer state sharded over the data-parallel ranks with whole weights and
 gradients on every rank (Megatron-LM's distributed optimizer; runtime/parallel/zero1.py).
 
 - the losses of zero1 layouts (dp, with tensor parallelism, with a pipeline, with gradient accumulation, HSDP)
@@ -23,6 +23,8 @@ from _parity import run_layouts
 from trainscale.estimate.measured.rank import ADAM_STEP_BYTES, rank_state_bytes
 from trainscale.runtime.config import load_config
 from trainscale.specs import Layout
+
+pytestmark = pytest.mark.dist
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"

@@ -18,6 +18,8 @@ from _parity import run_job
 from trainscale.estimate.params import param_count
 from trainscale.runtime.config import load_config
 
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny.toml"
 WORKER = ROOT / "tests" / "_precision_worker.py"

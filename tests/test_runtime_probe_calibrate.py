@@ -37,6 +37,7 @@ def profile() -> dict:
     return cal.calibrate(TINY, SEQ, MB, [2, 1], quick=True)
 
 
+@pytest.mark.dist
 def test_profile_has_every_figure(profile):
     m = profile["machine"]
     assert m["device"] == "cpu" and m["dtype"] == "float32" and m["threads_per_process"] == 1
@@ -64,6 +65,7 @@ def test_profile_has_every_figure(profile):
         assert all(math.isfinite(x) and x > 0 for x in (f["latency_s"], f["bus_bandwidth"], f["algbw"]))
 
 
+@pytest.mark.dist
 def test_bus_bandwidth_from_raw_times(profile):
     n = 2
     for op, f in profile["collectives"][str(n)].items():
@@ -116,6 +118,7 @@ def test_optimizer_tensors_are_layer_shaped():
     assert 1.5e6 < sum(math.prod(s) for s in big) < 2.5e6
 
 
+@pytest.mark.dist
 def test_profile_round_trip(profile, tmp_path):
     assert profile["version"] == PROFILE_VERSION  # a profile without one (older) reads as version 1
     odd = {**profile, "machine": {**profile["machine"], "device_name": 'Ryzen "X" \\ 9\tµ\n'}}
@@ -159,6 +162,7 @@ def test_bad_inputs_to_calibrate():
             cal.calibrate(*args, quick=True)
 
 
+@pytest.mark.dist
 def test_cli_writes_a_profile(tmp_path):
     out = tmp_path / "p.toml"
     r = ts("calibrate", "--config", "configs/tiny.toml", "--micro-batch", "2", "--processes", "1", "--quick",

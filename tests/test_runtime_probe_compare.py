@@ -1,4 +1,4 @@
-"""Issue 8, the plan checked against the runtime: for real layouts run by real processes (gloo), each rank's
+"""The plan checked against the runtime (issue 8): for real layouts run by real processes (gloo), each rank's
 parameter, gradient and AdamW bytes equal estimate/measured/rank.py's prediction exactly, the activations autograd
 saves for backward match to 1 % (the issue asks 10 %) under no / selective / full recomputation, and the
 FLOPs torch's FlopCounterMode counts in a step match to 2 %. Llama-style (RMSNorm, GQA, RoPE, SwiGLU) and
@@ -70,6 +70,7 @@ def measured(tmp_path_factory) -> dict[tuple[str, str], tuple[object, list[dict]
 CASES = [(v, lay) for (v, _), lays in JOBS.items() for lay in lays]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("variant,layout", CASES)
 def test_model_state_bytes_exact(measured, variant, layout):
     cfg, ranks = measured[(variant, layout)]
@@ -80,6 +81,7 @@ def test_model_state_bytes_exact(measured, variant, layout):
     assert res["state_exact"]
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("variant,layout", CASES)
 def test_activations_and_flops(measured, variant, layout):
     cfg, ranks = measured[(variant, layout)]
@@ -88,6 +90,7 @@ def test_activations_and_flops(measured, variant, layout):
     assert res["flops_max_error"] < 0.02, res["ranks"][0]["flops"]
 
 
+@pytest.mark.dist
 def test_sharding_shrinks_what_it_should(measured):
     """The measured bytes themselves: FSDP over 2 halves every state tensor's bytes (AdamW's per-tensor
     step counters aside); recomputation cuts the saved activations none > selective > full."""
@@ -104,6 +107,7 @@ def test_sharding_shrinks_what_it_should(measured):
     assert acts["rc=full,"] > m.n_layers * t.global_batch * t.seq_len * m.d_model * 4
 
 
+@pytest.mark.dist
 def test_tensor_parallel_flops_convention(measured):
     """FlopCounterMode sees TP projections at their global shapes: a tp2 rank counts its group's dense matmuls
     (twice its own), the attention kernel at its local shapes; rank_step_flops predicts both counts."""
@@ -142,6 +146,7 @@ def test_machine_profile_collectives():
     assert mach.collective_time("all_reduce", 1e6, 1) == 0.0
 
 
+@pytest.mark.dist
 def test_compare_plan_cli(tmp_path):
     prof = tmp_path / "profile.toml"
     prof.write_text("[machine]\ndevice = 'cpu'\nmodel = 'tiny-llama'\n"
@@ -191,7 +196,7 @@ bus_bandwidth = 3.6e11
 def test_planner_takes_a_calibrated_gpu_profile(tmp_path):
     """A profile `trainscale calibrate` wrote on an H100 replaces the catalog defaults: figures over the
     datasheet (H100 SXM: 989 TFLOP/s bf16, 3.35 TB/s HBM, NVLink 450 GB/s per direction)."""
-    from trainscale.estimate.planner.step import load_efficiencies
+    from trainscale.estimate.planner.efficiencies import load_efficiencies
 
     path = tmp_path / "h100.toml"
     path.write_text(GPU_PROFILE)

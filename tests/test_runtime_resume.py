@@ -1,4 +1,4 @@
-"""Issue 21 item 6: runs continue correctly. The learning-rate schedules against their formulas; a resumed run
+"""Runs continue correctly (issue 21 item 6). The learning-rate schedules against their formulas; a resumed run
 keeps its schedule whatever --steps says (its losses are the uninterrupted run's, bit for bit: fp32 on CPU);
 going past the run's total is explicit (--extend), and a WSD run extended in its stable phase is the longer run;
 a refused resume writes nothing. One-process runs of the tiny config (python -m trainscale.runtime.train)."""
@@ -141,6 +141,7 @@ def uninterrupted(tmp_path_factory):
     return cfg, tmp / "base"
 
 
+@pytest.mark.dist
 def test_resume_with_fewer_steps_or_none_keeps_the_uninterrupted_schedule(uninterrupted, tmp_path):
     """Main before this: `--resume --steps 8` laid the cosine out again for 8 steps, so steps 5-8 had other
     learning rates and losses than the 12-step run's."""
@@ -158,6 +159,7 @@ def test_resume_with_fewer_steps_or_none_keeps_the_uninterrupted_schedule(uninte
     assert json.loads((out / "run.json").read_text())["steps"] == 12
 
 
+@pytest.mark.dist
 def test_going_past_the_total_is_explicit_and_a_refusal_writes_nothing(uninterrupted, tmp_path):
     cfg, base = uninterrupted
     out = tmp_path / "run"
@@ -177,6 +179,7 @@ def test_going_past_the_total_is_explicit_and_a_refusal_writes_nothing(uninterru
     assert (extras["horizon"], extras["total"]) == (12, 16)
 
 
+@pytest.mark.dist
 def test_wsd_extended_in_its_stable_phase_is_the_longer_run(tmp_path):
     """WSD, decay_fraction 0.25: a 12-step run decays from update 9; stopped at step 4 (stable) and extended to
     16, it decays from update 12 as a run started for 16 steps does, with that run's losses."""

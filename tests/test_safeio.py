@@ -1,5 +1,5 @@
-"""Issue 19 item 3: one safe-IO module: an atomic write, the one "JSON object or one sentence" reader, and the one
-TOML writer (tomli-w) for the run folder's config.toml and the hardware profile."""
+"""One safe-IO module: an atomic write, the one "JSON object or one sentence" reader, and the one TOML writer
+(tomli-w) for the run folder's config.toml and the hardware profile (issue 19 item 3)."""
 
 from __future__ import annotations
 

@@ -14,9 +14,11 @@ The mesh, outermost dim first, is Llama 3's order [TP, CP, PP, DP] read from the
 2407.21783 Sec. 3.3.2, "Network-aware parallelism configuration"): tensor parallelism innermost, on
 neighbouring GPUs of one server; data parallelism outermost, split into ``dp_replicate`` (HSDP's replica
 groups) outside ``dp_shard`` (the ranks one shard group spans). A MoE's expert-parallel ranks (``ep``,
-a factor of dp) sit between PP and CP (see ``mesh_sizes``). ``estimate/planner/step.py`` prices each collective
-on the span of ranks this order gives it (TP over tp ranks, CP over tp*cp, EP over tp*cp*ep, PP over
-tp*cp*ep*pp).
+a factor of dp) sit between PP and CP (see ``mesh_sizes``). The planner (estimate/planner/) prices each
+collective on the span of ranks this order gives it: TP over tp neighbouring ranks and CP over tp*cp
+(``layer.tp_cp_exposed``), the DP/ZeRO groups over the ranks outside them (``dp.collectives``), PP's point to
+point past lcm(tp*cp, ep)*pp ranks (``stages.p2p_exposed``); its EP groups are ep neighbouring ranks, Megatron-Core's
+placement, where this runtime's sit tp*cp apart (estimate/planner/moe.py says why).
 """
 
 from __future__ import annotations

@@ -176,12 +176,6 @@ def param_count(m: ModelSpec) -> int:
     return embedding_params(m) + body + head_params(m)
 
 
-def non_embedding_params(m: ModelSpec) -> int:
-    """N as Kaplan et al. 2020 (arXiv 2001.08361) count it: without embedding matrices."""
-    out = m.vocab_size * m.d_model if not m.tied_embeddings else 0
-    return param_count(m) - embedding_params(m) - out
-
-
 def expert_params(m: ModelSpec) -> int:
     """Parameters in routed experts, all layers (what expert parallelism splits)."""
     return m.n_moe_layers * numel(expert_tensors(m, m.n_layers - 1)) if m.is_moe else 0

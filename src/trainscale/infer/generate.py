@@ -21,18 +21,10 @@ from typing import Any
 import torch
 
 from trainscale.errors import TrainscaleError
-from trainscale.runtime.model import KVCache, Transformer
+from trainscale.runtime.model import KVCache
 
-__all__ = ["ChatPrompt", "Generation", "KVCache", "Sampling", "chat_prompt", "check_token_ids", "forward_cached",
-           "generate_ids", "sample_next"]
-
-
-def forward_cached(model: Transformer, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits [b, s, vocab] for ``tokens`` [b, s] that follow the ``cache.length`` cached positions."""
-    end = cache.length + tokens.shape[1]
-    if end > model.spec.max_seq_len and model.spec.positions == "learned":
-        raise TrainscaleError(f"the model has learned positions up to {model.spec.max_seq_len}, not {end}")
-    return model(tokens, cache=cache)
+__all__ = ["ChatPrompt", "Generation", "KVCache", "Sampling", "chat_prompt", "check_token_ids", "generate_ids",
+           "sample_next"]
 
 
 @dataclass(frozen=True)
@@ -111,7 +103,8 @@ def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, sampling: Sa
     device = next(model.parameters()).device
     cache = KVCache(spec, 1, capacity, kv_dtype, device)
     gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
-    logits = forward_cached(model, torch.tensor([prompt_ids], device=device), cache)[:, -1]
+    # the cache holds at most max_seq_len positions (checked above): learned positions never run out
+    logits = model(torch.tensor([prompt_ids], device=device), cache=cache)[:, -1]
     out: list[int] = []
     kept: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
@@ -125,7 +118,7 @@ def generate_ids(model, prompt_ids: list[int], max_new_tokens: int, sampling: Sa
         if out[-1] in stops:
             break
         if len(out) < max_new_tokens:
-            logits = forward_cached(model, nxt[:, None].to(device), cache)[:, -1]
+            logits = model(nxt[:, None].to(device), cache=cache)[:, -1]
     return Generation(list(prompt_ids), out, cache.nbytes, capacity, str(kv_dtype).removeprefix("torch."), kept)
 
 

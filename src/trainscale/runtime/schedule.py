@@ -32,8 +32,6 @@ from typing import Any
 
 from trainscale.errors import TrainscaleError
 
-SCHEDULES = ("cosine", "linear", "wsd", "constant")
-
 
 def wsd_decay_start(t: Any, horizon: int) -> int:
     """The first update of WSD's decay: the last ``decay_fraction`` of the horizon (never inside the warmup)."""

@@ -5,7 +5,7 @@ generation's and the GPU's own constants, a measured profile, and the command li
 from __future__ import annotations
 
 import tomllib
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -297,8 +297,4 @@ def cluster_topology(cluster: ClusterSpec, gpu: GPUSpec, eff: Efficiencies) -> c
     src = cluster.source + (f"; {cluster.pods_source}" if cluster.pods_source else "")
     return comms.topology(cluster, gpu, eff.scale_up_bus_efficiency, eff.network_bus_efficiency,
                           eff.scale_up_latency_s, cluster.pod_gpus, cluster.oversubscription, src)
-
-
-def with_overrides(eff: Efficiencies, **kw: float) -> Efficiencies:
-    return replace(eff, **kw)
 

@@ -21,18 +21,10 @@ from trainscale import rules
 from trainscale.errors import FieldError, TrainscaleError
 from trainscale.estimate import flops
 from trainscale.estimate.comms import Topology
-from trainscale.estimate.planner.candidates import INTERLEAVED
+from trainscale.estimate.planner.candidates import INTERLEAVED, RECOMPUTE, SCHEDULE
+from trainscale.estimate.planner.efficiencies import Efficiencies, cluster_topology, load_efficiencies, planner_catalog
 from trainscale.estimate.planner.software import PRECISIONS, Software, load_software, resolve_precision, with_knobs
-from trainscale.estimate.planner.step import (
-    RECOMPUTE,
-    SCHEDULE,
-    Efficiencies,
-    cluster_topology,
-    evaluate,
-    load_efficiencies,
-    memory_capacity,
-    planner_catalog,
-)
+from trainscale.estimate.planner.step import evaluate, memory_capacity
 from trainscale.specs import (
     MAX_DIGITS,
     ClusterSpec,

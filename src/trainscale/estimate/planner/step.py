@@ -28,39 +28,10 @@ from trainscale.errors import TrainscaleError
 from trainscale.estimate import comms, flops
 from trainscale.estimate.flops import matmul_params
 from trainscale.estimate.planner import dp, layer, moe, stage_memory, stages
-from trainscale.estimate.planner.candidates import (
-    FULL,
-    GPIPE,
-    INTERLEAVED,
-    NO_RECOMPUTE,
-    ONE_F_ONE_B,
-    RECOMPUTE,
-    SCHEDULE,
-    SELECTIVE,
-    Candidates,
-    candidates,
-    per_mode,
-)
-from trainscale.estimate.planner.efficiencies import (
-    Efficiencies,
-    cluster_topology,
-    load_efficiencies,
-    planner_catalog,
-    profile_efficiencies,
-    with_overrides,
-)
-from trainscale.estimate.planner.layer import (
-    LayerTime,
-    attention_gemm_shapes,
-    attention_rate,
-    ffn_gemm_shapes,
-    full_gemm_shapes,
-    gemm_time,
-    gemm_train_time,
-    layer_gemm_shapes,
-)
+from trainscale.estimate.planner.candidates import RECOMPUTE, SELECTIVE, Candidates, candidates, per_mode
+from trainscale.estimate.planner.efficiencies import Efficiencies
+from trainscale.estimate.planner.layer import LayerTime, ffn_gemm_shapes, full_gemm_shapes
 from trainscale.estimate.planner.software import Software, load_software
-from trainscale.estimate.planner.stage_memory import in_flight
 from trainscale.specs import GPUSpec, ModelSpec
 
 
@@ -210,11 +181,3 @@ def evaluate(m: ModelSpec, gpu: GPUSpec, topo: comms.Topology, eff: Efficiencies
         **utilisation(m, c, sw, seq, global_seqs, step, r.peak), "params_per_gpu": params.crit + params.e_crit,
     }
 
-
-__all__ = [
-    "FULL", "GPIPE", "INTERLEAVED", "NO_RECOMPUTE", "ONE_F_ONE_B", "RECOMPUTE", "SCHEDULE", "SELECTIVE",
-    "Efficiencies", "attention_gemm_shapes", "attention_rate", "cluster_topology", "evaluate", "ffn_gemm_shapes",
-    "gemm_time", "gemm_train_time", "in_flight", "layer_gemm_shapes", "load_efficiencies", "matmul_params",
-    "memory_capacity", "planner_catalog", "profile_efficiencies", "recompute_flops_per_token",
-    "StepParts", "step_parts", "utilisation", "with_overrides",
-]

@@ -1,17 +1,24 @@
 """Processes, backend, and the device mesh a Layout lays out over them.
 
-The world of ``dp * pp * cp * tp`` processes is one 5-D DeviceMesh whose dims, order and sizes come
-from ``trainscale.placement`` (the planner prices collectives on the same order), outermost first
+The world of ``dp * pp * cp * tp`` processes is one 6-D DeviceMesh whose dims, order and sizes come
+from ``trainscale.placement`` (``MESH_DIMS``, ``mesh_sizes``; the planner prices collectives on the same
+order), outermost first
 
-    (dp_replicate, dp_shard, pp, cp, tp)
+    (dp_replicate, dp_shard, pp, ep, cp, tp)
 
 so tensor parallelism, which talks every layer, is innermost: on a GPU server its ranks are
 neighbours on NVLink; data parallelism is outermost (Llama 3's [TP, CP, PP, DP], arXiv 2407.21783
-Sec. 3.3.2). Three flattened dims are derived from it (``placement.FLAT_DIMS``):
+Sec. 3.3.2); a MoE's expert-parallel ranks (``ep``, a factor of dp) sit between PP and CP. The
+flattened dims are derived from it (``placement.FLAT_DIMS``, each kept in ``ParallelMesh.flat``):
 
-    dp        = dp_replicate x dp_shard   which slice of the global batch this rank reads
-    dp_shard_cp = dp_shard x cp           the group FSDP shards over (CP ranks hold the same weights)
-    dp_cp     = dp_replicate x dp_shard x cp  the group gradients are averaged over
+    dp           = dp_replicate x dp_shard x ep       which slice of the global batch this rank reads
+    dp_shard_cp  = dp_shard x ep x cp                 the group FSDP shards dense weights over
+    dp_cp        = dp_replicate x dp_shard x ep x cp  the group dense gradients are averaged over
+    expert_shard = dp_shard x cp                      the group FSDP shards one rank's experts over
+    expert_dp    = dp_replicate x dp_shard x cp       the group expert gradients are averaged over
+
+With ep = 1 the two expert groups are the dense ones (the same DeviceMesh objects, no new process groups).
+FSDP's mesh is 1-D (dp_shard_cp, or expert_shard for the experts), 2-D with dp_replicate in front under HSDP.
 
 Backend: NCCL on GPUs, gloo on CPU, chosen automatically.
 """
