@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
+import inspect
 import math
 from collections.abc import Callable
 
@@ -31,10 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainscale.errors import TrainscaleError
 from trainscale.rules import check_model
 from trainscale.runtime.moe import FFN, MoE
+from trainscale.runtime.weights import Box, local_box
 from trainscale.specs import ModelSpec
 
 
@@ -154,32 +158,64 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+# SDPA's kernel order on CUDA: cuDNN attention first, then flash, then memory-efficient, then math, each taken only
+# where it serves the call (torch.nn.attention.sdpa_kernel(backends, set_priority=True), where this torch has
+# set_priority). It is torchtitan's order (models/attention.py, ScaledDotProductAttentionWrapper: [CUDNN_ATTENTION,
+# FLASH_ATTENTION, EFFICIENT_ATTENTION, MATH] with set_priority=True). The PyTorch 2.5 release notes introduce the
+# cuDNN backend as faster than FlashAttention-2 on H100, so it leads on Hopper (sm90) and newer; older GPUs keep
+# torch's own order (flash first). The CPU is never wrapped: its results are those of a plain SDPA call.
+SDPA_PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                 SDPBackend.MATH]
+_HAS_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """F.scaled_dot_product_attention, on a CUDA GPU of compute capability >= 9 (Hopper) in ``SDPA_PRIORITY``'s
+    kernel order (torch.compile folds get_device_properties to a constant and traces sdpa_kernel)."""
+    if _HAS_PRIORITY and q.is_cuda and torch.cuda.get_device_properties(q.device).major >= 9:
+        with sdpa_kernel(SDPA_PRIORITY, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V [b, kv_heads, t, d] with each head repeated for its group of query heads (GQA) -> [b, heads, t, d]."""
+    if k.shape[1] == q.shape[1]:
+        return k, v
+    rep = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(QK^T / sqrt(d) + causal mask) V on [b, h, s, d]; K/V heads repeated for GQA. With a KV
+    """softmax(QK^T / sqrt(d) + causal mask) V on [b, h, s, d]; K/V may hold fewer heads (GQA). With a KV
     cache K/V hold t >= s positions and the queries are the last s of them: query j sees keys 0..t-s+j.
     ``window`` > 0: a query sees only the last ``window`` keys, itself included (Mistral's sliding window,
     transformers' masking_utils.sliding_window_overlay: kv_idx > q_idx - window). ``mask`` [b, 1, s, s]
-    (packed documents, ``document_mask``): what each query may see instead of the causal mask."""
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    (packed documents, ``document_mask``): what each query may see instead of the causal mask.
+
+    GQA: a call without a mask hands SDPA the K/V heads as they are (``enable_gqa=True``, torch >= 2.5: the flash
+    and cuDNN kernels read each K/V head for its group, no copy); a call with a mask repeats them first, since
+    with a mask SDPA's GQA runs on the math kernel on CUDA (transformers' integrations/sdpa_attention.py,
+    use_gqa_in_sdpa: only without a mask, head dim <= 256) while the memory-efficient kernel takes the repeated
+    heads and the mask. Both forms agree to 1e-6 in fp32 (tests/test_runtime_attention.py)."""
     s, t = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1] and q.shape[-1] <= 256
     if mask is not None:
         if window and window < t:
             i = torch.arange(t - s, t, device=q.device)[:, None]
             mask = mask & (torch.arange(t, device=q.device)[None, :] > i - window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return sdpa(q, *repeat_kv(q, k, v), attn_mask=mask)
     if window and window < t:
         i = torch.arange(t - s, t, device=q.device)[:, None]
         j = torch.arange(t, device=q.device)[None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - window))
+        return sdpa(q, *repeat_kv(q, k, v), attn_mask=(j <= i) & (j > i - window))
     if s == t:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return sdpa(q, k, v, is_causal=True, enable_gqa=True) if gqa else sdpa(q, *repeat_kv(q, k, v), is_causal=True)
     if s == 1:  # one new token sees every cached key
-        return F.scaled_dot_product_attention(q, k, v)
+        return sdpa(q, k, v, enable_gqa=True) if gqa else sdpa(q, *repeat_kv(q, k, v))
     mask = torch.arange(t, device=q.device)[None, :] <= torch.arange(t - s, t, device=q.device)[:, None]  # [s, t]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return sdpa(q, *repeat_kv(q, k, v), attn_mask=mask)
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, scale: float | None = None,
@@ -187,9 +223,7 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     """``causal_attention`` with the scores written out, for what SDPA does not do: scores scaled by ``scale``
     and soft-capped, s -> c tanh(s / c), before the mask and an fp32 softmax (Gemma 2; transformers'
     modeling_gemma2.eager_attention_forward)."""
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    k, v = repeat_kv(q, k, v)
     s, t = q.shape[2], k.shape[2]
     scores = torch.matmul(q, k.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     if softcap:
@@ -347,22 +381,23 @@ class Transformer(nn.Module):
 
     def init_weights(self, seed: int = 0) -> None:
         """N(0, 0.02) for matrices, residual projections scaled by 1/sqrt(2L) (GPT-2, Radford et al.
-        2019), zeros for biases, ones for norms. Deterministic from ``seed`` on any device layout."""
-        g = torch.Generator().manual_seed(seed)
-        torch.manual_seed(seed)
+        2019), zeros for biases, ones for norms. A parameter's values depend on ``seed`` and its name only
+        (``normal_box``), never on what else this module holds or how it is sharded: the whole model, a pipeline
+        stage, and a rank's shards (TP, FSDP, EP DTensors, materialised from the meta device) get the same value for
+        every element, so every layout starts from the same weights however the model was built. Each rank draws
+        on the CPU only the rows its box meets and copies its box in (``weights.local_box``)."""
+        torch.manual_seed(seed)  # the global generator too, as before (draws that follow a build stay as they were)
         std, resid = 0.02, 0.02 / math.sqrt(2 * self.spec.n_layers)
         with torch.no_grad():
             for name, p in self.named_parameters():
+                local, box = local_box(p)
                 if name.endswith("bias"):
-                    p.zero_()
+                    local.zero_()
                 elif p.ndim == 1:
-                    p.fill_(0.0 if self.spec.norm_offset else 1.0)  # a gain of 1 either way
-                else:
+                    local.fill_(0.0 if self.spec.norm_offset else 1.0)  # a gain of 1 either way
+                elif all(b.stop > b.start for b in box):  # an FSDP rank past an uneven tensor's end holds nothing
                     s = resid if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
-                    if isinstance(p, DTensor):  # built on meta and sharded: DTensor's RNG fills each shard
-                        nn.init.normal_(p, std=s)
-                    else:
-                        p.copy_(torch.randn(p.shape, generator=g) * s)
+                    local.copy_(normal_box(name, tuple(p.shape), s, seed, box).reshape(local.shape))
 
     def stage(self, layer_ids: list[int], first: bool, last: bool) -> Transformer:
         """A pipeline stage that shares this model's modules: layers ``layer_ids`` (keeping their keys,
@@ -431,6 +466,34 @@ def tied_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     whole = [Replicate()] * w.device_mesh.ndim
     h = h.redistribute(placements=whole) if isinstance(h, DTensor) else DTensor.from_local(h, w.device_mesh, whole)
     return F.linear(h, w).full_tensor()
+
+
+INIT_BLOCK = 1 << 24  # elements per random block of a parameter: whole rows of its dim 0 (one row at least)
+
+
+def init_seed(seed: int, name: str, block: int) -> int:
+    """The generator seed of block ``block`` of parameter ``name``: 63 bits of blake2b over the three (the same on
+    every rank, process and layout; Python's hash() is salted per process)."""
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def normal_box(name: str, shape: tuple[int, ...], std: float, seed: int, box: Box) -> torch.Tensor:
+    """The ``box`` of parameter ``name``'s initial N(0, std^2) values (shape ``shape``), on the CPU. The rows of
+    dim 0 are drawn in blocks of INIT_BLOCK elements (whole rows, one at least), block i from its own generator
+    (``init_seed``): a box needs only the blocks its rows meet, drawn one at a time, so a rank never holds more than
+    one block beyond its box, and the values never depend on the box."""
+    width = math.prod(shape[1:])
+    rows = max(1, INIT_BLOCK // max(width, 1))
+    first, stop = box[0].start, box[0].stop
+    out = torch.empty([b.stop - b.start for b in box])
+    for i in range(first // rows, -(-stop // rows)):
+        lo, hi = i * rows, min((i + 1) * rows, shape[0])
+        g = torch.Generator().manual_seed(init_seed(seed, name, i))
+        block = torch.randn((hi - lo, *shape[1:]), generator=g) * std
+        a, z = max(lo, first), min(hi, stop)
+        out[a - first:z - first] = block[(slice(a - lo, z - lo), *box[1:])]
+    return out
 
 
 def build_model(spec: ModelSpec, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:

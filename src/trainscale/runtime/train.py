@@ -232,9 +232,11 @@ class Trainer:
         return answer[0], lock
 
     def _build_parts(self) -> list[tuple[int, Transformer]]:
+        """The model's stages this rank runs, parallelized. Built whole on the CPU and moved, or (``_on_meta``) on
+        the meta device, parallelized, and each rank's shards allocated and filled: from ``[model] init``'s
+        files, or by ``Transformer.init_weights``, which gives every element the value the whole CPU build gives."""
         spec, lo, seed, init = self.cfg.model, self.layout, self.cfg.train.seed, self.cfg.init
-        on_meta = init is not None or (self.device.type == "cuda" and param_count(spec) * 4 > 0.25 * (
-            torch.cuda.get_device_properties(self.device).total_memory))
+        on_meta = self._on_meta()
         model = build_model(spec, "meta" if on_meta else "cpu", seed=seed)
         if not on_meta:
             model.to(self.device)
@@ -251,6 +253,14 @@ class Trainer:
 
             self.init_elements_read = load_init([part for _, part in parts], init, spec)
         return parts
+
+    def _on_meta(self) -> bool:
+        """Whether the model is built on the meta device: read from ``[model] init``, too big for a quarter of the
+        GPU whole (fp32), or asked for (TRAINSCALE_META_INIT=1: the tests run that path on the CPU)."""
+        if self.cfg.init is not None or os.environ.get("TRAINSCALE_META_INIT") == "1":
+            return True
+        return self.device.type == "cuda" and param_count(self.cfg.model) * 4 > 0.25 * (
+            torch.cuda.get_device_properties(self.device).total_memory)
 
     # ------------------------------------------------------------------ one step
 
