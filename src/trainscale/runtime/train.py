@@ -31,11 +31,11 @@ On the GPU, a step that does not log never waits for the device: the loss, the g
 the device) and the MoE numbers stay there until the next logging step reads them in one transfer
 (runtime/job/metrics.py), the step time comes from CUDA events (runtime/measure.StepClock), the batch is copied
 from pinned memory without blocking, and the Slurm save request (an all-reduce read back) is looked at every
-``SIGNAL_EVERY`` steps only. The exceptions, named: MoE layers read their routing counts (the split sizes of the
-expert matmuls and all-to-alls are host integers), an asynchronous checkpoint in flight is polled each step. AdamW
-is torch's fused kernel when every weight is on CUDA, its foreach kernels elsewhere. Python's cyclic garbage
-collector is off in the loop and collects its young generations every ``GC_EVERY`` steps (a full, unscheduled
-collection stalls every rank at a different step).
+min(log_every, ``SIGNAL_EVERY``) steps only. The exceptions, named: MoE layers read their routing counts (the
+split sizes of the expert matmuls and all-to-alls are host integers), an asynchronous checkpoint in flight is
+polled each step. AdamW is torch's fused kernel when every weight is on CUDA, its foreach kernels elsewhere.
+Python's cyclic garbage collector is off in the loop and collects its young generations every ``GC_EVERY`` steps
+(a full, unscheduled collection stalls every rank at a different step).
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ from trainscale.specs import Layout
 # (torchtitan/tools/utils.py GarbageCollection, job config training.gc_freq = 50).
 GC_EVERY = 50
 # Under a batch script that asks for a checkpoint before its time limit (runtime/job/slurm.save_requested, one
-# all-reduce read back): the request is looked at every this many steps (every rank at the same steps), and at the
-# last step; at most this many steps late. The logging steps when they come as often (log_every <= this).
+# all-reduce read back): the request is looked at every min(log_every, this) steps (every rank at the same steps)
+# and at the last step, so at most this many steps late; on the logging steps only when log_every <= this.
 SIGNAL_EVERY = 5
 
 
@@ -292,7 +292,8 @@ class Trainer:
             dist.all_reduce(count)
             count /= self.layout.tp  # the tp ranks of a dp rank read the same rows
         n = count.reshape(())
-        ratio = (self.layout.dp * self.layout.cp) / torch.where(n > 0, n, torch.ones_like(n))
+        # a division, as the host's was (a Python number over a tensor would be a reciprocal times the number)
+        ratio = torch.full_like(n, float(self.layout.dp * self.layout.cp)) / torch.where(n > 0, n, torch.ones_like(n))
         return torch.where(n > 0, ratio, torch.zeros_like(ratio)).to(torch.float32)
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
@@ -522,7 +523,7 @@ class Trainer:
                                   read_every=1 if self.faults else None, complete=self._complete_row)
         c = self.cfg.checkpoint
         self.saver = None if mgr is None else SaveCadence(mgr, c.every_steps, c.every_seconds, self.device, self.log,
-                                                          signal_every=SIGNAL_EVERY)
+                                                          signal_every=min(self.cfg.run.log_every, SIGNAL_EVERY))
         return stop
 
     def _end(self, stopped: bool) -> RunResult:

@@ -355,8 +355,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMe
         dist.all_reduce(total)
     norm = total.sqrt()
     if max_norm > 0:
-        # float64 as the host value was; cast to float32 as a Python scalar is for a float32 kernel (same bits)
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0).to(torch.float32)
+        # float64 as the host value was, cast to float32 as a Python scalar is for a float32 kernel (same bits)
+        # (a division, as the host's was: a Python number over a tensor is a reciprocal times the number)
+        scale = (torch.full_like(norm, max_norm) / (norm + 1e-6)).clamp(max=1.0).to(torch.float32)
         for grads in [*by_copies.values(), scaled_only]:
             if grads:
                 torch._foreach_mul_(grads, scale)
