@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -189,3 +190,38 @@ class StepProfiler:
             self.files.append(table.name)
         self.log(f"profiled steps {self.first}..{step} on rank {self.rank}: {', '.join(self.files)} in {self.folder}")
         self.prof = None
+
+
+class StepClock:
+    """A training step's seconds, without a host sync. On CPU the host's clock around the step: CPU ops run
+    synchronously, so that is the step (the numbers are what they always were). On CUDA the host runs ahead of the
+    GPU (a step that does not log waits for nothing), so its clock would time kernel launches: there two CUDA
+    events on the current stream at the step's start and end, whose elapsed time is read after the next logging
+    step's read-back (runtime/job/metrics.Deferred) has waited for them. They time the GPU stream from the step's
+    start to its end, the waits for the host inside the step included; the work between steps (metrics, saves,
+    evaluation) is not in any step, as on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        """-> the step's start mark (pass it to ``stop``)."""
+        if not self.cuda:
+            return time.perf_counter()
+        begun = torch.cuda.Event(enable_timing=True)
+        begun.record()
+        return begun
+
+    def stop(self, begun) -> float | Callable[[], float]:
+        """-> the step's seconds (CPU), or a function that returns them once the step's kernels ran (CUDA)."""
+        if not self.cuda:
+            return time.perf_counter() - begun
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+
+        def seconds() -> float:
+            end.synchronize()  # done already after the read-back; cheap
+            return begun.elapsed_time(end) / 1000.0
+
+        return seconds
+

@@ -35,18 +35,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainscale.runtime.collectives import group_device, reduce_host
+from trainscale.runtime.collectives import group_device
 from trainscale.specs import ModelSpec
 
 
 @dataclass
 class MoEStats:
-    """What a MoE layer records between two reads (runtime/train.py reads and resets it every step)."""
+    """What a MoE layer records between two reads (runtime/train.py reads and resets it every step). The counts and
+    the balance loss stay on the device (a step that does not log reads nothing back)."""
 
     tokens: torch.Tensor | None = None  # [E] routed (token, expert) pairs counted in the forward pass
     a2a_seconds: float = 0.0  # wall time in the all-to-alls (forward, backward, recompute)
     a2a_bytes: int = 0  # bytes this rank sent in them
-    aux: float = 0.0  # sum of this rank's balance-loss values
+    aux: torch.Tensor | float = 0.0  # sum of this rank's balance-loss values (float64, on the device)
 
     def reset(self) -> None:
         self.tokens, self.a2a_seconds, self.a2a_bytes, self.aux = None, 0.0, 0, 0.0
@@ -205,7 +206,7 @@ class MoE(nn.Module):
             f = hits / (self.top_k * seq * parts)  # [b, E] share of the sequence's routed slots per expert
         p = probs.sum(1) / (seq * self.seq_split)  # [b, E]
         aux = self.aux_coef * e * (f * p).sum(-1).mean()
-        self.stats.aux += float(aux.detach())
+        self.stats.aux = self.stats.aux + aux.detach().double()  # float64, as the host sum of Python floats was
         return aux
 
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -229,19 +230,24 @@ class MoE(nn.Module):
         return _AllToAll.apply(y, send, recv, group, stats)
 
 
-def step_metrics(parts: list[tuple[int, nn.Module]], spec: ModelSpec, layout, n_micro: int,
-                 step_time: float) -> dict[str, Any]:
+def step_metrics(parts: list[tuple[int, nn.Module]], spec: ModelSpec, layout, n_micro: int) -> dict[str, Any]:
     """A training step's routing and all-to-all numbers, the same on every rank (collectives over the world):
     ``expert_tokens`` {layer: [tokens routed to each expert, whole global batch]} (a token counts once per
     expert it is sent to, so a layer's counts add up to k x tokens); ``moe_aux_loss`` the balance loss summed
     over the MoE layers (mean over micro-batches); ``a2a_s`` the slowest rank's seconds in the expert-parallel
-    all-to-alls (forward, backward and any recompute), ``a2a_share`` that over the step time, ``a2a_bytes`` the
-    bytes the busiest rank sent. ``parts``: this rank's (stage, model) pairs, each with ``layers`` by layer
-    index. Under a pipeline, step 1 also counts the schedule's shape-inference forward pass."""
+    all-to-alls (forward, backward and any recompute), ``a2a_share`` that over the step time (None here: the
+    caller fills it in once the step time is known), ``a2a_bytes`` the bytes the busiest rank sent. ``parts``:
+    this rank's (stage, model) pairs, each with ``layers`` by layer index. Under a pipeline, step 1 also counts
+    the schedule's shape-inference forward pass.
+
+    The values are reduced on the device and left there: each is (a device tensor, the function of its host
+    value that gives the row's value: a float for one element, else nested lists), read back with the rest of the
+    row at the next logging step (runtime/job/metrics.Deferred): this adds no host sync to the step."""
     lo = layout
     dev = group_device()
     counts = torch.zeros(spec.n_layers, spec.n_experts, dtype=torch.float64, device=dev)
-    aux, a2a = 0.0, [0.0, 0.0]
+    aux = torch.zeros((), dtype=torch.float64, device=dev)
+    a2a = [0.0, 0.0]
     for _, part in parts:
         for name, block in part.layers.items():
             m = getattr(block, "moe", None)
@@ -249,15 +255,19 @@ def step_metrics(parts: list[tuple[int, nn.Module]], spec: ModelSpec, layout, n_
                 continue
             if m.stats.tokens is not None:
                 counts[int(name)] += m.stats.tokens.to(dev, torch.float64)
-            aux += m.stats.aux
+            aux = aux + (m.stats.aux.to(dev) if isinstance(m.stats.aux, torch.Tensor) else m.stats.aux)
             a2a[0] += m.stats.a2a_seconds
             a2a[1] += m.stats.a2a_bytes
+    host = torch.tensor(a2a, dtype=torch.float64)  # host clocks and byte counts: uploaded without waiting
+    a2a_t = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
+    aux = aux.reshape(1)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for t, op in ((counts, dist.ReduceOp.SUM), (aux, dist.ReduceOp.SUM), (a2a_t, dist.ReduceOp.MAX)):
+            dist.all_reduce(t, op=op)
     copies = lo.tp // (lo.tp if lo.sp else 1)  # without SP the tp ranks route the same tokens
-    counts = reduce_host(counts) / copies
-    aux = reduce_host([aux])
-    a2a = reduce_host(a2a, op=dist.ReduceOp.MAX)
+    counts = counts / copies
     moe_ids = [i for i in range(spec.n_layers) if spec.is_moe_layer(i)]
-    return {"expert_tokens": {str(i): [int(round(c)) for c in counts[i].tolist()] for i in moe_ids},
-            "moe_aux_loss": float(aux) / (lo.dp * lo.cp * lo.tp / (lo.tp // copies)) / n_micro,
-            "a2a_s": float(a2a[0]), "a2a_share": float(a2a[0]) / step_time if step_time > 0 else 0.0,
-            "a2a_bytes": int(a2a[1])}
+    aux_div = (lo.dp * lo.cp * lo.tp / (lo.tp // copies))
+    return {"expert_tokens": (counts, lambda c: {str(i): [int(round(x)) for x in c[i]] for i in moe_ids}),
+            "moe_aux_loss": (aux, lambda a: a / aux_div / n_micro),
+            "a2a_s": (a2a_t[0], float), "a2a_share": None, "a2a_bytes": (a2a_t[1], int)}

@@ -26,11 +26,22 @@ Run folder: config.toml, run.json (layout, world size, model, results, the unigr
 tokens), metrics.jsonl (a line per step, held-out evaluation, checkpoint, attempt start and resume),
 TensorBoard events and the optional sinks (runtime/job/tblog.py), profile/ ([profile] steps), tokenizer.json,
 final/; its identity, lock and bookkeeping are runtime/job/runfolder.py's.
+
+On the GPU, a step that does not log never waits for the device: the loss, the gradient norm (clipping is done on
+the device) and the MoE numbers stay there until the next logging step reads them in one transfer
+(runtime/job/metrics.py), the step time comes from CUDA events (runtime/measure.StepClock), the batch is copied
+from pinned memory without blocking, and the Slurm save request (an all-reduce read back) is looked at every
+min(log_every, ``SIGNAL_EVERY``) steps only. The exceptions, named: MoE layers read their routing counts (the
+split sizes of the expert matmuls and all-to-alls are host integers), an asynchronous checkpoint in flight is
+polled each step. AdamW is torch's fused kernel when every weight is on CUDA, its foreach kernels elsewhere.
+Python's cyclic garbage collector is off in the loop and collects its young generations every ``GC_EVERY`` steps
+(a full, unscheduled collection stalls every rank at a different step).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -53,7 +64,7 @@ from trainscale.runtime.evaluator import Evaluator, document_args
 from trainscale.runtime.job import faults, runfolder
 from trainscale.runtime.job.checkpoint import CheckpointManager, SaveCadence, step_dir_name
 from trainscale.runtime.job.faults import Fault, requeue_count, restart_count
-from trainscale.runtime.job.metrics import MetricsLog
+from trainscale.runtime.job.metrics import Deferred, MetricsLog
 from trainscale.runtime.job.slurm import mark_stopped
 from trainscale.runtime.job.tblog import check_sinks, open_metric_log
 from trainscale.runtime.model import IGNORE, Transformer, build_model, lm_loss, lm_loss_sum
@@ -76,6 +87,15 @@ from trainscale.runtime.parallel.pipeline import Pipeline, split_model
 from trainscale.runtime.parallel.zero1 import Zero1AdamW, adamw_groups, optimizer_module
 from trainscale.runtime.schedule import Horizon, continuation, lr_at, recorded
 from trainscale.specs import Layout
+
+# Python's garbage collector during the loop: off, and a young-generation collection (gc.collect(1)) every this many
+# steps, on every rank at the same step. torchtitan does the same, every 50 steps by default
+# (torchtitan/tools/utils.py GarbageCollection, job config training.gc_freq = 50).
+GC_EVERY = 50
+# Under a batch script that asks for a checkpoint before its time limit (runtime/job/slurm.save_requested, one
+# all-reduce read back): the request is looked at every min(log_every, this) steps (every rank at the same steps)
+# and at the last step, so at most this many steps late; on the logging steps only when log_every <= this.
+SIGNAL_EVERY = 5
 
 
 @dataclass
@@ -139,6 +159,7 @@ class Trainer:
         self.after_update: Callable[[Trainer], None] | None = None
         self.flops_per_token = measure.flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak, self.peak_source = measure.job_peak_flops(self.world)
+        self.clock = measure.StepClock(self.device)
         self.evaluator = Evaluator(cfg, self.corpus, self.device, self.precision, self.log)
         self.profiler = measure.StepProfiler(cfg.profile.steps, cfg.profile.ranks, self.rank, out, self.device,
                                              self.log if self.rank == 0 else _say)
@@ -199,9 +220,16 @@ class Trainer:
             norm=[p for o in self.optimizers for p in o.shards] if layout.zero == 1 else self.params)
 
     def _optimizer(self, part: Transformer) -> torch.optim.Optimizer:
-        """AdamW on the stage's weights, or under zero1 on this rank's shards of them (runtime/parallel/zero1.py)."""
+        """AdamW on the stage's weights, or under zero1 on this rank's shards of them (runtime/parallel/zero1.py):
+        torch's fused kernel when every weight is a CUDA tensor (DTensors by their local shards' device), its
+        foreach (multi-tensor) kernels elsewhere. The same math elementwise: on CPU foreach gives the bits the
+        one-tensor loop gave."""
         t = self.cfg.train
-        kw = {"lr": lr_at(0, self.cfg), "betas": t.betas, "eps": 1e-8}
+        kw: dict[str, Any] = {"lr": lr_at(0, self.cfg), "betas": t.betas, "eps": 1e-8}
+        if all(p.device.type == "cuda" for p in part.parameters()):
+            kw["fused"] = True
+        else:
+            kw["foreach"] = True
         if self.layout.zero == 1:
             return Zero1AdamW(part, self.mesh, t.weight_decay, **kw)
         return torch.optim.AdamW(adamw_groups(list(part.parameters()), t.weight_decay), **kw)
@@ -264,16 +292,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _learned_scale(self, targets: torch.Tensor) -> float:
+    def _learned_scale(self, targets: torch.Tensor) -> torch.Tensor:
         """dp x cp / the global batch's learned targets (those not IGNORE), counted over every rank: a rank's
         summed loss times this, averaged over the dp x cp replicas by the gradient reduction, is the sum over
-        the whole global batch / its learned targets, whatever the layout. 0 when nothing is learned."""
+        the whole global batch / its learned targets, whatever the layout. 0 when nothing is learned. A float32
+        scalar on the device (computed in float64 as the host value was, then cast as a Python scalar is)."""
         count = (targets != IGNORE).sum().to(torch.float64).reshape(1).to(self.device)
         if self.world > 1:  # pp and cp are refused with documents: every rank is a dp or tp rank
             dist.all_reduce(count)
             count /= self.layout.tp  # the tp ranks of a dp rank read the same rows
-        n = float(count.item())
-        return self.layout.dp * self.layout.cp / n if n > 0 else 0.0
+        n = count.reshape(())
+        # a division, as the host's was (a Python number over a tensor would be a reciprocal times the number)
+        ratio = torch.full_like(n, float(self.layout.dp * self.layout.cp)) / torch.where(n > 0, n, torch.ones_like(n))
+        return torch.where(n > 0, ratio, torch.zeros_like(ratio)).to(torch.float32)
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor,
                           positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -303,7 +334,7 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One optimizer step on the next global batch -> its metrics row (runtime/job/metrics.MetricsLog)."""
-        t0 = time.perf_counter()
+        t0 = self.clock.start()
         lr = lr_at(self.step, self.cfg, self.horizon.schedule_steps)
         for opt in self.optimizers:
             for g in opt.param_groups:
@@ -313,8 +344,8 @@ class Trainer:
             inputs, targets = shard_sequence(inputs, self.positions), shard_sequence(targets, self.positions)
         for m in self.moes:
             m.stats.reset()
-        loss = self._forward_backward(inputs.to(self.device), targets.to(self.device),
-                                      positions[0].to(self.device) if positions else None)
+        loss = self._forward_backward(self._upload(inputs), self._upload(targets),
+                                      self._upload(positions[0]) if positions else None)
         lo, grads = self.layout, self.grads
         if self.moes and lo.tp > 1 and lo.sp:
             sum_moe_gradients_over_tp(grads.moe, self.mesh)
@@ -340,18 +371,34 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(loss)
             loss /= self.layout.dp * self.layout.cp * self.layout.tp
-        value = float(loss.item())
-        dt = time.perf_counter() - t0
-        tokens = self.cfg.train.global_batch * self.cfg.train.seq_len
-        tps = tokens / dt
+        dt = self.clock.stop(t0)  # seconds (CPU), or a function of the step's CUDA events
         self.step += 1
-        row = {"step": self.step, "loss": value, "tokens_per_s": tps, "flops_per_s": tps * self.flops_per_token,
-               "mfu": measure.mfu(tps, self.flops_per_token, self.peak),
-               "flop_convention": measure.FLOP_CONVENTION_NAME, "lr": lr, "grad_norm": grad_norm,
-               "step_time_s": dt, "memory_bytes": measure.peak_memory_bytes(self.device)}
+        # device values stay there (Deferred) until the next logging step; throughput follows from the step time
+        # then (_complete_row): no host sync on this step
+        row = {"step": self.step, "loss": Deferred(loss), "tokens_per_s": None, "flops_per_s": None, "mfu": None,
+               "flop_convention": measure.FLOP_CONVENTION_NAME, "lr": lr, "grad_norm": Deferred(grad_norm),
+               "step_time_s": dt if isinstance(dt, float) else Deferred(None, dt),
+               "memory_bytes": measure.peak_memory_bytes(self.device)}
         if self.cfg.model.is_moe:
-            row.update(moe_metrics.step_metrics(self.parts, self.cfg.model, self.layout, self.n_micro, dt))
+            got = moe_metrics.step_metrics(self.parts, self.cfg.model, self.layout, self.n_micro)
+            row.update({k: v if v is None else Deferred(*v) for k, v in got.items()})
         return row
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A host batch on the device: from pinned memory without blocking on CUDA (a pageable copy would wait
+        for the GPU to catch up), as it is elsewhere."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _complete_row(self, row: dict[str, Any]) -> None:
+        """A step row once its values are read back (runtime/job/metrics.MetricsLog): throughput from its time."""
+        dt = row["step_time_s"]
+        tps = self.cfg.train.global_batch * self.cfg.train.seq_len / dt
+        row.update({"tokens_per_s": tps, "flops_per_s": tps * self.flops_per_token,
+                    "mfu": measure.mfu(tps, self.flops_per_token, self.peak)})
+        if "a2a_share" in row:
+            row["a2a_share"] = row["a2a_s"] / dt if dt > 0 else 0.0
 
     # ------------------------------------------------------------------ the loop
 
@@ -437,16 +484,26 @@ class Trainer:
         run may go past its recorded total (runtime/schedule.py says how its learning rate continues)."""
         steps = self._start(steps, extend)
         stop = False  # the scheduler's early signal ended this attempt (the job requeues itself)
-        while self.step < steps and not stop:
-            faults.at_step(self.faults, self.step + 1, self.rank, _say)
-            self.profiler.before(self.step + 1)
-            row = self.train_step()
-            self.profiler.after(self.step, last=self.step == steps)
-            self.metrics.step(row)
-            if self.evaluator.due(self.step):
-                self.evaluator.periodic(self.step, self.full_state_dict, self.metrics)
-            if self.saver is not None:
-                stop = self.saver.after_step(self.step, steps, self.state_dict, self.extras, self.metrics.checkpoint)
+        collecting = gc.isenabled()
+        gc.disable()  # collected every GC_EVERY steps instead (torchtitan's GarbageCollection)
+        gc.collect(1)
+        try:
+            while self.step < steps and not stop:
+                faults.at_step(self.faults, self.step + 1, self.rank, _say)
+                self.profiler.before(self.step + 1)
+                row = self.train_step()
+                self.profiler.after(self.step, last=self.step == steps)
+                self.metrics.step(row)
+                if self.evaluator.due(self.step):
+                    self.evaluator.periodic(self.step, self.full_state_dict, self.metrics)
+                if self.saver is not None:
+                    stop = self.saver.after_step(self.step, steps, self.state_dict, self.extras,
+                                                 self.metrics.checkpoint)
+                if self.step % GC_EVERY == 0:
+                    gc.collect(1)
+        finally:
+            if collecting:
+                gc.enable()
         return self._end(stop)
 
     def _start(self, steps: int | None, extend: bool) -> int:
@@ -471,17 +528,21 @@ class Trainer:
         if self.folder is not None:
             tb = open_metric_log(self.out, self.step if self.resume else None, self.log, self.cfg.run.sinks,
                                  self.cfg.name, self.run_id)
-        self.metrics = MetricsLog(self.folder, tb, self.log, self.cfg.run.log_every, stop)
+        # injected faults (tests) kill a rank between logging steps: then every step's row is read at once
+        self.metrics = MetricsLog(self.folder, tb, self.log, self.cfg.run.log_every, stop,
+                                  read_every=1 if self.faults else None, complete=self._complete_row)
         c = self.cfg.checkpoint
-        self.saver = None if mgr is None else SaveCadence(mgr, c.every_steps, c.every_seconds, self.device, self.log)
+        self.saver = None if mgr is None else SaveCadence(mgr, c.every_steps, c.every_seconds, self.device, self.log,
+                                                          signal_every=min(self.cfg.run.log_every, SIGNAL_EVERY))
         return stop
 
     def _end(self, stopped: bool) -> RunResult:
         """After the loop: the last save committed; a finished run's final weights, held-out loss, run.json and
         goodput (a stopped attempt leaves the run to its requeue); the metrics log and the folder's lock closed."""
+        m = self.metrics
+        m.flush()  # the rows since the last logging step
         if self.saver is not None:
             self.saver.manager.finish()
-        m = self.metrics
         result = RunResult(m.losses, self.out, m.rows, local_params=self.local_params())
         if stopped and self.rank == 0:
             mark_stopped(self.step)

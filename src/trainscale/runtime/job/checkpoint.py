@@ -521,13 +521,14 @@ class CheckpointManager:
 class SaveCadence:
     """When a training step saves, and the save: every ``every_steps`` steps, every ``every_seconds`` since the
     last save (or the loop's start, ``start_clock``), and whenever the batch scheduler's early signal asks
-    (runtime/job/slurm.py: a save, then under a requeueing script the attempt stops). Each save is recorded
+    (runtime/job/slurm.py: a save, then under a requeueing script the attempt stops), which is looked at every
+    ``signal_every`` steps and at the last one (reading it back is a host sync). Each save is recorded
     through ``record(step, save_s)`` (runtime/job/metrics.MetricsLog.checkpoint)."""
 
     def __init__(self, manager: CheckpointManager, every_steps: int | None, every_seconds: float | None,
-                 device: torch.device, log: Callable[[str], None]) -> None:
+                 device: torch.device, log: Callable[[str], None], signal_every: int = 1) -> None:
         self.manager, self.every_steps, self.every_seconds = manager, every_steps, every_seconds
-        self.device, self.log = device, log
+        self.device, self.log, self.signal_every = device, log, max(1, signal_every)
         self.last_save = time.perf_counter()
 
     def start_clock(self) -> None:
@@ -543,7 +544,7 @@ class SaveCadence:
         due = bool((self.every_steps and step % self.every_steps == 0) or (
             self.every_seconds and time.perf_counter() - self.last_save >= self.every_seconds))
         stop = False
-        if save_requested(self.device):
+        if (step % self.signal_every == 0 or step == total) and save_requested(self.device):
             stop = stops_for_requeue(step, total)  # then end this attempt: the job requeues itself
             self.log(f"[signal] checkpoint requested (Slurm's early signal): saving at step {step}"
                      + (", then stopping for the requeue" if stop else ""))

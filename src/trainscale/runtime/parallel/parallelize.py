@@ -318,13 +318,16 @@ def settle_gradient_placements(params: list[nn.Parameter]) -> None:
             p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMesh) -> float:
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
     """Clip by the global gradient norm over every shard on every rank, with one all-reduce; -> the norm
-    before clipping. Reads the gradients' placements, never changes them (``settle_gradient_placements``
-    does, as its own step, before this one).
+    before clipping, a float64 scalar tensor on the gradients' device (read back only when a step logs: no host
+    sync here). Reads the gradients' placements, never changes them (``settle_gradient_placements`` does, as its
+    own step, before this one).
 
     Each rank adds the squares of its local gradient shard, weighted by 1 / (number of ranks holding an
-    identical copy of that shard), so the world sum counts every element of every gradient once."""
+    identical copy of that shard), so the world sum counts every element of every gradient once. The clipping
+    is done on the device as torch's ``clip_grad_norm_`` does it with foreach: every gradient times
+    clamp(max_norm / (norm + 1e-6), max=1), a factor of exactly 1 when the norm is within ``max_norm``."""
     lo = mesh.layout
     replicas = lo.dp * lo.cp * lo.tp  # ranks per pipeline stage
     by_copies: dict[int, list[torch.Tensor]] = {}
@@ -350,9 +353,11 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, mesh: ParallelMe
         total += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum() / copies
     if dist.get_world_size() > 1:
         dist.all_reduce(total)
-    norm = float(total.sqrt())
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
+    norm = total.sqrt()
+    if max_norm > 0:
+        # float64 as the host value was, cast to float32 as a Python scalar is for a float32 kernel (same bits)
+        # (a division, as the host's was: a Python number over a tensor is a reciprocal times the number)
+        scale = (torch.full_like(norm, max_norm) / (norm + 1e-6)).clamp(max=1.0).to(torch.float32)
         for grads in [*by_copies.values(), scaled_only]:
             if grads:
                 torch._foreach_mul_(grads, scale)

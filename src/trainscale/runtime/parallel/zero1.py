@@ -127,9 +127,19 @@ def _shard_spec(slot: _Slot) -> tuple[DeviceMesh, tuple[Placement, ...]]:
 
 
 def adamw_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (the norms' gains and the biases take none)."""
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    """Weight decay on matrices only (the norms' gains and the biases take none). Each of the two is split by
+    the mesh its weights are DTensors on (plain tensors apart): AdamW's foreach and fused kernels take one list of
+    tensors per call, and DTensor refuses a call that mixes plain tensors with DTensors, or two meshes (expert
+    parallelism holds the routed experts on another mesh). One group each where they are all alike."""
+    groups = []
+    for decay, wanted in ((weight_decay, [p for p in params if p.ndim >= 2]),
+                          (0.0, [p for p in params if p.ndim < 2])):
+        by_mesh: dict[object, list[nn.Parameter]] = {}
+        for p in wanted:
+            by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        groups += [{"params": ps, "weight_decay": decay} for ps in by_mesh.values()] or [
+            {"params": [], "weight_decay": decay}]
+    return groups
 
 
 def _groups(mesh: ParallelMesh) -> tuple[_Group, _Group]:
