@@ -15,10 +15,10 @@ import torch
 from _chat_fixtures import chat_folder
 from _parity import run_layouts
 
-from trainscale.runtime.config import load_config
 from trainscale.runtime.data.chat import load_chat_tokenizer
 from trainscale.runtime.data.corpus import corpus_for
 from trainscale.runtime.data.loader import TokenLoader
+from trainscale.runtime.init import resolved_config
 from trainscale.runtime.model import IGNORE, build_model, lm_loss
 
 pytestmark = pytest.mark.dist
@@ -61,7 +61,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
 
 def test_first_step_loss_is_the_mean_over_the_global_batchs_learned_targets(runs):
     config, got = runs
-    cfg = load_config(config)
+    cfg = resolved_config(config)
     corpus = corpus_for(cfg)
     loader = TokenLoader(corpus.tokens("train"), 64, 4, flags=corpus.flags("train"), eot=corpus.eot_id,
                          documents=True)
@@ -74,7 +74,9 @@ def test_first_step_loss_is_the_mean_over_the_global_batchs_learned_targets(runs
     with torch.no_grad():  # what a mean per sequence (or per rank) would give instead: a different number
         rows = [float(lm_loss(model(x[r:r + 1], positions=pos[r:r + 1]), y[r:r + 1])) for r in range(len(x))
                 if (y[r] != IGNORE).any()]
-    assert abs(sum(rows) / len(rows) - want) > 100 * TOL * want
+    # the alternative sits at least ten tolerances away, so the equality above tells the two apart (with the
+    # per-parameter initialisation of runtime/model.normal_box the gap is 13 tolerances at seed 0)
+    assert abs(sum(rows) / len(rows) - want) > 10 * TOL * want
     assert got["mb4"]["losses"][-1] < got["mb4"]["losses"][0] - 0.3  # it learns
 
 
@@ -102,7 +104,7 @@ def _hf_chat_folder(folder: Path) -> Path:
 def test_train_chat_from_a_hugging_face_folder_keeps_its_template_in_final(tmp_path):
     hf = _hf_chat_folder(tmp_path / "hf")
     config = chat_config(tmp_path, None, model=f'[model]\ninit = "{hf}"\n', steps=3)
-    cfg = load_config(config)
+    cfg = resolved_config(config)
     assert cfg.data.tokenizer == str(hf) and cfg.data.documents_apart
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "trainscale", "train", "--config", str(config), "--layout", "dp2",

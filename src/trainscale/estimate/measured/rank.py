@@ -164,7 +164,8 @@ def layer_saved_bytes(m: ModelSpec, tokens: int, seq: int, layout: Layout, e: in
     """Bytes one decoder layer saves for backward on one rank, for ``tokens`` = micro-batch x local seq.
 
     none: the block input, both norms' saved tensors, the projections' (all-gathered, with SP) inputs,
-    the attention kernel's q, k, v (K/V heads repeated for GQA; gathered over the whole sequence with CP),
+    the attention kernel's q, k, v (K/V heads repeated for GQA only where the runtime repeats them: a window,
+    a soft-cap, CP; gathered over the whole sequence with CP),
     its output and per-row log-sum-exp, and the MLP's hidden tensors (SwiGLU: w1 x, w3 x, silu(w1 x) and
     the product; GELU: w1 x and gelu(w1 x)).
     selective: the attention kernel is recomputed, so only its inputs stay (q, and the un-repeated,
@@ -188,7 +189,11 @@ def layer_saved_bytes(m: ModelSpec, tokens: int, seq: int, layout: Layout, e: in
         core = q + 2 * kv_local + out
     else:
         keys = tokens * cp  # keys a rank attends to: the whole sequence, gathered from the cp group under CP
-        kv_kernel = keys * h_loc * hd * e  # k and v as the kernel gets them (K/V heads repeated for GQA)
+        # k and v as the kernel gets them: the unmasked causal path hands SDPA the K/V heads as they are
+        # (enable_gqa: runtime/model.causal_attention); a window shorter than the sequence, Gemma 2's soft-cap
+        # (eager attention) and CP's mask repeat the K/V heads for GQA first
+        native = cp == 1 and hd <= 256 and not m.attn_softcap and not (m.sliding_window and m.sliding_window < seq)
+        kv_kernel = keys * (kv_loc if native else h_loc) * hd * e
         lse = tokens * h_loc * FP32
         core = q + 2 * kv_kernel + out + lse
         if cp > 1:  # CP's causal mask over global positions, passed to the kernel as an fp32 additive mask
