@@ -27,6 +27,9 @@ from hypothesis import strategies as st
 
 from trainscale.cli import app, main
 
+# one fuzz campaign (its last test counts the cases of the others): make test runs it, make test-fast does not
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 LIMIT_S = 20.0

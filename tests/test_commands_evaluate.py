@@ -40,6 +40,7 @@ def world(tmp_path_factory) -> dict[str, Path]:
             "hf": make_hf_llama32(d / "hf", d / "tokenizer.json", VOCAB)}
 
 
+@pytest.mark.slow
 def test_loss_on_an_hf_folder_equals_transformers(world):
     rep = cli("evaluate", str(world["hf"]), "--data", str(world["data"]), "--text-field", "body", "--max-tokens",
               "700", "--seq-len", "64")

@@ -65,6 +65,7 @@ def test_80_columns_show_the_winners_days_and_gpu_hours(out405):
         "per GPU, fits" in block
 
 
+@pytest.mark.slow
 def test_the_winner_carries_its_interval_from_the_validation_residuals(out405, monkeypatch, tmp_path):
     """Step time and days print (low-high) from the leave-one-out errors of the rows of its software and GPU
     generation (intervals.annotate); the residuals are cached per model fingerprint and read back equal."""
@@ -145,6 +146,7 @@ def test_days_answers_a_count_whose_smaller_neighbour_is_too_slow(target, gpus):
     assert ans["gpus"] == {3.0: 8, 7.0: 4}[target]
 
 
+@pytest.mark.slow
 def test_days_on_whole_servers_and_when_no_count_does():
     p = planner.problem(model="llama3.1-405b", gpu=None, gpus=16384, seq=8192, global_batch_tokens=2**24,
                         tokens=15.6e12)
@@ -193,6 +195,7 @@ def test_max_model_is_the_largest_family_member_that_fits():
     assert "llama3.1-8b is the largest of its family" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [[*ARGS_8B, "--days", "3", "--max-model"],
                                   ["--model", "llama3.1-8b", "--days", "3"],
                                   ["--model", "llama3.1-8b", "--budget-gpu-hours", "lots"]])

@@ -54,6 +54,7 @@ def test_train_writes_the_run_folder_and_a_loadable_model(tmp_path):
     assert spec == cfg.model
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     p = ts("train", "--config", str(tmp_path / "nope.toml"))
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "does not exist" in p.stderr
@@ -65,6 +66,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert p.returncode == 2 and "train.lr" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_plan_and_dry_run_on_this_machine():
     p = ts("train", "--config", str(TINY), "--plan", "--dry-run", "--json")
     assert p.returncode == 0, p.stderr
@@ -88,6 +90,7 @@ def test_plan_and_dry_run_on_this_machine():
 EIGHT_B = ROOT / "configs" / "llama3.1-8b.toml"
 
 
+@pytest.mark.slow
 def test_preflight_refuses_the_8b_config_on_a_small_machine_before_anything_starts(tmp_path):
     """Llama 3.1 8B's fp32 weights, gradients and AdamW state alone are 16 B x 8.03e9 parameters = 128 GB over its
     eight ranks: 8 GB of memory cannot hold them under any layout of eight processes."""
@@ -102,6 +105,7 @@ def test_preflight_refuses_the_8b_config_on_a_small_machine_before_anything_star
         assert not out.exists()  # nothing started: no run folder, no log, no torchrun
 
 
+@pytest.mark.slow
 def test_preflight_names_a_layout_that_fits_and_that_layout_passes(tmp_path):
     env = {**os.environ, "TRAINSCALE_DEVICE_MEMORY_BYTES": "400e9"}
 
@@ -118,6 +122,7 @@ def test_preflight_names_a_layout_that_fits_and_that_layout_passes(tmp_path):
     assert mem["fits"] and mem["predicted_this_machine_bytes"] <= 400e9
 
 
+@pytest.mark.slow
 def test_dry_run_prints_predicted_memory_from_the_real_model(tmp_path):
     """One process, zero0: fp32 weights + gradients + two AdamW moments = 16 bytes a parameter of the model the
     runtime builds, plus AdamW's 4-byte step counter per tensor (torch.optim.AdamW's state)."""
@@ -195,6 +200,7 @@ def test_a_refused_resume_is_one_sentence_and_changes_nothing_in_the_run_folder(
     assert json.loads(p.stdout)["command"][-1] == "--extend"
 
 
+@pytest.mark.slow
 def test_set_is_typed_by_the_schema_and_reaches_the_ranks(tmp_path):
     p = ts("train", "--config", str(TINY), "--set", "train.lrr=1e-4", "--dry-run")
     assert p.returncode == 2 and p.stderr.strip() == "trainscale: error: --set train.lrr: [train] has no key 'lrr'; " \
@@ -216,6 +222,7 @@ def test_set_is_typed_by_the_schema_and_reaches_the_ranks(tmp_path):
         1e-4, 0.1, (0.9, 0.99), "wsd", "runs/x")
 
 
+@pytest.mark.slow
 def test_launch_set_writes_the_overridden_config_beside_the_script(tmp_path):
     script = tmp_path / "job.sh"
     p = ts("launch", "--slurm", "--config", str(TINY), "--nodes", "1", "--cpu", "--gpus-per-node", "1",

@@ -92,6 +92,7 @@ def test_report_and_explain_count_the_same_training_flops(model, tmp_path):
         assert 6 * param_count(m) * 14.8e12 / w["training_flops"] > 15  # 15.6x with the MTP module counted
 
 
+@pytest.mark.slow
 def test_report_from_a_plan_takes_its_tokens_and_sequence(tmp_path):
     from trainscale.report.build import build_report
 

@@ -156,6 +156,7 @@ def test_fp8_gemms_run_faster_and_keep_the_state():
     assert r8["mfu"] > r16["mfu"]  # MFU stays over the bf16 peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,words", [
     (["--model", "llama3.1-8b", "--layout", "dp8,ep2,zero1"], "dense model"),
     (["--model", "mixtral-8x7b", "--layout", "dp12,ep3,zero1", "--global-batch-tokens", "96K", "--seq", "4096"],

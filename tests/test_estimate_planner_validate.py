@@ -401,6 +401,7 @@ def test_loo_equals_in_sample_when_nothing_is_fitted(tmp_path):
     assert out["loo"] == out["in_sample"]
 
 
+@pytest.mark.slow
 def test_intervals_contain_the_estimate_and_widen_with_fewer_rows():
     # the rule on known residuals: 5 rows of one software/generation -> their range, as time factors 1 + e
     rows = [("a", "hopper", e) for e in (-0.10, 0.05, 0.02, -0.03, 0.0)] + [("b", "hopper", 0.2), ("b", "ampere", -0.3)]
@@ -452,6 +453,7 @@ def test_kernel_and_norm_knobs_come_from_the_rows_software():
     assert load_software("torchtitan").elementwise_passes == 60
 
 
+@pytest.mark.slow
 def test_cli_validate_json_and_bad_input(tmp_path):
     res = CliRunner().invoke(app, ["validate", "--json"])
     assert res.exit_code == 0, res.output

@@ -185,6 +185,7 @@ def test_cli_json(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, needle", [
     (("--gpus", "0"), "--gpus"),
     (("--interval-min", "-5"), "--interval-min"),

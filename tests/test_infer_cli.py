@@ -14,6 +14,7 @@ def ts(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainscale", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_quantize_then_generate(small_model_dir, tmp_path):  # noqa: F811
     r = ts("quantize", str(small_model_dir), "--format", "int4", "--group-size", "32", "--out", str(tmp_path / "q4"),
            "--eval-tokens", "4096", "--max-new-tokens", "8", "--json")
@@ -33,6 +34,7 @@ def test_quantize_then_generate(small_model_dir, tmp_path):  # noqa: F811
     assert human.returncode == 0 and "KV cache bytes" in human.stdout
 
 
+@pytest.mark.slow
 def test_lora_merge_and_export(small_model_dir, tmp_path):  # noqa: F811
     r = ts("lora", str(small_model_dir), "--rank", "4", "--data", "corpus:val", "--steps", "6", "--batch", "4",
            "--seq-len", "64", "--merge", "--out", str(tmp_path / "lora"), "--json")
@@ -48,6 +50,7 @@ def test_lora_merge_and_export(small_model_dir, tmp_path):  # noqa: F811
     assert json.loads(r.stdout)["equal"] and (tmp_path / "hf" / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_exit_2(small_model_dir, tmp_path):  # noqa: F811
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -66,6 +69,7 @@ def test_errors_are_one_line_exit_2(small_model_dir, tmp_path):  # noqa: F811
         assert len(lines) == 1 and lines[0].startswith("trainscale: error:") and words in lines[0], r.stderr
 
 
+@pytest.mark.slow
 def test_infer_modules_import_each_other_without_a_cycle():
     """infer/'s own imports (at module level or inside a function: a function-local import that dodges a cycle is
     still one) form a graph without cycles, and each module imports alone in a fresh interpreter."""
@@ -94,6 +98,7 @@ def test_infer_modules_import_each_other_without_a_cycle():
         assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_quantize_perplexity_is_on_the_runs_own_held_out_split(tmp_path):
     """A run trained on the user's data (a prepared corpus): quantize's default perplexity text is that corpus's
     held-out split, token for token (the perplexity equals one computed here on those ids), and it says so; a model

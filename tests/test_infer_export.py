@@ -33,6 +33,7 @@ def gguf_files(small_model_dir, tmp_path_factory):  # noqa: F811
     return {t: export_gguf(small_model_dir, d / f"small-{t}.gguf", t) for t in ("f16", "q8_0", "q4_0")}
 
 
+@pytest.mark.slow
 def test_hf_logits_equal_trainscale(small_model_dir, tmp_path):  # noqa: F811
     transformers = pytest.importorskip("transformers")
     rep = export_hf(small_model_dir, tmp_path / "hf")
@@ -71,6 +72,7 @@ def test_hf_export_tied_embeddings_and_bias(tmp_path):
     assert export_gguf(tmp_path / "m", tmp_path / "x.gguf", "f16")["architecture"] == "llama"
 
 
+@pytest.mark.slow
 def test_gguf_tensor_bytes_and_metadata_equal_estimator(gguf_files, small_model_dir):  # noqa: F811
     import gguf
 
@@ -94,6 +96,7 @@ def test_gguf_tensor_bytes_and_metadata_equal_estimator(gguf_files, small_model_
     assert set(types) == {gguf_name(n) for n in load_for_inference(small_model_dir)[0].state_dict()}
 
 
+@pytest.mark.slow
 @needs_llama_cpp
 def test_llama_cpp_f16_greedy_equals_trainscale(gguf_files, small_model_dir):  # noqa: F811
     model, spec, folder = load_for_inference(small_model_dir)
@@ -108,6 +111,7 @@ def test_llama_cpp_f16_greedy_equals_trainscale(gguf_files, small_model_dir):  #
     assert llm.detokenize(ours).decode() == tok.decode(ours)  # ours == llama.cpp's greedy tokens
 
 
+@pytest.mark.slow
 @needs_llama_cpp
 @pytest.mark.parametrize("ftype", ["q8_0", "q4_0"])
 def test_llama_cpp_loads_and_runs_quantized_gguf(gguf_files, small_model_dir, ftype):  # noqa: F811

@@ -31,6 +31,7 @@ needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is No
                                      reason="llama-cpp-python is not installed (pip install '.[infer]')")
 
 
+@pytest.mark.slow
 def test_hf_mixtral_logits_equal_trainscale(moe_model_dir, tmp_path):  # noqa: F811
     transformers = pytest.importorskip("transformers")
     from safetensors import safe_open
@@ -63,6 +64,7 @@ def moe_gguf(moe_model_dir, tmp_path_factory):  # noqa: F811
     return {t: export_gguf(moe_model_dir, d / f"moe-{t}.gguf", t) for t in ("f16", "q8_0")}
 
 
+@pytest.mark.slow
 def test_gguf_moe_tensors_and_metadata(moe_gguf, moe_model_dir):  # noqa: F811
     import gguf
 
@@ -92,6 +94,7 @@ def test_gguf_moe_tensors_and_metadata(moe_gguf, moe_model_dir):  # noqa: F811
     assert mix["blk.0.ffn_gate_inp.weight"] == "F32" and mix["blk.0.ffn_up_exps.weight"] == "Q4_K"
 
 
+@pytest.mark.slow
 @needs_llama_cpp
 def test_llama_cpp_moe_f16_greedy_equals_trainscale(moe_gguf, moe_model_dir):  # noqa: F811
     model, _, folder = load_for_inference(moe_model_dir)
@@ -99,6 +102,7 @@ def test_llama_cpp_moe_f16_greedy_equals_trainscale(moe_gguf, moe_model_dir):  #
     assert len(set(ours)) > 4  # a trained model's text, not one token repeated
 
 
+@pytest.mark.slow
 @needs_llama_cpp
 def test_llama_cpp_moe_q8_0_reads_the_expert_blocks_written(moe_gguf, moe_model_dir, tmp_path):  # noqa: F811
     """llama.cpp's logits on the Q8_0 file equal trainscale's on the file's dequantized weights computed with

@@ -67,6 +67,7 @@ def test_kv_cache_bytes_equal_estimator(dtype):
     assert cache.nbytes == kv_cache_bytes(spec, 50, 3, bpv) == 2 * 3 * 2 * 16 * bpv * 50 * 3
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_uncached_argmax(small_model_dir):  # noqa: F811
     from trainscale.infer.load import load_for_inference, load_tokenizer_for
 

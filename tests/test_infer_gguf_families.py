@@ -223,6 +223,7 @@ def test_rope_freqs_are_llama_cpps_llama3_factors_and_gemma_norms_carry_the_one(
     assert np.array_equal(qwen3["blk.0.attn_q_norm.weight"], qn)
 
 
+@pytest.mark.slow
 def test_tied_llama32_greedy_equals_trainscale_generate_and_tokenizer_agrees(folder, tmp_path):
     """A tied Llama 3.2-shaped model with llama3 RoPE: llama.cpp's greedy continuation of a prompt equals
     `trainscale generate --temperature 0`'s, token for token, and the file's tokenizer.ggml.* tokenize the prompt and
@@ -293,6 +294,7 @@ def test_gemma2_27b_shape_is_scaled_as_llama_cpp_scales_it(folder):
         check_gguf(spec.model_copy(update={"query_scale": float(spec.head_dim)}))
 
 
+@pytest.mark.slow
 def test_cli_exports_each_family_with_its_architecture_and_refuses_in_one_line(folder, tmp_path):
     from trainscale.runtime.artifact import save_model_dir
 

@@ -56,6 +56,7 @@ def test_measured_params_and_adam_bytes_equal_estimator(targets, rank):
     assert torch.allclose(merged, adapted, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_lora_on_the_small_model_learns_and_round_trips(small_model_dir, tmp_path):  # noqa: F811
     from trainscale.infer.evaluate import perplexity
     from trainscale.infer.load import load_for_inference, load_tokenizer_for
@@ -137,6 +138,7 @@ def test_lora_data_reads_documents_as_train_does(tmp_path):
         read_data(str(tmp_path / "a.parquet"), tok)
 
 
+@pytest.mark.slow
 def test_lora_holds_out_the_documents_the_trainer_would(small_model_dir, tmp_path):  # noqa: F811
     """``lora --held-out 0.1`` holds out the documents the trainer's prepare (runtime/data/shards.py, [data]
     held_out = 0.1, the same tokenizer) writes to val.npy, token for token, and says so; training lowers the
@@ -258,6 +260,7 @@ def test_quantized_base_holds_int4_groups_and_the_adapters_fold_into_it(tmp_path
         export_peft(tmp_path / "ad", tmp_path / "peft")
 
 
+@pytest.mark.slow
 def test_qlora_on_the_small_model_ends_near_lora_on_the_fp32_base(small_model_dir, tmp_path):  # noqa: F811
     """``lora --base-bits 4`` (groups of 64) on the trained small model: the base's projections in 0.27 of their bf16
     bytes (scales included; bytes equal estimate/inference.group_quant_bytes row by row), and the held-out loss after

@@ -86,6 +86,7 @@ def test_short_last_group(fmt, asym):
     assert sum(t.numel() * t.element_size() for t in qsd.values()) == quantized_model_bytes(spec, fmt, 32, asym)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,g,asym", [("int8", 32, False), ("int8", 128, True), ("int4", 32, False),
                                          ("int4", 64, True), ("int4", 128, False)])
 def test_file_tensor_bytes_equal_estimator(small_model_dir, tmp_path, fmt, g, asym):  # noqa: F811
@@ -96,6 +97,7 @@ def test_file_tensor_bytes_equal_estimator(small_model_dir, tmp_path, fmt, g, as
     assert res.path.stat().st_size == layout["file_bytes"]
 
 
+@pytest.mark.slow
 def test_int4_g32_perplexity_within_a_few_percent_of_bf16(small_model_dir, tmp_path):  # noqa: F811
     from trainscale.infer.evaluate import eval_ids, perplexity
     from trainscale.infer.generate import Sampling, generate_ids
@@ -113,6 +115,7 @@ def test_int4_g32_perplexity_within_a_few_percent_of_bf16(small_model_dir, tmp_p
     assert len(g.new_ids) == 16 and tok.decode(g.new_ids)
 
 
+@pytest.mark.slow
 def test_quantized_folder_errors(small_model_dir, tmp_path):  # noqa: F811
     res = save_quantized(*load_for_inference(small_model_dir), tmp_path / "q", QuantConfig("int8", 64))
     res.path.write_bytes(res.path.read_bytes()[:1000])

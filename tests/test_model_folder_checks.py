@@ -74,12 +74,14 @@ def edit_spec(folder: Path, **fields) -> None:
     (folder / "model.json").write_text(json.dumps({**spec, **fields}))
 
 
+@pytest.mark.slow
 def test_untouched_folder_generates(good):
     r, _ = ts("generate", good, "--prompt", "hello", "-n", "4", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["new_tokens"] == 4
 
 
+@pytest.mark.slow
 def test_renamed_tensor(good, tmp_path):
     f = copy(good, tmp_path)
     name = "layers.0.attention.wq.weight"
@@ -87,12 +89,14 @@ def test_renamed_tensor(good, tmp_path):
     refused("generate", f, "--prompt", "x", says="lacks tensor 'layers.0.attention.wq.weight'")
 
 
+@pytest.mark.slow
 def test_extra_tensor(good, tmp_path):
     f = copy(good, tmp_path)
     retensor(f, lambda sd: sd.__setitem__("layers.0.stray", torch.zeros(3)))
     refused("export", f, tmp_path / "hf", "--to", "hf", says="holds tensor 'layers.0.stray'")
 
 
+@pytest.mark.slow
 def test_shape_disagrees_with_model_json(good, tmp_path):
     f = copy(good, tmp_path)
     edit_spec(f, d_ff=96)  # the file's MLP matrices are 64 wide
@@ -100,12 +104,14 @@ def test_shape_disagrees_with_model_json(good, tmp_path):
     assert "feed_forward" in out
 
 
+@pytest.mark.slow
 def test_stray_bf16_tensor(good, tmp_path):
     f = copy(good, tmp_path)
     retensor(f, lambda sd: sd.__setitem__("norm.weight", sd["norm.weight"].bfloat16()))
     refused("quantize", f, "--format", "int8", "--out", tmp_path / "q", says="'norm.weight' is BF16, expected F32")
 
 
+@pytest.mark.slow
 def test_all_bf16_folder_loads(good, tmp_path):
     """A folder in bf16 throughout is one the docstring allows: accepted."""
     f = copy(good, tmp_path)
@@ -114,6 +120,7 @@ def test_all_bf16_folder_loads(good, tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_weight(good, tmp_path, value):
     f = copy(good, tmp_path)
@@ -123,6 +130,7 @@ def test_non_finite_weight(good, tmp_path, value):
         refused(*cmd, says="'layers.1.attention.wo.weight' holds 1 NaN or infinite values")
 
 
+@pytest.mark.slow
 def test_huge_model_json_beside_small_weights(good, tmp_path):
     f = copy(good, tmp_path)
     edit_spec(f, n_layers=100_000, d_model=1 << 20, n_heads=1 << 10, n_kv_heads=1 << 10, d_ff=1 << 22)
@@ -132,6 +140,7 @@ def test_huge_model_json_beside_small_weights(good, tmp_path):
     refused("generate", f2, "--prompt", "x", says="does not match model.json")
 
 
+@pytest.mark.slow
 def test_token_id_beyond_vocabulary(good, tmp_path):
     from tokenizers import Tokenizer
 
@@ -161,6 +170,7 @@ def set_base(adapter: Path, base: Path) -> None:
     (adapter / "adapter.json").write_text(json.dumps({**cfg, "base": str(base)}))
 
 
+@pytest.mark.slow
 def test_adapter_loads_and_chains_are_bounded(good, tmp_path):
     a = write_adapter(tmp_path / "a", good)
     r, _ = ts("generate", a, "--prompt", "hello", "-n", "2", "--json")
@@ -177,6 +187,7 @@ def test_adapter_loads_and_chains_are_bounded(good, tmp_path):
     refused("generate", chain[-1], "--prompt", "x", says="levels deep")
 
 
+@pytest.mark.slow
 def test_lying_adapter_file(good, tmp_path):
     a = write_adapter(tmp_path / "a", good)
     retensor(a, lambda sd: sd.__setitem__("layers.0.attention.wq.lora_a", torch.zeros(3, 32)),
@@ -187,6 +198,7 @@ def test_lying_adapter_file(good, tmp_path):
     refused("generate", a, "--prompt", "x", says="NaN or infinite")
 
 
+@pytest.mark.slow
 def test_lying_quantized_folder(good, tmp_path):
     q = tmp_path / "q"
     r, _ = ts("quantize", good, "--format", "int8", "--out", q)

@@ -72,6 +72,7 @@ def _behaviour(cfg, lay: Layout) -> tuple:
             lay.schedule, lay.zero, lay.dp_replicate, lay.dp_shard)
 
 
+@pytest.mark.slow
 def test_str_parses_back_to_an_equal_layout_that_behaves_the_same():
     cfg = config_from_dict({"model": {**TINY, "n_layers": 32}, "train": {"seq_len": 32, "global_batch": 256}})
     assert len(LAYOUTS) > 2000

@@ -65,6 +65,7 @@ def corpus(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_double_star_glob_over_the_root_is_refused_at_once(tmp_path):
     for pattern in ("/**/*.txt", "/../**/*.jsonl", "/**"):
         p, seconds = prepare(tmp_path, f'files = ["{pattern}"]\n')
@@ -72,6 +73,7 @@ def test_a_double_star_glob_over_the_root_is_refused_at_once(tmp_path):
         assert seconds < 10, (pattern, seconds, line)
 
 
+@pytest.mark.slow
 def test_a_whole_file_system_as_the_data_folder_is_refused(tmp_path):
     p, seconds = prepare(tmp_path, 'files = ["/"]\n')
     refused(p, seconds, "whole file system")
@@ -102,6 +104,7 @@ def test_glob_expansion_matches_glob(tmp_path):
         assert sources.expand_pattern(full) == want, pat
 
 
+@pytest.mark.slow
 def test_an_output_folder_of_the_users_own_files_is_left_alone(tmp_path, corpus):
     victim = tmp_path / "thesis"
     victim.mkdir()
@@ -117,6 +120,7 @@ def test_an_output_folder_of_the_users_own_files_is_left_alone(tmp_path, corpus)
     assert [x.name for x in tmp_path.iterdir() if x.name.startswith(".thesis")] == []  # no work folder left
 
 
+@pytest.mark.slow
 def test_an_output_folder_with_a_foreign_index_is_refused(tmp_path, corpus):
     victim = tmp_path / "out"
     victim.mkdir()
@@ -128,6 +132,7 @@ def test_an_output_folder_with_a_foreign_index_is_refused(tmp_path, corpus):
     assert snapshot(victim) == before
 
 
+@pytest.mark.slow
 def test_an_empty_output_folder_is_filled_and_a_rerun_is_a_no_op(tmp_path, corpus):
     out = tmp_path / "out"
     out.mkdir()
@@ -139,6 +144,7 @@ def test_an_empty_output_folder_is_filled_and_a_rerun_is_a_no_op(tmp_path, corpu
     assert p.returncode == 0 and json.loads(p.stdout)["already_prepared"] is True, p.stdout + p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
 def test_a_fifo_as_tokenizer_or_data_file_is_refused(tmp_path, corpus):
     fifo = tmp_path / "pipe"
@@ -154,6 +160,7 @@ def test_a_fifo_as_tokenizer_or_data_file_is_refused(tmp_path, corpus):
     refused(p, seconds, str(fifo), "not a regular file")
 
 
+@pytest.mark.slow
 def test_a_tokenizer_with_one_enormous_token_is_refused(tmp_path, corpus):
     tok = tokenizer.train_bpe(iter([TEXT]), 300)
     data = json.loads(tok.to_str())

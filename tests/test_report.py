@@ -54,6 +54,7 @@ def test_seed_report_in_chromium(tmp_path):
     assert shot.stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_report_from_plan_json(tmp_path):
     import subprocess
     import sys
@@ -100,6 +101,7 @@ def test_report_of_a_real_tiny_run_in_chromium(tmp_path):
     assert res["images"] == len(data["figures"]) and not res["broken_images"] and res["console_errors"] == []
 
 
+@pytest.mark.slow
 def test_layout_that_does_not_fit_says_so_and_ep_is_drawn(tmp_path):
     """DeepSeek-V3 (671B) under pp16 with no sharding of weights or optimizer: the planner's memory per GPU is far
     above an H100's 80 GB, and the picture says so; its EP8 groups are drawn (table and labels)."""

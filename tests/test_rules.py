@@ -354,6 +354,7 @@ def test_train_plan_says_why_nothing_runs_in_one_sentence(monkeypatch):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_plan_cli_runnable_flag(tmp_path):
     import json
     import subprocess

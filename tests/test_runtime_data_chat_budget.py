@@ -54,6 +54,7 @@ def _hostile_folder(tmp_path: Path, name: str, template: str) -> Path:
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_a_hostile_template_is_one_sentence_quickly(tmp_path, name):
     folder = _hostile_folder(tmp_path, name, HOSTILE[name])
@@ -72,6 +73,7 @@ def test_the_same_budget_holds_for_a_prompt_and_its_steps_are_counted(tmp_path):
         encode_prompt(load_chat_tokenizer(folder), [{"role": "user", "content": "hi"}])
 
 
+@pytest.mark.slow
 def test_a_hostile_template_stays_in_bounded_memory(tmp_path):
     """In a process capped at 3 GiB of address space, every hostile template above is refused (no abort)."""
     folders = {name: str(_hostile_folder(tmp_path, name, t)) for name, t in HOSTILE.items()}

@@ -106,6 +106,7 @@ def test_layouts_read_their_shards_train_and_round_trip(hf_dirs, tmp_path):
         assert (back(x).logits - hf(x).logits).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow
 def test_bad_init_folders_are_one_line(hf_dirs, tmp_path):
     folder = hf_dirs[1]
     with pytest.raises(TrainscaleError, match="is not a folder"):

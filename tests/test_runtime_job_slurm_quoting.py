@@ -110,6 +110,7 @@ def markers(env: Path) -> list[Path]:
     return [p for p in env.rglob("M*") if re.fullmatch(r"M\d\d", p.name)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", range(len(NASTY)))
 def test_every_user_value_reaches_srun_as_one_argument(env, capsys, monkeypatch, i):
     value = NASTY[i].format(m=f"M{i:02d}")
@@ -154,6 +155,7 @@ def test_a_value_that_starts_with_a_dash(env, capsys, monkeypatch):
     assert code == 2 and "--python '--pty' must be a path" in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", ["--partition", "--account", "--time", "--mem", "--inject"])
 def test_slurm_names_with_shell_text_are_refused(env, capsys, monkeypatch, field):
     cfg = config(env, "c.toml", "c", "runs/c")

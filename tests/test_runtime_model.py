@@ -57,6 +57,7 @@ def llama32(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_every_config_loads_and_its_model_matches_the_estimator(path, request):
     init = tomllib.loads(path.read_text())["model"].get("init")

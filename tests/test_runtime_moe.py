@@ -124,6 +124,7 @@ def test_ep_checkpoint_resumes_at_another_ep_size_and_metrics_count_experts(tmp_
                 assert moved <= 0.05 * spec.experts_per_token * tokens, (layout, step, layer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("config_edit", "layout", "says"), [
     (None, "dp2,ep2", "needs a mixture-of-experts model"),
     ("n_experts = 6", "dp4,ep4", "ep4 must divide the model's 6 experts"),

@@ -185,6 +185,7 @@ def test_cli_writes_a_profile(tmp_path):
     assert set(rep["profile"]["collectives"]["2"]) == set(cal.COLLECTIVE_OPS)
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line_exit_2(tmp_path):
     cases = [
         (("--processes", "0"), "at least 1"),

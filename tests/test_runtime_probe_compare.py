@@ -164,6 +164,7 @@ def test_compare_plan_cli(tmp_path):
         assert r["state_exact"] and r["step_time_predicted_s"] > 0 and r["step_time_measured_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", [["compare"], ["train", "--compare-plan"]])
 @pytest.mark.parametrize("args,needle", [
     (["--layout", "tp3"], "tp3 must divide"),
