@@ -137,7 +137,7 @@ def chat_prompt(folder: Path, prompt: str, system: str | None = None) -> ChatPro
     of ``folder``, else of its adapter base (an adapter folder keeps the base's tokenizer.json but not its
     tokenizer_config.json), with the generation prompt; one sentence when neither has a template."""
     from trainscale.infer.chatfiles import read_chat_files
-    from trainscale.infer.load import MAX_ADAPTER_DEPTH, source_folder, stop_token_id
+    from trainscale.infer.load import MAX_ADAPTER_DEPTH, source_folder
     from trainscale.infer.lora import read_adapter_config
     from trainscale.runtime.data.chat import NoChatTemplate, encode_prompt, load_chat_tokenizer
 
@@ -157,6 +157,5 @@ def chat_prompt(folder: Path, prompt: str, system: str | None = None) -> ChatPro
     messages = ([{"role": "system", "content": system}] if system is not None else []) + \
         [{"role": "user", "content": prompt}]
     text, ids = encode_prompt(tok, messages)
-    ends = read_chat_files(here, tok.tokenizer).end_ids
-    first = ends[0] if ends else stop_token_id(tok.tokenizer, here)
-    return ChatPrompt(here, text, ids, tok.tokenizer, first, ends or ((first,) if first is not None else ()))
+    ends = read_chat_files(here, tok.tokenizer).end_ids  # the folder's eos, else a usual end-of-text name (eot_of)
+    return ChatPrompt(here, text, ids, tok.tokenizer, ends[0] if ends else None, ends)
