@@ -123,3 +123,21 @@ def test_save_cadence_saves_every_n_steps_and_on_the_schedulers_signal(one_rank,
     monkeypatch.setenv(STOPPED_ENV, str(tmp_path / "stopped"))
     assert after(6) is True and mgr.saved == [4, 5, 6] and said[-1].endswith("then stopping for the requeue")
     assert after(7) is False and mgr.saved == [4, 5, 6]  # the request was taken: no save until the next due step
+
+
+def test_the_rows_of_a_saved_step_are_written_before_its_save_begins(one_rank):
+    """A kill between a checkpoint's commit and its step's row would resume past a step metrics.jsonl never holds
+    (the chaos test saw it: step 3 committed, its row still pending on the device)."""
+    from trainscale.runtime.job.checkpoint import SaveCadence
+
+    order: list[str] = []
+
+    class Manager(_Manager):
+        def save(self, step, state, extras):
+            order.append(f"save {step}")
+
+    cadence = SaveCadence(Manager(), 2, None, one_rank, lambda _: None)
+    for step in (1, 2, 3, 4):
+        cadence.after_step(step, 4, dict, dict, lambda s, sec: order.append(f"record {s}"),
+                           lambda s=step: order.append(f"flush {s}"))
+    assert order == ["flush 2", "save 2", "record 2", "flush 4", "save 4", "record 4"]

@@ -498,7 +498,7 @@ class Trainer:
                     self.evaluator.periodic(self.step, self.full_state_dict, self.metrics)
                 if self.saver is not None:
                     stop = self.saver.after_step(self.step, steps, self.state_dict, self.extras,
-                                                 self.metrics.checkpoint)
+                                                 self.metrics.checkpoint, self.metrics.flush)
                 if self.step % GC_EVERY == 0:
                     gc.collect(1)
         finally:

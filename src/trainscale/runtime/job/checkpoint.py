@@ -523,7 +523,9 @@ class SaveCadence:
     last save (or the loop's start, ``start_clock``), and whenever the batch scheduler's early signal asks
     (runtime/job/slurm.py: a save, then under a requeueing script the attempt stops), which is looked at every
     ``signal_every`` steps and at the last one (reading it back is a host sync). Each save is recorded
-    through ``record(step, save_s)`` (runtime/job/metrics.MetricsLog.checkpoint)."""
+    through ``record(step, save_s)`` (runtime/job/metrics.MetricsLog.checkpoint); ``before()`` runs first
+    (MetricsLog.flush): the rows of the steps a checkpoint holds reach metrics.jsonl before the checkpoint can
+    commit, so a kill between the two never leaves a resumable step without its row."""
 
     def __init__(self, manager: CheckpointManager, every_steps: int | None, every_seconds: float | None,
                  device: torch.device, log: Callable[[str], None], signal_every: int = 1) -> None:
@@ -535,7 +537,8 @@ class SaveCadence:
         self.last_save = time.perf_counter()
 
     def after_step(self, step: int, total: int, state: Callable[[], dict[str, Any]],
-                   extras: Callable[[], dict[str, Any]], record: Callable[[int, float], None]) -> bool:
+                   extras: Callable[[], dict[str, Any]], record: Callable[[int, float], None],
+                   before: Callable[[], None] | None = None) -> bool:
         """Every rank, after step ``step`` of ``total``: commit a finished asynchronous save, save if due
         (``state``/``extras`` called only then) -> True when this attempt stops now for the job to requeue."""
         from trainscale.runtime.job.slurm import save_requested, stops_for_requeue
@@ -550,6 +553,8 @@ class SaveCadence:
                      + (", then stopping for the requeue" if stop else ""))
             due = True
         if due:
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             self.manager.save(step, state(), extras())
             self.last_save = time.perf_counter()
