@@ -255,6 +255,10 @@ def test_step_time_model_follows_its_formulas():
     fs = R.rank_step_time(m, Layout.parse("dp2,zero3"), 0, seq, 8, mach, 4)
     units = m.n_layers + 1
     assert fs["data_parallel"] == pytest.approx(3 * (units * 1e-4 + 0.5 * grads / 1e9))
+    # two micro-batches: the gathers and the reduce-scatter once per micro-batch each (runtime/train.py
+    # reduce-scatters every micro-batch so a rank accumulates only its shard of the gradients)
+    fs2 = R.rank_step_time(m, Layout.parse("dp2,zero3"), 0, seq, 8, mach, 2)
+    assert fs2["data_parallel"] == pytest.approx(6 * (units * 1e-4 + 0.5 * grads / 1e9))
 
 
 def test_a_layers_fixed_cost_is_paid_per_micro_batch():

@@ -141,3 +141,19 @@ def test_the_rows_of_a_saved_step_are_written_before_its_save_begins(one_rank):
         cadence.after_step(step, 4, dict, dict, lambda s, sec: order.append(f"record {s}"),
                            lambda s=step: order.append(f"flush {s}"))
     assert order == ["flush 2", "save 2", "record 2", "flush 4", "save 4", "record 4"]
+
+
+def test_an_asynchronous_save_in_flight_is_polled_on_the_signal_steps_only(one_rank):
+    """poll() is a collective read back on the host: a step that does not log must not wait for it."""
+    from trainscale.runtime.job.checkpoint import SaveCadence
+
+    polls: list[int] = []
+
+    class Manager(_Manager):
+        def poll(self):
+            polls.append(step)
+
+    cadence = SaveCadence(Manager(), 3, None, one_rank, lambda _: None, signal_every=5)
+    for step in range(1, 13):
+        cadence.after_step(step, 12, dict, dict, lambda s, sec: None)
+    assert polls == [5, 10, 12]

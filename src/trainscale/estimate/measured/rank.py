@@ -456,8 +456,12 @@ def _dp_time(m: ModelSpec, lo: Layout, rank: int, n_micro: int, mach: Any, layer
         # the rest of the stage): each unit's collective pays its own latency
         units = len(layers) + 1 + sum(map(m.is_moe_layer, layers))
         gathers = (2 if lo.zero == 3 else 1) * n_micro
+        # runtime/train.py: a reduce-scatter per micro-batch (each rank accumulates only its gradient shard),
+        # HSDP's all-reduce of the shards over the replicas once per step; under a pipeline torch's stage turns
+        # the sync off until its last backward (pipelining/stage.py: one reduce-scatter per step)
+        scatters = n_micro if lo.pp == 1 else 1
         t_dp = (gathers * units * mach.collective_time("all_gather", full * e / units, n_shard)
-                + units * mach.collective_time("reduce_scatter", full * e / units, n_shard)
+                + scatters * units * mach.collective_time("reduce_scatter", full * e / units, n_shard)
                 + mach.collective_time("all_reduce", local * e, lo.dp_replicate))
     return t_dp, shard
 
@@ -471,8 +475,8 @@ def rank_step_time(m: ModelSpec, layout: Layout, rank: int, seq: int, global_bat
     and a send and a receive per micro-batch and stage boundary. Through the pipeline: m + (p-1)/v
     stage-times of the slowest stage (Narayanan et al. 2021 Eq. 1). Then the data-parallel traffic (zero0:
     one gradient all-reduce; zero1: one reduce-scatter and one all-gather; FSDP: per-block all-gathers in the
-    forward, again in the backward under zero3, and one reduce-scatter), the gradient-norm all-reduce and AdamW
-    (on the optimizer's shard). On a CPU the collectives share the
+    forward, again in the backward under zero3, and a reduce-scatter per micro-batch, one under a pipeline), the
+    gradient-norm all-reduce and AdamW (on the optimizer's shard). On a CPU the collectives share the
     cores with the compute: nothing overlaps."""
     from trainscale.estimate.pipeline import pipeline_time
 

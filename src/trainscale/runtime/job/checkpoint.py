@@ -432,7 +432,8 @@ class CheckpointManager:
         self.saves += 1
 
     def poll(self) -> None:
-        """Commit an asynchronous save once every rank has finished writing (cheap; call each step)."""
+        """Commit an asynchronous save once every rank has finished writing: one small all-reduce read back on the
+        host (SaveCadence calls it on the steps that read back anyway, not every step)."""
         if self.pending is None or self.pending[2] is None:
             return
         if reduce_host([1 if self.pending[2].done() else 0], op=dist.ReduceOp.MIN)[0]:
@@ -522,7 +523,8 @@ class SaveCadence:
     """When a training step saves, and the save: every ``every_steps`` steps, every ``every_seconds`` since the
     last save (or the loop's start, ``start_clock``), and whenever the batch scheduler's early signal asks
     (runtime/job/slurm.py: a save, then under a requeueing script the attempt stops), which is looked at every
-    ``signal_every`` steps and at the last one (reading it back is a host sync). Each save is recorded
+    ``signal_every`` steps and at the last one (reading it back is a host sync), as is whether an asynchronous save
+    in flight has finished (``manager.poll``; a new save waits for the one in flight anyway). Each save is recorded
     through ``record(step, save_s)`` (runtime/job/metrics.MetricsLog.checkpoint); ``before()`` runs first
     (MetricsLog.flush): the rows of the steps a checkpoint holds reach metrics.jsonl before the checkpoint can
     commit, so a kill between the two never leaves a resumable step without its row."""
@@ -543,11 +545,13 @@ class SaveCadence:
         (``state``/``extras`` called only then) -> True when this attempt stops now for the job to requeue."""
         from trainscale.runtime.job.slurm import save_requested, stops_for_requeue
 
-        self.manager.poll()
+        looks = step % self.signal_every == 0 or step == total  # the steps that may read back from the device
+        if looks:
+            self.manager.poll()  # commits a finished asynchronous save (a collective read back: not every step)
         due = bool((self.every_steps and step % self.every_steps == 0) or (
             self.every_seconds and time.perf_counter() - self.last_save >= self.every_seconds))
         stop = False
-        if (step % self.signal_every == 0 or step == total) and save_requested(self.device):
+        if looks and save_requested(self.device):
             stop = stops_for_requeue(step, total)  # then end this attempt: the job requeues itself
             self.log(f"[signal] checkpoint requested (Slurm's early signal): saving at step {step}"
                      + (", then stopping for the requeue" if stop else ""))
