@@ -18,7 +18,8 @@
               format = "chat": JSONL conversations rendered by the tokenizer folder's chat template, only the
               assistant's words learned (runtime/data/chat.py); document_mask (always on with chat): packed
               documents do not attend to each other and their positions restart at 0
-    [run]     out (run folder), log_every, eval_sequences, layout (default layout string), save_final, sinks
+    [run]     out (run folder), log_every, eval_sequences, layout (default layout string), save_final, sinks;
+              straggler_margin, hang_factor, hang_floor_s (runtime/job/ranks.py)
     [profile] steps = [a, b] (torch.profiler trace + memory snapshot of those steps), ranks
 
 Any value can be overridden from the command line: ``--set train.lr=1e-4`` (``parse_set``: the value read as
@@ -153,6 +154,12 @@ class RunSection(_Section):
     save_final: bool = Field(default=True, description="gather the weights to rank 0 and write RUN_DIR/final")
     sinks: tuple[Literal["mlflow", "wandb"], ...] = Field(default=(), description="metrics sinks beside "
                                                           "TensorBoard: mlflow (file store), wandb (offline)")
+    straggler_margin: float = Field(default=0.5, ge=0.05, le=100, description="a rank whose own time per step "
+                                    "exceeds its peers' and its predicted one by this fraction is named a straggler")
+    hang_factor: float = Field(default=20.0, gt=1, le=1e6, description="a step this many times its reference "
+                               "(predicted, else the median so far) writes every rank's stacks to RUN/stacks")
+    hang_floor_s: float = Field(default=60.0, ge=0.1, le=86_400, description="the stacks are never written before "
+                                "a step has run this long")
 
 
 class CheckpointSection(_Section):

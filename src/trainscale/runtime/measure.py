@@ -14,6 +14,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -225,3 +226,10 @@ class StepClock:
 
         return seconds
 
+
+def default_profile_path() -> Path:
+    """Where ``trainscale calibrate`` writes (and ``train --compare-plan`` and the straggler check look for) this
+    machine's hardware profile: $TRAINSCALE_PROFILE, else profile.toml in the cache folder."""
+    from trainscale.runtime.data.corpus import cache_root
+
+    return Path(os.environ.get("TRAINSCALE_PROFILE") or cache_root() / "profile.toml")

@@ -61,7 +61,7 @@ from trainscale.runtime.config import TrainConfig, check_layout
 from trainscale.runtime.data.corpus import corpus_for
 from trainscale.runtime.data.loader import TokenLoader
 from trainscale.runtime.evaluator import Evaluator, document_args
-from trainscale.runtime.job import faults, runfolder
+from trainscale.runtime.job import faults, ranks, runfolder
 from trainscale.runtime.job.checkpoint import CheckpointManager, SaveCadence, step_dir_name
 from trainscale.runtime.job.faults import Fault, requeue_count, restart_count
 from trainscale.runtime.job.metrics import Deferred, MetricsLog
@@ -96,6 +96,7 @@ GC_EVERY = 50
 # all-reduce read back): the request is looked at every min(log_every, this) steps (every rank at the same steps)
 # and at the last step, so at most this many steps late; on the logging steps only when log_every <= this.
 SIGNAL_EVERY = 5
+MAX_PREDICTED_RANKS = 256  # the per-rank step-time prediction (stragglers) is made for worlds up to this size
 
 
 @dataclass
@@ -142,6 +143,9 @@ class Trainer:
         self.faults = faults or []
         check_layout(cfg, layout)
         check_sinks(cfg.run.sinks)
+        if out is not None:  # read when a NCCL group is made: the flight recorder's dumps land in RUN/stacks
+            for key, value in ranks.nccl_recorder_env(out).items():
+                os.environ.setdefault(key, value)
         self.device = init_distributed(cfg.checkpoint.collective_timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.log = log if self.rank == 0 else (lambda _m: None)
@@ -164,6 +168,9 @@ class Trainer:
         self.profiler = measure.StepProfiler(cfg.profile.steps, cfg.profile.ranks, self.rank, out, self.device,
                                              self.log if self.rank == 0 else _say)
         self.metrics: MetricsLog | None = None  # run() opens one per attempt, and its checkpoint cadence
+        self.beats: ranks.RankBeats | None = None  # with a run folder: own times, stragglers, hung steps' stacks
+        self.watch: ranks.HangWatch | None = None
+        self.iteration: Any = None  # the clock's mark at the start of the loop iteration
         self.saver: SaveCadence | None = None
 
     # ------------------------------------------------------------------ setup
@@ -350,6 +357,8 @@ class Trainer:
             m.stats.reset()
         loss = self._forward_backward(self._upload(inputs), self._upload(targets),
                                       self._upload(positions[0]) if positions else None)
+        # arrived at the gradient synchronisation (a step outside ``run``'s loop has no own time)
+        own = None if self.iteration is None else self.clock.stop(self.iteration)
         lo, grads = self.layout, self.grads
         if self.moes and lo.tp > 1 and lo.sp:
             sum_moe_gradients_over_tp(grads.moe, self.mesh)
@@ -382,7 +391,8 @@ class Trainer:
         row = {"step": self.step, "loss": Deferred(loss), "tokens_per_s": None, "flops_per_s": None, "mfu": None,
                "flop_convention": measure.FLOP_CONVENTION_NAME, "lr": lr, "grad_norm": Deferred(grad_norm),
                "step_time_s": dt if isinstance(dt, float) else Deferred(None, dt),
-               "memory_bytes": measure.peak_memory_bytes(self.device)}
+               "memory_bytes": measure.peak_memory_bytes(self.device),
+               "own_s": own if own is None or isinstance(own, float) else Deferred(None, own)}
         if self.cfg.model.is_moe:
             got = moe_metrics.step_metrics(self.parts, self.cfg.model, self.layout, self.n_micro)
             row.update({k: v if v is None else Deferred(*v) for k, v in got.items()})
@@ -493,11 +503,16 @@ class Trainer:
         gc.collect(1)
         try:
             while self.step < steps and not stop:
+                self.iteration = self.clock.start()  # a rank's own time runs from here (runtime/job/ranks.py)
+                if self.watch is not None:
+                    self.watch.arm(self.step + 1)
                 faults.at_step(self.faults, self.step + 1, self.rank, _say)
                 self.profiler.before(self.step + 1)
                 row = self.train_step()
                 self.profiler.after(self.step, last=self.step == steps)
                 self.metrics.step(row)
+                if self.watch is not None:
+                    self.watch.disarm()
                 if self.evaluator.due(self.step):
                     self.evaluator.periodic(self.step, self.full_state_dict, self.metrics)
                 if self.saver is not None:
@@ -533,8 +548,14 @@ class Trainer:
             tb = open_metric_log(self.out, self.step if self.resume else None, self.log, self.cfg.run.sinks,
                                  self.cfg.name, self.run_id)
         # injected faults (tests) kill a rank between logging steps: then every step's row is read at once
+        r = self.cfg.run
+        if self.out is not None:
+            own, step = self._predicted_seconds()
+            self.beats = ranks.RankBeats(self.out, self.rank, self.world, r.straggler_margin, own, self.log)
+            self.watch = ranks.HangWatch(self.out, self.rank, r.hang_factor, r.hang_floor_s, step, self.log)
         self.metrics = MetricsLog(self.folder, tb, self.log, self.cfg.run.log_every, stop,
-                                  read_every=1 if self.faults else None, complete=self._complete_row)
+                                  read_every=1 if self.faults else None, complete=self._complete_row,
+                                  beats=self.beats)
         c = self.cfg.checkpoint
         self.saver = None if mgr is None else SaveCadence(mgr, c.every_steps, c.every_seconds, self.device, self.log,
                                                           signal_every=min(self.cfg.run.log_every, SIGNAL_EVERY))
@@ -557,9 +578,31 @@ class Trainer:
             result.eval_loss, result.unigram_loss = done
         m.summary({"eval_loss": result.eval_loss, "unigram_loss": result.unigram_loss} if finished else None,
                   self.step)
+        for part in (self.beats, self.watch):
+            if part is not None:
+                part.close()
         if self._lock is not None:
             self._lock.release()
         return result
+
+    def _predicted_seconds(self) -> tuple[list[float] | None, float | None]:
+        """(each rank's predicted own seconds per step, this rank's predicted step) on this machine's hardware
+        profile (``trainscale calibrate``'s, runtime/probe/calibrate), or (None, None) without one."""
+        from trainscale.estimate.measured.machine import machine_from_profile
+        from trainscale.estimate.measured.rank import rank_step_time
+        from trainscale.estimate.profile import read_profile
+        path = measure.default_profile_path()
+        if not path.is_file() or self.world > MAX_PREDICTED_RANKS:
+            return None, None
+        try:
+            mach = machine_from_profile(read_profile(path), self.world)
+            m, t, lo = self.cfg.model, self.cfg.train, self.layout
+            got = [rank_step_time(m, lo, r, t.seq_len, t.global_batch, mach, lo.mb) for r in range(self.world)]
+        except TrainscaleError as e:
+            self.log(f"[straggler] the hardware profile {path} does not predict this run ({e}): ranks are compared "
+                     f"with their peers only")
+            return None, None
+        return [g["compute"] for g in got], got[self.rank]["total"]
 
     # ------------------------------------------------------------------ the end
 

@@ -150,8 +150,10 @@ class MetricsLog:
     then fills in what follows from them (runtime/train.py: throughput from the step time)."""
 
     def __init__(self, folder, tb, log: Callable[[str], None], log_every: int, total: int,
-                 read_every: int | None = None, complete: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 read_every: int | None = None, complete: Callable[[dict[str, Any]], None] | None = None,
+                 beats=None) -> None:
         self.folder, self.tb, self.log = folder, tb, log
+        self.beats = beats  # runtime/job/ranks.RankBeats (every rank's own time; stragglers named on rank 0)
         self.log_every, self.total = log_every, total
         self.read_every = read_every or log_every
         self.complete = complete
@@ -212,6 +214,13 @@ class MetricsLog:
                 self.log(f"step {step:5d}/{self.total}  loss {row['loss']:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
                          f"{row['flops_per_s'] / 1e9:.2f} GFLOP/s  MFU {row['mfu']:.1%} ({row['flop_convention']})  "
                          f"lr {row['lr']:.2e}  ETA {duration_text(row['eta_s'])}")
+        if self.beats is not None:
+            self.beats.write(rows)
+            for verdict in self.beats.judge():
+                if self.folder is not None:
+                    self.folder.log(verdict)
+                if self.tb is not None:
+                    self.tb.straggler(verdict)
 
     def eval(self, row: dict[str, Any], line: str) -> None:
         """A held-out evaluation's row (an ``eval`` event) and its console line."""

@@ -442,11 +442,16 @@ def worker_main(body: Callable[[], None]) -> int:
 def console_line(row: dict[str, Any], log_every: int, total: int) -> str | None:
     """The console's line for a metrics.jsonl row (``trainscale train`` tails the file), or None: a resume says
     so first ("resumed from step N"), a step every ``log_every`` steps with its ETA (measured step times x the
-    steps left, runtime/job/metrics.Eta), a held-out evaluation whenever ``eval_every`` ran one."""
+    steps left, runtime/job/metrics.Eta), a held-out evaluation whenever ``eval_every`` ran one, a rank named a
+    straggler (runtime/job/ranks.py)."""
     from trainscale.units import duration_text
 
     if row.get("event") == "resumed":
         return f"resumed from step {int(row['step'])} (steps {int(row['step']) + 1}..{total} follow)"
+    if row.get("event") == "straggler":
+        from trainscale.runtime.job.ranks import straggler_line
+
+        return straggler_line(row)
     if row.get("event") == "eval":
         return (f"eval  {int(row['step']):5d}  held-out loss {float(row['val_loss']):.4f} nats/token (unigram "
                 f"baseline {float(row['unigram_loss']):.4f})")

@@ -144,6 +144,12 @@ class MetricLog:
             self.tb.eval(row)
         self._sinks({tag: row.get(key) for key, tag in EVAL_TAGS.items()}, int(row["step"]))
 
+    def straggler(self, row: dict[str, Any]) -> None:
+        """A rank named a straggler (runtime/job/ranks.py): its own seconds per step, under its rank's tag."""
+        if self.tb is not None:
+            self.tb.writer.add_scalar(f"stragglers/rank{row['rank']}_own_s", float(row["own_s"]), int(row["step"]))
+        self._sinks({f"stragglers/rank{row['rank']}_own_s": row["own_s"]}, int(row["step"]))
+
     def summary(self, values: dict[str, Any], step: int) -> None:
         if self.tb is not None:
             self.tb.summary(values, step)

@@ -15,6 +15,7 @@ the profile keeps the median over the processes.
 
 from trainscale.estimate.profile import COLLECTIVES as COLLECTIVE_OPS
 from trainscale.estimate.profile import COMPUTE_KEYS, read_profile, to_toml, write_profile
+from trainscale.runtime.measure import default_profile_path
 from trainscale.runtime.probe.calibrate.collectives import (
     BUS_FACTOR,
     GRAD_BUCKET_BYTES,
@@ -23,7 +24,7 @@ from trainscale.runtime.probe.calibrate.collectives import (
     message_sizes,
     summarize_collectives,
 )
-from trainscale.runtime.probe.calibrate.driver import calibrate, calibration_steps, default_profile_path
+from trainscale.runtime.probe.calibrate.driver import calibrate, calibration_steps
 from trainscale.runtime.probe.calibrate.measure import (
     attention_flop_count,
     attention_flops,

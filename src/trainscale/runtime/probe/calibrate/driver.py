@@ -23,7 +23,6 @@ import torch.multiprocessing as mp
 
 from trainscale.errors import TrainscaleError
 from trainscale.estimate.profile import COMPUTE_KEYS, PROFILE_VERSION
-from trainscale.runtime.data.corpus import cache_root
 from trainscale.runtime.parallel.mesh import free_port
 from trainscale.runtime.probe.calibrate.collectives import (
     collective_times,
@@ -53,11 +52,6 @@ _BUDGET = {"block": (1.5, 0.1), "layer": (1.5, 0.1), "head": (0.8, 0.1), "attent
 _MEMORY_BYTES = (128 * 2**20, 32 * 2**20)  # per copy buffer; well above a CPU's last-level cache
 _OPTIMIZER_PARAMS = (2_000_000, 250_000)
 _COLLECTIVE_REPEAT = (9, 5)
-
-
-def default_profile_path() -> Path:
-    """Where ``trainscale calibrate`` writes (and ``train --compare-plan`` looks for) this machine's profile."""
-    return cache_root() / "profile.toml"
 
 
 def _steps() -> list[tuple[str, str]]:
