@@ -144,7 +144,11 @@ def test_sigkill_rounds_then_resume_equal_an_uninterrupted_run(baseline, tmp_pat
         assert len(ranks) == 2
         if target == "cli":  # a second job on the same folder refuses while this one holds it
             code, err = train(cfg, out, "--resume", tag="second")
-            assert code == 2 and "is in use by another trainscale job" in one_line(err)
+            line = one_line(err)
+            # on a busy host the job may finish its last step while the second CLI starts: then that is its answer
+            done = latest_good(ckpt) is not None and latest_good(ckpt)[0] == STEPS
+            assert code == 2 and ("is in use by another trainscale job" in line
+                                  or (done and f"already reached step {STEPS} of {STEPS}" in line)), line
         victim = {"rank": rng.choice(ranks), "agent": agent, "cli": proc.pid}[target]
         os.kill(victim, signal.SIGKILL)
         code = proc.wait(timeout=120)

@@ -92,3 +92,32 @@ def test_a_removal_cut_short_never_leaves_a_damaged_committed_checkpoint(tmp_pat
     assert all(verify(tmp_path / f"step-{s:08d}") is None for s in (2, 3))
     CheckpointManager(tmp_path, keep=2)  # the next start removes what the kill left
     assert not list(tmp_path.glob(".trash-*"))
+
+
+def test_the_manifest_digests_every_file_each_rank_its_own_and_older_sha256_manifests_verify(tmp_path):
+    """Each rank digests the files it wrote (XXH3-128, the oracle here is the xxhash library on the committed
+    bytes); rank 0 folds the digests in and removes the per-rank files; a manifest of an earlier version (sha256)
+    still verifies, and a flipped byte fails it."""
+    import hashlib
+    import json
+
+    import xxhash
+
+    mgr = CheckpointManager(tmp_path, keep=2)
+    mgr.save(7, {"model": _state(7.0).state_dict()}, {"step": 7})
+    folder = tmp_path / "step-00000007"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    on_disk = sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
+    assert sorted(manifest["files"]) == on_disk and not any(n.startswith("digest-rank") for n in on_disk)
+    for name, meta in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        assert meta == {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+    old = {**manifest, "files": {n: {"bytes": m["bytes"], "sha256": hashlib.sha256((folder / n).read_bytes())
+                                     .hexdigest()} for n, m in manifest["files"].items()}}
+    (folder / "manifest.json").write_text(json.dumps(old))
+    assert verify(folder) is None
+    shard = next(p for p in folder.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert "checksum mismatch" in verify(folder)
