@@ -157,3 +157,18 @@ def test_an_asynchronous_save_in_flight_is_polled_on_the_signal_steps_only(one_r
     for step in range(1, 13):
         cadence.after_step(step, 12, dict, dict, lambda s, sec: None)
     assert polls == [5, 10, 12]
+
+
+def test_blocks_are_compiled_by_default_on_cuda_only_and_as_asked_otherwise():
+    import torch
+
+    from trainscale.runtime.config import load_config
+    from trainscale.runtime.train import compiled_blocks
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+    assert load_config(TINY).train.compile is None  # unset in the shipped configs: the device decides
+    assert [compiled_blocks(None, cuda), compiled_blocks(None, cpu)] == [True, False]
+    assert [compiled_blocks(False, cuda), compiled_blocks(True, cpu)] == [False, True]
+    cfg = load_config(TINY, {"train": {"compile": False}})
+    assert "compile = false" in cfg.to_toml() and "compile" not in load_config(TINY).to_toml()

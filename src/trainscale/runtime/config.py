@@ -63,7 +63,8 @@ class TrainSection(_Section):
     precision: Literal["auto", "bf16", "fp32"] = Field(
         default="auto", description="bf16: FSDP2 mixed precision (bf16 weights and compute, fp32 gradient "
         "reduction) or bf16 autocast without FSDP; fp32; auto: bf16 on GPUs, fp32 on CPU")
-    compile: bool = Field(default=False, description="torch.compile each transformer block")
+    compile: bool | None = Field(default=None, description="torch.compile each transformer block (default: on "
+                                 "CUDA, where it is the fast path, off on CPU)")
     eval_every: int = Field(default=0, ge=0, le=1_000_000_000, description="held-out loss every N steps on the "
                             "run's own held-out split (0: only at the end)")
 
