@@ -1,0 +1,220 @@
+"""Preference tuning in one process (``trainscale dpo``): DPO, IPO, SimPO or ORPO on JSONL pairs, full-parameter or
+LoRA adapters.
+
+The pairs are rendered with the model folder's chat template and scored on their answers only
+(runtime/data/preference.py); each batch is the chosen rows then the rejected rows, one conversation per row,
+right-padded (infer/lora.chat_rows: each row computed exactly as alone). The reference model's log-probs are
+computed once, before the first step, for every pair (the model as loaded: with LoRA, the base with adapters that
+start at zero, so exactly the base), and kept: no second model is held. The losses and metrics are
+runtime/preference.py's (TRL 1.16's conventions); pairs are held out by the trainer's hash rule and the held-out
+preference accuracy is measured before and after.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainscale.errors import TrainscaleError
+from trainscale.runtime.data.preference import Pair
+from trainscale.runtime.preference import PreferenceSettings, preference_loss, sequence_logps, summarize
+
+Progress = Callable[[int, float], None]  # (step, loss) after each optimizer step
+EVAL_BATCH = 8
+
+
+@dataclass(frozen=True)
+class DpoSettings:
+    """What the preference run is asked for (the command's options, by their field names)."""
+
+    data: str = ""
+    loss: PreferenceSettings = PreferenceSettings()
+    lora_rank: int | None = None  # None: full-parameter
+    lora_alpha: float | None = None
+    targets: str = "all"
+    steps: int = 20
+    batch: int = 4
+    seq_len: int = 256
+    lr: float = 1e-5
+    held_out: float = 0.2
+    seed: int = 0
+    out: Path | None = None
+
+
+def pair_rows(pairs: list[Pair], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of ``pairs`` as TRL concatenates it: the chosen conversations' rows, then the rejected ones' (each
+    cut to ``seq_len`` + 1 tokens) -> inputs [2b, s] and targets [2b, s] (IGNORE outside the answers)."""
+    from trainscale.infer.lora import chat_rows
+
+    return chat_rows([p.chosen for p in pairs] + [p.rejected for p in pairs], seq_len)
+
+
+def pair_logps(model, pairs: list[Pair], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (sums [2b], scored-token counts [2b]) of ``model`` on ``pair_rows(pairs)``: chosen first, then rejected."""
+    inputs, targets = pair_rows(pairs, seq_len)
+    return sequence_logps(model(inputs), targets)
+
+
+def reference_logps(model, pairs: list[Pair], seq_len: int, batch: int = EVAL_BATCH) -> torch.Tensor:
+    """The reference log-probs of every pair, computed once: [n, 2] (chosen, rejected)."""
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(pairs), batch):
+            part = pairs[i: i + batch]
+            sums, _ = pair_logps(model, part, seq_len)
+            out.append(torch.stack(sums.chunk(2), dim=1))
+    return torch.cat(out) if out else torch.zeros(0, 2)
+
+
+def batch_loss(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tensor | None,
+               seq_len: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one batch of pairs (``ref`` [b, 2]: their reference log-probs; None for SimPO / ORPO) and its
+    per-pair metrics (runtime/preference.preference_loss)."""
+    sums, counts = pair_logps(model, pairs, seq_len)
+    (chosen, rejected), (n_c, n_r) = sums.chunk(2), counts.chunk(2)
+    nll = -chosen.sum() / n_c.sum().clamp_min(1) if s.loss == "orpo" else None
+    ref_c, ref_r = (ref[:, 0], ref[:, 1]) if ref is not None else (None, None)
+    return preference_loss(s, chosen, rejected, n_c, n_r, ref_c, ref_r, nll)
+
+
+def evaluate_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tensor | None,
+                   seq_len: int) -> dict[str, float]:
+    """The loss and TRL's reward metrics over ``pairs`` (rewards/accuracies: the held-out preference accuracy)."""
+    was = model.training
+    model.eval()
+    parts, losses = [], []
+    with torch.no_grad():
+        for i in range(0, len(pairs), EVAL_BATCH):
+            part = pairs[i: i + EVAL_BATCH]
+            loss, m = batch_loss(model, s, part, ref[i: i + EVAL_BATCH] if ref is not None else None, seq_len)
+            parts.append(m)
+            losses.append(loss.item() * len(part))
+    model.train(was)
+    merged = {k: torch.cat([m[k] for m in parts]) for k in parts[0]}
+    return {"loss": sum(losses) / len(pairs), **summarize(merged)}
+
+
+def train_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tensor | None, steps: int, batch: int,
+                seq_len: int, lr: float, seed: int = 0, progress: Progress | None = None) -> list[dict[str, float]]:
+    """AdamW on the model's trainable parameters, ``batch`` random pairs a step -> each step's loss and metrics."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise TrainscaleError("the model has no trainable parameters")
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    model.train()
+    rows = []
+    for step in range(steps):
+        pick = torch.randint(0, len(pairs), (batch,), generator=gen)
+        loss, m = batch_loss(model, s, [pairs[i] for i in pick.tolist()], ref[pick] if ref is not None else None,
+                             seq_len)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        rows.append({"step": step + 1, "loss": loss.item(), **summarize(m)})
+        if progress is not None:
+            progress(step + 1, rows[-1]["loss"])
+    model.eval()
+    return rows
+
+
+def split_pairs(data: str, pairs: list[Pair], held_out: float) -> tuple[list[Pair], list[Pair]]:
+    """(training, held-out) pairs: the trainer's hash rule (runtime/data/sources.py Settings.held_mask) on each
+    pair's number in the file."""
+    from trainscale.runtime.data.sources import Settings
+
+    held = Settings(held_out=held_out).held_mask(str(data), len(pairs)).tolist() if held_out else [False] * len(pairs)
+    train = [p for p, h in zip(pairs, held, strict=True) if not h]
+    return train, [p for p, h in zip(pairs, held, strict=True) if h]
+
+
+def preference_tune(checkpoint: str, d: DpoSettings, bar=None) -> dict[str, Any]:
+    """Tune ``checkpoint`` (any folder infer/ loads, a Hugging Face folder included) on ``d.data``'s pairs; save
+    the model folder (full-parameter) or the adapter folder (LoRA) -> the run's report (``--json``)."""
+    from trainscale.infer.load import load_for_inference
+    from trainscale.runtime.artifact import beside, model_inputs
+    from trainscale.runtime.data.chat import load_chat_tokenizer
+    from trainscale.runtime.data.preference import load_pairs
+    from trainscale.safeio import check_output
+
+    s = d.loss.check()
+    model, spec, src = load_for_inference(checkpoint)
+    src = src.resolve()
+    out = d.out or beside(src, f"-{s.loss}")
+    if out.resolve() == src:
+        raise TrainscaleError(f"the output folder cannot be the model folder {src}; pick another --out")
+    check_output(out, "--out", folder=True, inputs=model_inputs(src), not_at=(checkpoint,))
+    pairs = load_pairs(Path(d.data), load_chat_tokenizer(src), spec.vocab_size)
+    train, held = split_pairs(d.data, pairs, d.held_out)
+    if not train:
+        raise TrainscaleError(f"data {d.data} leaves no pair to train on ({len(pairs)} pairs, {len(held)} held out)")
+    seq_len = min(d.seq_len, spec.max_seq_len)
+    t0 = time.perf_counter()
+    ref_train = reference_logps(model, train, seq_len) if s.needs_reference else None
+    ref_held = reference_logps(model, held, seq_len) if s.needs_reference and held else None
+    ref_secs = time.perf_counter() - t0
+    names = _trainable(model, spec, d)
+    before = evaluate_pairs(model, s, held, ref_held, seq_len) if held else None
+    t0 = time.perf_counter()
+    rows = train_pairs(model, s, train, ref_train, d.steps, d.batch, seq_len, d.lr, d.seed,
+                       bar if callable(bar) else None)
+    secs = time.perf_counter() - t0
+    after = evaluate_pairs(model, s, held, ref_held, seq_len) if held else None
+    _save(model, spec, src, out, d, s, names, rows)
+    return {"model": str(src), "out": str(out), "loss": s.loss, "beta": s.beta,
+            "label_smoothing": s.label_smoothing, **({"gamma": s.gamma} if s.loss == "simpo" else {}),
+            "mode": f"lora r={d.lora_rank}" if d.lora_rank else "full-parameter", "steps": d.steps,
+            "batch": d.batch, "lr": d.lr, "seconds": secs,
+            "pairs": {"train": len(train), "held_out": len(held), "rule": "runtime/data/sources.py Settings.held_mask"},
+            "reference": ({"cached_pairs": len(train) + len(held), "seconds": ref_secs,
+                           "model": "the model as loaded (LoRA: the base, adapters at zero)"}
+                          if s.needs_reference else None),
+            "first": rows[0], "last": rows[-1], "held_out_before": before, "held_out_after": after,
+            "steps_log": rows}
+
+
+def _trainable(model, spec, d: DpoSettings) -> tuple[str, ...]:
+    """Full-parameter: every weight trains; LoRA: adapters on ``d.targets`` (infer/lora.apply_lora), base frozen."""
+    if not d.lora_rank:
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return ()
+    from trainscale.estimate.lora import lora_targets
+    from trainscale.infer.lora import apply_lora
+
+    try:
+        names = lora_targets(spec, d.targets)
+    except ValueError as e:
+        raise TrainscaleError(str(e)) from None
+    apply_lora(model, d.lora_rank, _alpha(d), names, d.seed)
+    return names
+
+
+def _alpha(d: DpoSettings) -> float:
+    return 2.0 * d.lora_rank if d.lora_alpha is None else d.lora_alpha
+
+
+def _save(model, spec, src: Path, out: Path, d: DpoSettings, s: PreferenceSettings, names, rows) -> None:
+    from trainscale.infer.lora import data_record, save_adapter_folder
+    from trainscale.runtime.artifact import copy_chat_files, save_model_dir
+    from trainscale.safeio import atomic_write_json
+
+    record = {"preference": {"loss": s.loss, "beta": s.beta, "label_smoothing": s.label_smoothing,
+                             "gamma": s.gamma, "data": data_record(d.data), "steps": d.steps, "lr": d.lr,
+                             "losses": [r["loss"] for r in rows]}}
+    if d.lora_rank:
+        save_adapter_folder(out, model, spec, src, {"rank": d.lora_rank, "alpha": _alpha(d), "targets": list(names),
+                                                    "steps": d.steps, "lr": d.lr, "data": data_record(d.data),
+                                                    "format": "chat", "held_out": d.held_out,
+                                                    "losses": [r["loss"] for r in rows], **record})
+        return
+    tok = src / "tokenizer.json"
+    save_model_dir(out, model.state_dict(), spec, tok if tok.exists() else None)
+    copy_chat_files(src, out)
+    atomic_write_json(out / "preference.json", record["preference"])
+
