@@ -34,8 +34,8 @@ REFERENCE_FREE = ("simpo", "orpo")
 
 @dataclass(frozen=True)
 class PreferenceSettings:
-    """Which loss, and its constants (TRL's defaults: beta 0.1; SimPO's gamma 0.5 x beta = 0.05 in TRL's
-    CPOConfig; ORPO's lambda is beta)."""
+    """Which loss, and its constants (TRL's defaults: beta 0.1; SimPO's gamma 0.5, TRL CPOConfig's simpo_gamma;
+    ORPO's lambda is beta)."""
 
     loss: str = "dpo"
     beta: float = 0.1

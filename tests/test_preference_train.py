@@ -1,0 +1,78 @@
+"""`trainscale dpo` in one process: on pairs where a rule decides the preferred answer (the chosen answer ends in
+'!', the rejected one in '.', the words random), a few steps move the held-out preference accuracy up, for DPO
+full-parameter and LoRA and for the reference-free losses; the saved folder loads and scores what was reported."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from _pref import llama_folder, write_jsonl
+from infer_fixtures import cli_error, cli_json
+
+pytestmark = pytest.mark.slow
+WORDS = "the sea wind rain hills fox dog poem river day nice brief capital spider legs four nine".split()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    rng = random.Random(0)
+    rows = [{"prompt": f"Write about the {rng.choice(WORDS)}.",
+             "chosen": " ".join(rng.sample(WORDS, 3)).capitalize() + "!",
+             "rejected": " ".join(rng.sample(WORDS, 3)).capitalize() + "."} for _ in range(64)]
+    return llama_folder(root / "m"), write_jsonl(root / "pairs.jsonl", rows), root
+
+
+@pytest.mark.parametrize(("loss", "extra"), [("dpo", []), ("dpo", ["--lora-rank", "8", "--lr", "1e-2"]),
+                                             ("ipo", []), ("simpo", ["--beta", "2"]), ("orpo", [])])
+def test_a_rule_decided_pair_set_moves_held_out_accuracy_up(setup, loss, extra):
+    model, data, root = setup
+    out = root / f"out-{loss}-{len(extra)}"
+    r = cli_json("dpo", str(model), "--data", str(data), "--loss", loss, "--steps", "20", "--batch", "8",
+                 "--lr", "1e-3", "--held-out", "0.25", "--out", str(out), *extra)
+    assert r["pairs"]["train"] + r["pairs"]["held_out"] == 64 and 6 <= r["pairs"]["held_out"] <= 26
+    before, after = r["held_out_before"], r["held_out_after"]
+    assert before["rewards/accuracies"] <= 0.5  # DPO / IPO: every reward 0 at the start; else chance
+    assert after["rewards/accuracies"] >= 0.9 and after["rewards/margins"] > before["rewards/margins"]
+    assert after["loss"] < before["loss"]
+    assert (r["reference"] is None) == (loss in ("simpo", "orpo"))
+    if r["reference"] is not None:
+        assert r["reference"]["cached_pairs"] == 64
+        assert before["rewards/chosen"] == 0.0 and before["rewards/rejected"] == 0.0  # policy == reference
+    assert len(r["steps_log"]) == 20 and r["last"]["step"] == 20
+    assert (out / ("adapter.json" if "--lora-rank" in extra else "model.json")).is_file()
+
+
+def test_the_saved_model_scores_what_was_reported(setup):
+    """The tuned folder (full-parameter DPO) reloads; its held-out rewards against the original model equal the
+    report's."""
+    import torch
+
+    from trainscale.infer.load import load_for_inference
+    from trainscale.infer.preference import evaluate_pairs, reference_logps, split_pairs
+    from trainscale.runtime.data.chat import load_chat_tokenizer
+    from trainscale.runtime.data.preference import load_pairs
+    from trainscale.runtime.preference import PreferenceSettings
+
+    model, data, root = setup
+    out = root / "saved"
+    r = cli_json("dpo", str(model), "--data", str(data), "--steps", "5", "--batch", "8", "--lr", "1e-3",
+                 "--held-out", "0.25", "--out", str(out))
+    pairs = load_pairs(data, load_chat_tokenizer(out), 384)
+    _, held = split_pairs(str(data), pairs, 0.25)
+    ref = reference_logps(load_for_inference(model)[0], held, 256)
+    with torch.no_grad():
+        got = evaluate_pairs(load_for_inference(out)[0], PreferenceSettings(), held, ref, 256)
+    for k, v in r["held_out_after"].items():
+        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-7), k
+
+
+def test_bad_input_is_one_sentence(setup, tmp_path):
+    model, data, _ = setup
+    assert "must be one of dpo, ipo, simpo, orpo" in cli_error("dpo", str(model), "--data", str(data),
+                                                               "--loss", "kto")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Hi", "chosen": "A"}])
+    assert f"preference data file {bad} line 1 has no 'rejected'" in cli_error("dpo", str(model), "--data", str(bad))
+    assert "label smoothing applies to the dpo and simpo losses" in cli_error(
+        "dpo", str(model), "--data", str(data), "--loss", "ipo", "--label-smoothing", "0.1")
