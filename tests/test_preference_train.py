@@ -25,15 +25,16 @@ def setup(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("loss", "extra"), [("dpo", []), ("dpo", ["--lora-rank", "8", "--lr", "1e-2"]),
-                                             ("ipo", []), ("simpo", ["--beta", "2"]), ("orpo", [])])
+                                             ("ipo", []), ("simpo", ["--beta", "2"]), ("orpo", ["--beta", "1"])])
 def test_a_rule_decided_pair_set_moves_held_out_accuracy_up(setup, loss, extra):
     model, data, root = setup
     out = root / f"out-{loss}-{len(extra)}"
     r = cli_json("dpo", str(model), "--data", str(data), "--loss", loss, "--steps", "20", "--batch", "8",
                  "--lr", "1e-3", "--held-out", "0.25", "--out", str(out), *extra)
-    assert r["pairs"]["train"] + r["pairs"]["held_out"] == 64 and 6 <= r["pairs"]["held_out"] <= 26
+    assert r["pairs"] == {"train": 47, "held_out": 17, "rule": "runtime/data/sources.py Settings.held_mask"}
     before, after = r["held_out_before"], r["held_out_after"]
-    assert before["rewards/accuracies"] <= 0.5  # DPO / IPO: every reward 0 at the start; else chance
+    # DPO / IPO: every reward 0 at the start (0%); SimPO / ORPO: the random model's chance, 9 of 17
+    assert before["rewards/accuracies"] <= 0.53
     assert after["rewards/accuracies"] >= 0.9 and after["rewards/margins"] > before["rewards/margins"]
     assert after["loss"] < before["loss"]
     assert (r["reference"] is None) == (loss in ("simpo", "orpo"))

@@ -46,36 +46,44 @@ class DpoSettings:
     out: Path | None = None
 
 
-def pair_rows(pairs: list[Pair], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_rows(pairs: list[Pair], seq_len: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The batch of ``pairs`` as TRL concatenates it: the chosen conversations' rows, then the rejected ones' (each
-    cut to ``seq_len`` + 1 tokens) -> inputs [2b, s] and targets [2b, s] (IGNORE outside the answers)."""
+    cut to ``seq_len`` + 1 tokens) -> inputs [2b, s] and targets [2b, s] (IGNORE outside the answers), s padded to
+    a ``multiple`` (sequence parallelism splits it; causal attention keeps the padding out of every score)."""
     from trainscale.infer.lora import chat_rows
+    from trainscale.runtime.model import IGNORE
 
-    return chat_rows([p.chosen for p in pairs] + [p.rejected for p in pairs], seq_len)
+    inputs, targets = chat_rows([p.chosen for p in pairs] + [p.rejected for p in pairs], seq_len)
+    extra = -inputs.shape[1] % multiple
+    if extra:
+        inputs = torch.nn.functional.pad(inputs, (0, extra))
+        targets = torch.nn.functional.pad(targets, (0, extra), value=IGNORE)
+    return inputs, targets
 
 
-def pair_logps(model, pairs: list[Pair], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(model, pairs: list[Pair], seq_len: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (sums [2b], scored-token counts [2b]) of ``model`` on ``pair_rows(pairs)``: chosen first, then rejected."""
-    inputs, targets = pair_rows(pairs, seq_len)
+    inputs, targets = pair_rows(pairs, seq_len, multiple)
     return sequence_logps(model(inputs), targets)
 
 
-def reference_logps(model, pairs: list[Pair], seq_len: int, batch: int = EVAL_BATCH) -> torch.Tensor:
+def reference_logps(model, pairs: list[Pair], seq_len: int, batch: int = EVAL_BATCH,
+                    multiple: int = 1) -> torch.Tensor:
     """The reference log-probs of every pair, computed once: [n, 2] (chosen, rejected)."""
     out = []
     with torch.no_grad():
         for i in range(0, len(pairs), batch):
             part = pairs[i: i + batch]
-            sums, _ = pair_logps(model, part, seq_len)
+            sums, _ = pair_logps(model, part, seq_len, multiple)
             out.append(torch.stack(sums.chunk(2), dim=1))
     return torch.cat(out) if out else torch.zeros(0, 2)
 
 
-def batch_loss(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tensor | None,
-               seq_len: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def batch_loss(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tensor | None, seq_len: int,
+               multiple: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one batch of pairs (``ref`` [b, 2]: their reference log-probs; None for SimPO / ORPO) and its
     per-pair metrics (runtime/preference.preference_loss)."""
-    sums, counts = pair_logps(model, pairs, seq_len)
+    sums, counts = pair_logps(model, pairs, seq_len, multiple)
     (chosen, rejected), (n_c, n_r) = sums.chunk(2), counts.chunk(2)
     nll = -chosen.sum() / n_c.sum().clamp_min(1) if s.loss == "orpo" else None
     ref_c, ref_r = (ref[:, 0], ref[:, 1]) if ref is not None else (None, None)
@@ -125,10 +133,11 @@ def train_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tens
 
 def split_pairs(data: str, pairs: list[Pair], held_out: float) -> tuple[list[Pair], list[Pair]]:
     """(training, held-out) pairs: the trainer's hash rule (runtime/data/sources.py Settings.held_mask) on each
-    pair's number in the file."""
+    pair's number in the file, keyed by the file's name (the split stays when the file moves)."""
     from trainscale.runtime.data.sources import Settings
 
-    held = Settings(held_out=held_out).held_mask(str(data), len(pairs)).tolist() if held_out else [False] * len(pairs)
+    key = Path(data).name
+    held = Settings(held_out=held_out).held_mask(key, len(pairs)).tolist() if held_out else [False] * len(pairs)
     train = [p for p, h in zip(pairs, held, strict=True) if not h]
     return train, [p for p, h in zip(pairs, held, strict=True) if h]
 
