@@ -4,6 +4,7 @@ full-parameter and LoRA and for the reference-free losses; the saved folder load
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -42,6 +43,9 @@ def test_a_rule_decided_pair_set_moves_held_out_accuracy_up(setup, loss, extra):
         assert r["reference"]["cached_pairs"] == 64
         assert before["rewards/chosen"] == 0.0 and before["rewards/rejected"] == 0.0  # policy == reference
     assert len(r["steps_log"]) == 20 and r["last"]["step"] == 20
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged == r["steps_log"] and set(logged[0]) >= {"loss", "rewards/chosen", "rewards/rejected",
+                                                           "rewards/margins", "rewards/accuracies"}
     assert (out / ("adapter.json" if "--lora-rank" in extra else "model.json")).is_file()
 
 

@@ -209,9 +209,16 @@ def _alpha(d: DpoSettings) -> float:
 
 
 def _save(model, spec, src: Path, out: Path, d: DpoSettings, s: PreferenceSettings, names, rows) -> None:
+    """The model folder (full-parameter: model.safetensors, model.json, the tokenizer and chat files,
+    preference.json) or the adapter folder (LoRA), and metrics.jsonl: each step's loss and TRL's reward metrics."""
+    import json
+
     from trainscale.infer.lora import data_record, save_adapter_folder
     from trainscale.runtime.artifact import copy_chat_files, save_model_dir
-    from trainscale.safeio import atomic_write_json
+    from trainscale.safeio import atomic_write_json, atomic_write_text
+
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
     record = {"preference": {"loss": s.loss, "beta": s.beta, "label_smoothing": s.label_smoothing,
                              "gamma": s.gamma, "data": data_record(d.data), "steps": d.steps, "lr": d.lr,
