@@ -79,5 +79,7 @@ def test_bad_input_is_one_sentence(setup, tmp_path):
                                                                "--loss", "kto")
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Hi", "chosen": "A"}])
     assert f"preference data file {bad} line 1 has no 'rejected'" in cli_error("dpo", str(model), "--data", str(bad))
+    assert "LoRA target 'zz' is not one of" in cli_error("dpo", str(model), "--data", str(data), "--lora-rank", "4",
+                                                        "--targets", "zz")
     assert "label smoothing applies to the dpo and simpo losses" in cli_error(
         "dpo", str(model), "--data", str(data), "--loss", "ipo", "--label-smoothing", "0.1")

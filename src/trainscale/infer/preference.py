@@ -158,6 +158,7 @@ def preference_tune(checkpoint: str, d: DpoSettings, bar=None) -> dict[str, Any]
     if out.resolve() == src:
         raise TrainscaleError(f"the output folder cannot be the model folder {src}; pick another --out")
     check_output(out, "--out", folder=True, inputs=model_inputs(src), not_at=(checkpoint,))
+    names = _targets(spec, d)  # checked before any work
     pairs = load_pairs(Path(d.data), load_chat_tokenizer(src), spec.vocab_size)
     train, held = split_pairs(d.data, pairs, d.held_out)
     if not train:
@@ -167,7 +168,7 @@ def preference_tune(checkpoint: str, d: DpoSettings, bar=None) -> dict[str, Any]
     ref_train = reference_logps(model, train, seq_len) if s.needs_reference else None
     ref_held = reference_logps(model, held, seq_len) if s.needs_reference and held else None
     ref_secs = time.perf_counter() - t0
-    names = _trainable(model, spec, d)
+    _trainable(model, names, d)
     before = evaluate_pairs(model, s, held, ref_held, seq_len) if held else None
     t0 = time.perf_counter()
     rows = train_pairs(model, s, train, ref_train, d.steps, d.batch, seq_len, d.lr, d.seed,
@@ -187,21 +188,27 @@ def preference_tune(checkpoint: str, d: DpoSettings, bar=None) -> dict[str, Any]
             "steps_log": rows}
 
 
-def _trainable(model, spec, d: DpoSettings) -> tuple[str, ...]:
-    """Full-parameter: every weight trains; LoRA: adapters on ``d.targets`` (infer/lora.apply_lora), base frozen."""
+def _targets(spec, d: DpoSettings) -> tuple[str, ...]:
+    """LoRA's adapted projections (estimate/lora.lora_targets); () for a full-parameter run."""
+    if not d.lora_rank:
+        return ()
+    from trainscale.estimate.lora import lora_targets
+
+    try:
+        return lora_targets(spec, d.targets)
+    except ValueError as e:
+        raise TrainscaleError(str(e)) from None
+
+
+def _trainable(model, names: tuple[str, ...], d: DpoSettings) -> None:
+    """Full-parameter: every weight trains; LoRA: adapters on ``names`` (infer/lora.apply_lora), base frozen."""
     if not d.lora_rank:
         for p in model.parameters():
             p.requires_grad_(True)
-        return ()
-    from trainscale.estimate.lora import lora_targets
+        return
     from trainscale.infer.lora import apply_lora
 
-    try:
-        names = lora_targets(spec, d.targets)
-    except ValueError as e:
-        raise TrainscaleError(str(e)) from None
     apply_lora(model, d.lora_rank, _alpha(d), names, d.seed)
-    return names
 
 
 def _alpha(d: DpoSettings) -> float:
