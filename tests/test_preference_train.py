@@ -83,3 +83,30 @@ def test_bad_input_is_one_sentence(setup, tmp_path):
                                                         "--targets", "zz")
     assert "label smoothing applies to the dpo and simpo losses" in cli_error(
         "dpo", str(model), "--data", str(data), "--loss", "ipo", "--label-smoothing", "0.1")
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora-rank", "4", "--lr", "1e-2"]])
+def test_resume_from_a_checkpoint_equals_the_straight_run(setup, extra):
+    """Ten steps straight, and five then five more resumed from OUT/checkpoint (weights, AdamW state, the batch
+    generator, the cached reference log-probs), give the same steps and the same weights."""
+    from safetensors.torch import load_file
+
+    model, data, root = setup
+    common = ["dpo", str(model), "--data", str(data), "--batch", "4", "--lr", "1e-3", "--save-every", "5", *extra]
+    a, b = root / f"straight{len(extra)}", root / f"resumed{len(extra)}"
+    straight = cli_json(*common, "--steps", "10", "--out", str(a))
+    cli_json(*common, "--steps", "5", "--out", str(b))
+    resumed = cli_json(*common, "--steps", "10", "--out", str(b), "--resume")
+    assert resumed["resumed_from_step"] == 5 and resumed["reference"]["from_checkpoint"]
+    assert resumed["steps_log"] == straight["steps_log"] and resumed["held_out_after"] == straight["held_out_after"]
+    name = "adapter.safetensors" if extra else "model.safetensors"
+    wa, wb = load_file(str(a / name)), load_file(str(b / name))
+    assert all(torch_equal(wa[k], wb[k]) for k in wa)
+    assert "was made by another run" in cli_error(*common, "--steps", "10", "--out", str(b), "--resume",
+                                                  "--beta", "0.2")
+
+
+def torch_equal(x, y) -> bool:
+    import torch
+
+    return bool(torch.equal(x, y))

@@ -46,6 +46,11 @@ def dpo(
     seed: int = typer.Option(0, callback=SEED, help="seed for the batches (and the adapter init)"),
     out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-LOSS beside it): a model "
                              "folder, or an adapter folder with --lora-rank"),
+    save_every: int = typer.Option(0, "--save-every", callback=number(ge=0, le=1e7),
+                                   help="steps between checkpoints (OUT/checkpoint: the trained weights, AdamW "
+                                        "state, batch order and cached reference log-probs); 0: none"),
+    resume: bool = typer.Option(False, "--resume", help="continue from OUT/checkpoint when there is one (the same "
+                                "model, data and options; --steps may grow)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Preference-tune a model on chosen / rejected pairs; the reference log-probs computed once and kept."""
@@ -54,7 +59,8 @@ def dpo(
 
     settings = DpoSettings(data=str(data), loss=PreferenceSettings(loss, beta, label_smoothing, gamma),
                            lora_rank=lora_rank or None, lora_alpha=lora_alpha, targets=targets, steps=steps,
-                           batch=batch, seq_len=seq_len, lr=lr, held_out=held_out, seed=seed, out=out)
+                           batch=batch, seq_len=seq_len, lr=lr, held_out=held_out, seed=seed, out=out,
+                           save_every=save_every, resume=resume)
     with (_no_bar() if as_json else _bar(steps)) as progress:
         report = preference_tune(checkpoint, settings, progress)
     if as_json:
@@ -80,7 +86,8 @@ def _no_bar() -> Iterator[None]:
 def _print(r: dict[str, Any]) -> None:
     from trainscale.commands._infer import kv_table, print_tables
 
-    console.print(f"[bold]{r['loss'].upper()} (beta {r['beta']:g}), {r['mode']}[/bold]: {r['model']} -> {r['out']}")
+    console.print(f"[bold]{r['loss'].upper()} (beta {r['beta']:g}), {r['mode']}[/bold]: {r['model']} -> {r['out']}"
+                  + (f" (resumed at step {r['resumed_from_step']})" if r["resumed_from_step"] else ""))
     first, last = r["first"], r["last"]
     rows = {"loss": f"{first['loss']:.4f} -> {last['loss']:.4f} in {r['steps']} steps ({r['seconds']:.1f} s)",
             "pairs": f"{r['pairs']['train']:,} training, {r['pairs']['held_out']:,} held out (the trainer's hash rule)"}

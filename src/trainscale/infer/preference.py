@@ -44,6 +44,8 @@ class DpoSettings:
     held_out: float = 0.2
     seed: int = 0
     out: Path | None = None
+    save_every: int = 0  # steps between checkpoints (OUT/checkpoint: weights, AdamW state, batches, reference)
+    resume: bool = False  # continue from OUT/checkpoint when there is one
 
 
 def pair_rows(pairs: list[Pair], seq_len: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,8 +109,18 @@ def evaluate_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.T
     return {"loss": sum(losses) / len(pairs), **summarize(merged)}
 
 
+@dataclass
+class Hooks:
+    """A run's checkpointing: ``resume(opt, gen)`` restores the state and returns the steps' rows so far;
+    ``after(step, opt, gen, rows)`` runs after each optimizer step."""
+
+    resume: Callable[[torch.optim.Optimizer, torch.Generator], list[dict[str, float]]]
+    after: Callable[[int, torch.optim.Optimizer, torch.Generator, list[dict[str, float]]], None]
+
+
 def train_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tensor | None, steps: int, batch: int,
-                seq_len: int, lr: float, seed: int = 0, progress: Progress | None = None) -> list[dict[str, float]]:
+                seq_len: int, lr: float, seed: int = 0, progress: Progress | None = None,
+                hooks: Hooks | None = None) -> list[dict[str, float]]:
     """AdamW on the model's trainable parameters, ``batch`` random pairs a step -> each step's loss and metrics."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -116,8 +128,8 @@ def train_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tens
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model.train()
-    rows = []
-    for step in range(steps):
+    rows = hooks.resume(opt, gen) if hooks is not None else []
+    for step in range(len(rows), steps):
         pick = torch.randint(0, len(pairs), (batch,), generator=gen)
         loss, m = batch_loss(model, s, [pairs[i] for i in pick.tolist()], ref[pick] if ref is not None else None,
                              seq_len)
@@ -125,6 +137,8 @@ def train_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tens
         loss.backward()
         opt.step()
         rows.append({"step": step + 1, "loss": loss.item(), **summarize(m)})
+        if hooks is not None:
+            hooks.after(step + 1, opt, gen, rows)
         if progress is not None:
             progress(step + 1, rows[-1]["loss"])
     model.eval()
@@ -164,15 +178,21 @@ def preference_tune(checkpoint: str, d: DpoSettings, bar=None) -> dict[str, Any]
     if not train:
         raise TrainscaleError(f"data {d.data} leaves no pair to train on ({len(pairs)} pairs, {len(held)} held out)")
     seq_len = min(d.seq_len, spec.max_seq_len)
+    ckpt = Checkpoint(out / CHECKPOINT, _fingerprint(d, s, src, seq_len), d.save_every)
+    saved = ckpt.read_state() if d.resume else None
     t0 = time.perf_counter()
-    ref_train = reference_logps(model, train, seq_len) if s.needs_reference else None
-    ref_held = reference_logps(model, held, seq_len) if s.needs_reference and held else None
+    if saved is not None and s.needs_reference:  # the reference log-probs, as cached at the start
+        ref_train, ref_held = ckpt.reference(len(train), len(held))
+    else:
+        ref_train = reference_logps(model, train, seq_len) if s.needs_reference else None
+        ref_held = reference_logps(model, held, seq_len) if s.needs_reference and held else None
     ref_secs = time.perf_counter() - t0
     _trainable(model, names, d)
+    ckpt.attach(model, ref_train, ref_held, saved)
     before = evaluate_pairs(model, s, held, ref_held, seq_len) if held else None
     t0 = time.perf_counter()
     rows = train_pairs(model, s, train, ref_train, d.steps, d.batch, seq_len, d.lr, d.seed,
-                       bar if callable(bar) else None)
+                       bar if callable(bar) else None, Hooks(ckpt.resume, ckpt.after))
     secs = time.perf_counter() - t0
     after = evaluate_pairs(model, s, held, ref_held, seq_len) if held else None
     _save(model, spec, src, out, d, s, names, rows)
@@ -182,8 +202,10 @@ def preference_tune(checkpoint: str, d: DpoSettings, bar=None) -> dict[str, Any]
             "batch": d.batch, "lr": d.lr, "seconds": secs,
             "pairs": {"train": len(train), "held_out": len(held), "rule": "runtime/data/sources.py Settings.held_mask"},
             "reference": ({"cached_pairs": len(train) + len(held), "seconds": ref_secs,
-                           "model": "the model as loaded (LoRA: the base, adapters at zero)"}
+                           "model": "the model as loaded (LoRA: the base, adapters at zero)",
+                           "from_checkpoint": saved is not None}
                           if s.needs_reference else None),
+            "resumed_from_step": saved["step"] if saved is not None else None,
             "first": rows[0], "last": rows[-1], "held_out_before": before, "held_out_after": after,
             "steps_log": rows}
 
@@ -241,3 +263,119 @@ def _save(model, spec, src: Path, out: Path, d: DpoSettings, s: PreferenceSettin
     copy_chat_files(src, out)
     atomic_write_json(out / "preference.json", record["preference"])
 
+
+
+CHECKPOINT = "checkpoint"
+STATE_FILE, TENSORS_FILE = "state.json", "state.safetensors"
+
+
+def _fingerprint(d: DpoSettings, s: PreferenceSettings, src: Path, seq_len: int) -> dict[str, Any]:
+    """What a checkpoint must have been made with to be resumed (the steps may grow)."""
+    from trainscale.infer.lora import data_record
+
+    return {"model": str(src), "data": data_record(d.data), "loss": s.loss, "beta": s.beta, "gamma": s.gamma,
+            "label_smoothing": s.label_smoothing, "lora_rank": d.lora_rank, "lora_alpha": d.lora_alpha,
+            "targets": d.targets, "batch": d.batch, "seq_len": seq_len, "lr": d.lr, "held_out": d.held_out,
+            "seed": d.seed}
+
+
+class Checkpoint:
+    """OUT/checkpoint: state.json (the step, the rows so far, the run's fingerprint) and state.safetensors (the
+    trainable weights, AdamW's moments and step per weight, the batch generator's state, the cached reference
+    log-probs), written to a fresh folder then renamed over the last; read back with every tensor's name, shape
+    and dtype checked against this run's from the header first."""
+
+    def __init__(self, folder: Path, fingerprint: dict[str, Any], every: int) -> None:
+        self.folder, self.fingerprint, self.every = folder, fingerprint, every
+        self.model, self.refs, self.saved = None, {}, None
+
+    def read_state(self) -> dict[str, Any] | None:
+        from trainscale.safeio import read_json_object
+
+        path = self.folder / STATE_FILE
+        if not path.exists():
+            return None
+        state = read_json_object(path, "preference checkpoint state")
+        if state.get("fingerprint") != self.fingerprint:
+            raise TrainscaleError(f"{self.folder} was made by another run (model, data or settings differ); "
+                                  "resume with the same options, or pick another --out")
+        step, rows = state.get("step"), state.get("rows")
+        if not isinstance(step, int) or not isinstance(rows, list) or len(rows) != step or step < 1:
+            raise TrainscaleError(f"{path} does not hold a step and its rows")
+        return state
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        from trainscale.runtime.artifact import check_finite, check_header, read_header
+
+        path = self.folder / TENSORS_FILE
+        if not path.is_file():
+            raise TrainscaleError(f"{self.folder} has no {TENSORS_FILE}")
+        header = read_header(path)
+        if self.model is not None:
+            check_header(path, header, self._expected(), against="this run's model and settings")
+        tensors = load_file(str(path))
+        check_finite(path, tensors)
+        return tensors
+
+    def reference(self, n_train: int, n_held: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = self._tensors()
+        got = t.get("reference/train"), t.get("reference/held")
+        if got[0] is None or tuple(got[0].shape) != (n_train, 2) or (n_held and (
+                got[1] is None or tuple(got[1].shape) != (n_held, 2))):
+            raise TrainscaleError(f"{self.folder}: the cached reference log-probs do not match the pairs")
+        return got[0], got[1] if n_held else None
+
+    def attach(self, model, ref_train, ref_held, saved) -> None:
+        self.model, self.saved = model, saved
+        self.refs = {k: v for k, v in (("reference/train", ref_train), ("reference/held", ref_held)) if v is not None}
+
+    def _trainable(self):
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def _expected(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, p in self._trainable():
+            out |= {f"param/{n}": p, f"exp_avg/{n}": p, f"exp_avg_sq/{n}": p, f"step/{n}": torch.zeros(1)}
+        out["generator"] = torch.Generator().get_state()
+        return out | self.refs
+
+    def resume(self, opt: torch.optim.Optimizer, gen: torch.Generator) -> list[dict[str, float]]:
+        if self.saved is None:
+            return []
+        t = self._tensors()
+        with torch.no_grad():
+            for n, p in self._trainable():
+                p.copy_(t[f"param/{n}"])
+                opt.state[p] = {"step": t[f"step/{n}"].reshape(()), "exp_avg": t[f"exp_avg/{n}"],
+                                "exp_avg_sq": t[f"exp_avg_sq/{n}"]}
+        gen.set_state(t["generator"])
+        return list(self.saved["rows"])
+
+    def after(self, step: int, opt: torch.optim.Optimizer, gen: torch.Generator, rows: list) -> None:
+        if not self.every or step % self.every:
+            return
+        import shutil
+
+        from safetensors.torch import save_file
+
+        from trainscale.safeio import atomic_write_json
+
+        tensors = {"generator": gen.get_state(), **{k: v.contiguous() for k, v in self.refs.items()}}
+        for n, p in self._trainable():
+            st = opt.state[p]
+            tensors |= {f"param/{n}": p.detach().contiguous(), f"exp_avg/{n}": st["exp_avg"].contiguous(),
+                        f"exp_avg_sq/{n}": st["exp_avg_sq"].contiguous(),
+                        f"step/{n}": st["step"].detach().float().reshape(1)}
+        fresh = self.folder.with_name(self.folder.name + ".new")
+        shutil.rmtree(fresh, ignore_errors=True)
+        fresh.mkdir(parents=True)
+        save_file(tensors, str(fresh / TENSORS_FILE), metadata={"producer": "trainscale", "kind": "preference"})
+        atomic_write_json(fresh / STATE_FILE, {"step": step, "rows": rows, "fingerprint": self.fingerprint})
+        old = self.folder.with_name(self.folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if self.folder.exists():
+            self.folder.rename(old)
+        fresh.rename(self.folder)
+        shutil.rmtree(old, ignore_errors=True)
