@@ -7,7 +7,8 @@ right-padded (infer/lora.chat_rows: each row computed exactly as alone). The ref
 computed once, before the first step, for every pair (the model as loaded: with LoRA, the base with adapters that
 start at zero, so exactly the base), and kept: no second model is held. The losses and metrics are
 runtime/preference.py's (TRL 1.16's conventions); pairs are held out by the trainer's hash rule and the held-out
-preference accuracy is measured before and after.
+preference accuracy is measured before and after. Every step's metrics go to OUT/metrics.jsonl; ``--save-every``
+writes OUT/checkpoint (``Checkpoint``) and ``--resume`` continues from it, the cached reference log-probs included.
 """
 
 from __future__ import annotations
