@@ -1,5 +1,6 @@
 """DPO under dp2, fsdp2 and tp2 (real processes, torchrun, gloo) equals one process: the first step's gradients,
-and the losses and rewards of three AdamW steps, within 1e-5 relative (tests/_preference_worker.py)."""
+and the losses and rewards of three AdamW steps, within 1e-5 relative (tests/_preference_worker.py); and
+`trainscale dpo --layout` on fsdp2 and tp2 gives the one-process run's steps, held-out metrics and weights."""
 
 from __future__ import annotations
 
@@ -44,3 +45,27 @@ def test_dpo_under_dp2_fsdp2_tp2_equals_one_process(tmp_path):
         assert set(g2) == set(g1)
         for name, g in g1.items():
             assert ((g2[name] - g).norm() / g.norm()).item() <= 1e-5, (layout, name)
+
+
+def test_dpo_command_on_fsdp2_and_tp2_equals_one_process(tmp_path):
+    from infer_fixtures import cli_json
+
+    llama_folder(tmp_path / "m")
+    write_jsonl(tmp_path / "pairs.jsonl", ROWS * 4)
+    common = ["dpo", str(tmp_path / "m"), "--data", str(tmp_path / "pairs.jsonl"), "--steps", "4", "--batch", "4",
+              "--lr", "1e-3", "--held-out", "0.3"]
+    one = cli_json(*common, "--out", str(tmp_path / "one"))
+    w1 = load_file(str(tmp_path / "one" / "model.safetensors"))
+    for layout in ("fsdp2", "tp2"):
+        out = tmp_path / layout.replace(",", "_")
+        got = cli_json(*common, "--layout", layout, "--out", str(out))
+        assert got["layout"] == layout and got["pairs"] == one["pairs"]
+        for a, b in zip(one["steps_log"], got["steps_log"], strict=True):
+            for k, v in a.items():
+                assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (layout, k)
+        for k, v in one["held_out_after"].items():
+            assert got["held_out_after"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (layout, k)
+        w2 = load_file(str(out / "model.safetensors"))
+        assert set(w2) == set(w1)
+        for name, w in w1.items():
+            assert ((w2[name] - w).norm() / w.norm()).item() <= 1e-5, (layout, name)

@@ -81,6 +81,9 @@ def test_bad_input_is_one_sentence(setup, tmp_path):
     assert f"preference data file {bad} line 1 has no 'rejected'" in cli_error("dpo", str(model), "--data", str(bad))
     assert "LoRA target 'zz' is not one of" in cli_error("dpo", str(model), "--data", str(data), "--lora-rank", "4",
                                                         "--targets", "zz")
+    assert "not pp, cp or ep" in cli_error("dpo", str(model), "--data", str(data), "--layout", "pp2")
+    assert "LoRA (--lora-rank) runs in one process" in cli_error("dpo", str(model), "--data", str(data),
+                                                                "--layout", "fsdp2", "--lora-rank", "4")
     assert "label smoothing applies to the dpo and simpo losses" in cli_error(
         "dpo", str(model), "--data", str(data), "--loss", "ipo", "--label-smoothing", "0.1")
 

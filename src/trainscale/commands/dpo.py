@@ -46,6 +46,8 @@ def dpo(
     seed: int = typer.Option(0, callback=SEED, help="seed for the batches (and the adapter init)"),
     out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-LOSS beside it): a model "
                              "folder, or an adapter folder with --lora-rank"),
+    layout: str = typer.Option(None, "--layout", help="run on this layout's processes (torchrun, this machine): "
+                               "dp2, fsdp2, tp2, dp2,tp2 ... (full-parameter; the same steps as one process)"),
     save_every: int = typer.Option(0, "--save-every", callback=number(ge=0, le=1e7),
                                    help="steps between checkpoints (OUT/checkpoint: the trained weights, AdamW "
                                         "state, batch order and cached reference log-probs); 0: none"),
@@ -54,15 +56,16 @@ def dpo(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Preference-tune a model on chosen / rejected pairs; the reference log-probs computed once and kept."""
-    from trainscale.infer.preference import DpoSettings, preference_tune
+    from trainscale.infer.preference import DpoSettings
+    from trainscale.infer.preference_dist import tune
     from trainscale.runtime.preference import PreferenceSettings
 
     settings = DpoSettings(data=str(data), loss=PreferenceSettings(loss, beta, label_smoothing, gamma),
                            lora_rank=lora_rank or None, lora_alpha=lora_alpha, targets=targets, steps=steps,
                            batch=batch, seq_len=seq_len, lr=lr, held_out=held_out, seed=seed, out=out,
-                           save_every=save_every, resume=resume)
+                           layout=layout, save_every=save_every, resume=resume)
     with (_no_bar() if as_json else _bar(steps)) as progress:
-        report = preference_tune(checkpoint, settings, progress)
+        report = tune(checkpoint, settings, progress)
     if as_json:
         emit_json(report)
         return
@@ -87,13 +90,16 @@ def _print(r: dict[str, Any]) -> None:
     from trainscale.commands._infer import kv_table, print_tables
 
     console.print(f"[bold]{r['loss'].upper()} (beta {r['beta']:g}), {r['mode']}[/bold]: {r['model']} -> {r['out']}"
-                  + (f" (resumed at step {r['resumed_from_step']})" if r["resumed_from_step"] else ""))
+                  + (f" (resumed at step {r['resumed_from_step']})" if r["resumed_from_step"] else "")
+                  + (f" on {r['layout']}" if r.get("layout") else ""))
     first, last = r["first"], r["last"]
-    rows = {"loss": f"{first['loss']:.4f} -> {last['loss']:.4f} in {r['steps']} steps ({r['seconds']:.1f} s)",
+    took = f" ({r['seconds']:.1f} s)" if r["seconds"] is not None else ""
+    rows = {"loss": f"{first['loss']:.4f} -> {last['loss']:.4f} in {r['steps']} steps{took}",
             "pairs": f"{r['pairs']['train']:,} training, {r['pairs']['held_out']:,} held out (the trainer's hash rule)"}
     if r["reference"] is not None:
-        rows["reference log-probs"] = (f"{r['reference']['cached_pairs']:,} pairs, computed once "
-                                       f"({r['reference']['seconds']:.1f} s)")
+        secs = r["reference"].get("seconds")
+        rows["reference log-probs"] = f"{r['reference']['cached_pairs']:,} pairs, computed once" + (
+            f" ({secs:.1f} s)" if secs is not None else "")
     for name, m in (("last step", last), ("held out, before", r["held_out_before"]),
                     ("held out, after", r["held_out_after"])):
         if m is not None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ class DpoSettings:
     held_out: float = 0.2
     seed: int = 0
     out: Path | None = None
+    layout: str | None = None  # dp / fsdp / tp layout on that many processes (infer/preference_dist.py)
     save_every: int = 0  # steps between checkpoints (OUT/checkpoint: weights, AdamW state, batches, reference)
     resume: bool = False  # continue from OUT/checkpoint when there is one
 
@@ -94,7 +96,7 @@ def batch_loss(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tenso
 
 
 def evaluate_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tensor | None,
-                   seq_len: int) -> dict[str, float]:
+                   seq_len: int, multiple: int = 1) -> dict[str, float]:
     """The loss and TRL's reward metrics over ``pairs`` (rewards/accuracies: the held-out preference accuracy)."""
     was = model.training
     model.eval()
@@ -102,7 +104,8 @@ def evaluate_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.T
     with torch.no_grad():
         for i in range(0, len(pairs), EVAL_BATCH):
             part = pairs[i: i + EVAL_BATCH]
-            loss, m = batch_loss(model, s, part, ref[i: i + EVAL_BATCH] if ref is not None else None, seq_len)
+            loss, m = batch_loss(model, s, part, ref[i: i + EVAL_BATCH] if ref is not None else None, seq_len,
+                                 multiple)
             parts.append(m)
             losses.append(loss.item() * len(part))
     model.train(was)
@@ -121,8 +124,10 @@ class Hooks:
 
 def train_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tensor | None, steps: int, batch: int,
                 seq_len: int, lr: float, seed: int = 0, progress: Progress | None = None,
-                hooks: Hooks | None = None) -> list[dict[str, float]]:
-    """AdamW on the model's trainable parameters, ``batch`` random pairs a step -> each step's loss and metrics."""
+                hooks: Hooks | None = None, par=None, multiple: int = 1) -> list[dict[str, float]]:
+    """AdamW on the model's trainable parameters, ``batch`` random pairs a step -> each step's loss and metrics.
+    ``par`` (infer/preference_dist.Parallel): this rank's share of each batch, the gradients averaged, the whole
+    batch's loss and metrics."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise TrainscaleError("the model has no trainable parameters")
@@ -131,13 +136,17 @@ def train_pairs(model, s: PreferenceSettings, pairs: list[Pair], ref: torch.Tens
     model.train()
     rows = hooks.resume(opt, gen) if hooks is not None else []
     for step in range(len(rows), steps):
-        pick = torch.randint(0, len(pairs), (batch,), generator=gen)
-        loss, m = batch_loss(model, s, [pairs[i] for i in pick.tolist()], ref[pick] if ref is not None else None,
-                             seq_len)
+        pick = torch.randint(0, len(pairs), (batch,), generator=gen).tolist()
+        pick = par.share(pick) if par is not None else pick
+        loss, m = batch_loss(model, s, [pairs[i] for i in pick], ref[pick] if ref is not None else None,
+                             seq_len, multiple)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if par is not None:
+            par.reduce(params)
         opt.step()
-        rows.append({"step": step + 1, "loss": loss.item(), **summarize(m)})
+        value, m = par.gather(loss, m) if par is not None else (loss.item(), m)
+        rows.append({"step": step + 1, "loss": value, **summarize(m)})
         if hooks is not None:
             hooks.after(step + 1, opt, gen, rows)
         if progress is not None:
@@ -173,6 +182,7 @@ def preference_tune(checkpoint: str, d: DpoSettings, bar=None) -> dict[str, Any]
     if out.resolve() == src:
         raise TrainscaleError(f"the output folder cannot be the model folder {src}; pick another --out")
     check_output(out, "--out", folder=True, inputs=model_inputs(src), not_at=(checkpoint,))
+    d = replace(d, out=out)
     names = _targets(spec, d)  # checked before any work
     pairs = load_pairs(Path(d.data), load_chat_tokenizer(src), spec.vocab_size)
     train, held = split_pairs(d.data, pairs, d.held_out)
@@ -197,18 +207,34 @@ def preference_tune(checkpoint: str, d: DpoSettings, bar=None) -> dict[str, Any]
     secs = time.perf_counter() - t0
     after = evaluate_pairs(model, s, held, ref_held, seq_len) if held else None
     _save(model, spec, src, out, d, s, names, rows)
-    return {"model": str(src), "out": str(out), "loss": s.loss, "beta": s.beta,
+    report = _report(src, d, s, rows, len(train), len(held), before, after)
+    report["seconds"] = secs
+    if report["reference"] is not None:
+        report["reference"] |= {"seconds": ref_secs, "from_checkpoint": saved is not None}
+    report["resumed_from_step"] = saved["step"] if saved is not None else None
+    return report
+
+
+def _report(src: Path, d: DpoSettings, s: PreferenceSettings, rows: list, n_train: int, n_held: int,
+            before: dict | None, after: dict | None) -> dict[str, Any]:
+    return {"model": str(src), "out": str(d.out), "loss": s.loss, "beta": s.beta,
             "label_smoothing": s.label_smoothing, **({"gamma": s.gamma} if s.loss == "simpo" else {}),
             "mode": f"lora r={d.lora_rank}" if d.lora_rank else "full-parameter", "steps": d.steps,
-            "batch": d.batch, "lr": d.lr, "seconds": secs,
-            "pairs": {"train": len(train), "held_out": len(held), "rule": "runtime/data/sources.py Settings.held_mask"},
-            "reference": ({"cached_pairs": len(train) + len(held), "seconds": ref_secs,
-                           "model": "the model as loaded (LoRA: the base, adapters at zero)",
-                           "from_checkpoint": saved is not None}
+            "batch": d.batch, "lr": d.lr, "seconds": None,
+            "pairs": {"train": n_train, "held_out": n_held, "rule": "runtime/data/sources.py Settings.held_mask"},
+            "reference": ({"cached_pairs": n_train + n_held,
+                           "model": "the model as loaded (LoRA: the base, adapters at zero)"}
                           if s.needs_reference else None),
-            "resumed_from_step": saved["step"] if saved is not None else None,
-            "first": rows[0], "last": rows[-1], "held_out_before": before, "held_out_after": after,
-            "steps_log": rows}
+            "resumed_from_step": None, "first": rows[0], "last": rows[-1], "held_out_before": before,
+            "held_out_after": after, "steps_log": rows}
+
+
+def write_outputs(state: dict[str, torch.Tensor], spec, src: Path, d: DpoSettings, s: PreferenceSettings,
+                  rows: list, n_train: int, n_held: int, before: dict | None, after: dict | None) -> dict[str, Any]:
+    """A distributed run's rank 0: the model folder from the whole ``state`` (full-parameter), metrics.jsonl, and
+    the report."""
+    _save(SimpleNamespace(state_dict=lambda: state), spec, src, d.out, d, s, (), rows)
+    return _report(src, d, s, rows, n_train, n_held, before, after)
 
 
 def _targets(spec, d: DpoSettings) -> tuple[str, ...]:
