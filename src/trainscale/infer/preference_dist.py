@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -156,13 +157,15 @@ def _rank_main(job: dict[str, Any]) -> None:
     ref_train = reference_logps(model, train, seq_len, multiple=m) if s.needs_reference else None
     ref_held = reference_logps(model, held, seq_len, multiple=m) if s.needs_reference and held else None
     before = evaluate_pairs(model, s, held, ref_held, seq_len, m) if held else None
+    t0 = time.perf_counter()
     rows = train_pairs(model, s, train, ref_train, d.steps, d.batch, seq_len, d.lr, d.seed,
                        par=Parallel(mesh, layout), multiple=m)
+    secs = time.perf_counter() - t0
     after = evaluate_pairs(model, s, held, ref_held, seq_len, m) if held else None
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
     if dist.get_rank() == 0:
         report = write_outputs(state, spec, src, d, s, rows, len(train), len(held), before, after)
-        report["layout"] = job["layout"]
+        report |= {"layout": job["layout"], "seconds": secs}
         from trainscale.safeio import atomic_write_json
 
         atomic_write_json(d.out / REPORT_FILE, report)
