@@ -69,7 +69,8 @@ def pair_rows(pairs: list[Pair], seq_len: int, multiple: int = 1) -> tuple[torch
 def pair_logps(model, pairs: list[Pair], seq_len: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (sums [2b], scored-token counts [2b]) of ``model`` on ``pair_rows(pairs)``: chosen first, then rejected."""
     inputs, targets = pair_rows(pairs, seq_len, multiple)
-    return sequence_logps(model(inputs), targets)
+    dev = next(model.parameters()).device  # a laid-out model's rank device (NCCL wants every tensor there)
+    return sequence_logps(model(inputs.to(dev)), targets.to(dev))
 
 
 def reference_logps(model, pairs: list[Pair], seq_len: int, batch: int = EVAL_BATCH,

@@ -123,7 +123,7 @@ class Parallel:
         return loss.item() / dp, out
 
 
-def _rank_main(job: dict[str, Any]) -> None:
+def _rank_main(job: dict[str, Any], device: torch.device) -> None:
     from trainscale.infer.load import load_for_inference
     from trainscale.infer.preference import (
         DpoSettings,
@@ -145,7 +145,7 @@ def _rank_main(job: dict[str, Any]) -> None:
     s, layout = d.loss.check(), Layout.parse(job["layout"])
     mesh = build_mesh(layout)
     model, spec, src = load_for_inference(job["checkpoint"])
-    src = src.resolve()
+    model, src = model.to(device), src.resolve()
     pairs = load_pairs(Path(d.data), load_chat_tokenizer(src), spec.vocab_size)
     train, held = split_pairs(d.data, pairs, d.held_out)
     seq_len = min(d.seq_len, spec.max_seq_len)
@@ -162,7 +162,8 @@ def _rank_main(job: dict[str, Any]) -> None:
                        par=Parallel(mesh, layout), multiple=m)
     secs = time.perf_counter() - t0
     after = evaluate_pairs(model, s, held, ref_held, seq_len, m) if held else None
-    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
+             for k, v in model.state_dict().items()}
     if dist.get_rank() == 0:
         report = write_outputs(state, spec, src, d, s, rows, len(train), len(held), before, after)
         report |= {"layout": job["layout"], "seconds": secs}
@@ -179,9 +180,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--job", type=Path, required=True)
     job = read_json_object(ap.parse_args().job, "preference job")
-    init_distributed()
+    device = init_distributed()
     try:
-        _rank_main(job)
+        _rank_main(job, device)
     except TrainscaleError as e:
         print(f"TrainscaleError: {e}", file=sys.stderr)
         exit_rank(1)
