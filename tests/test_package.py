@@ -28,7 +28,8 @@ ESTIMATE = [("trainscale.estimate",), ("trainscale.estimate.planner", "trainscal
 RUNTIME = [
     ("trainscale.runtime.collectives",),  # the group's device: imports no runtime/
     ("trainscale.runtime.moe", "trainscale.runtime.schedule", "trainscale.runtime.weights"),  # only collectives
-    ("trainscale.runtime.model",),  # the transformer (its MoE layer from moe)
+    # the transformer (its MoE layer from moe); the preference losses on its log-probs
+    ("trainscale.runtime.model", "trainscale.runtime.preference"),
     ("trainscale.runtime.data",),  # the corpus pipeline (the loader knows the model's ignore index)
     ("trainscale.runtime.config", "trainscale.runtime.measure"),  # the TOML as data; hardware, FLOPs
     # on a built model: mesh, TP/CP/EP/FSDP, pipeline, zero1; the weight loaders (a model folder's format, HF folders)

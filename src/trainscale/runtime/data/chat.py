@@ -412,15 +412,16 @@ def check_example(obj: Any, where: str = "chat example") -> dict:
     return {"messages": messages}
 
 
-def read_chat_jsonl(path: Path) -> Iterator[dict]:
-    """The conversations of a chat JSONL file, one per non-blank line, each checked (``check_example``) and
-    normalised to ``{"messages": [...]}``; a regular file only, lines of at most MAX_LINE_BYTES; every fault one
-    sentence naming the file and line."""
-    p = check_regular(path, "chat data file")
+def read_chat_jsonl(path: Path, check: Callable[[Any, str], dict] | None = None,
+                    what: str = "chat data file") -> Iterator[dict]:
+    """The conversations of a chat JSONL file, one per non-blank line, each checked (``check_example``, or
+    ``check``: a preference pair's) and normalised to ``{"messages": [...]}``; a regular file only, lines of at
+    most MAX_LINE_BYTES; every fault one sentence naming the file (as ``what``) and line."""
+    p = check_regular(path, what)
     try:
         f = open(p, "rb")  # noqa: SIM115 (closed below; a generator holds it across yields)
     except OSError as e:
-        raise TrainscaleError(f"chat data file {p} cannot be read: {e.strerror}") from None
+        raise TrainscaleError(f"{what} {p} cannot be read: {e.strerror}") from None
     with f:
         n = 0
         while True:
@@ -428,15 +429,16 @@ def read_chat_jsonl(path: Path) -> Iterator[dict]:
             if not line:
                 return
             n += 1
-            where = f"chat data file {p} line {n}"
+            where = f"{what} {p} line {n}"
             if len(line) > MAX_LINE_BYTES:
                 raise TrainscaleError(f"{where} is longer than {MAX_LINE_BYTES:,} bytes, more than any conversation")
             if line.strip():
-                yield parse_line(line, where)
+                yield parse_line(line, where, check)
 
 
-def parse_line(line: bytes | str, where: str) -> dict:
-    """One JSONL line as a checked conversation (``check_example``), or one sentence naming ``where``."""
+def parse_line(line: bytes | str, where: str, check: Callable[[Any, str], dict] | None = None) -> dict:
+    """One JSONL line as a checked conversation (``check_example``, or ``check``), or one sentence naming
+    ``where``."""
     if isinstance(line, bytes):
         try:
             line = line.decode("utf-8")
@@ -448,7 +450,7 @@ def parse_line(line: bytes | str, where: str) -> dict:
         raise TrainscaleError(f"{where} is not JSON ({_first_line(e)})") from None
     except RecursionError:
         raise TrainscaleError(f"{where} nests arrays or objects too deeply to be a conversation") from None
-    return check_example(obj, where)
+    return (check or check_example)(obj, where)
 
 
 # --------------------------------------------------------------------------- encoding
@@ -463,12 +465,13 @@ def _prefix(tok: ChatTokenizer, messages: list[dict], full: str, where: str, gen
     return text if full.startswith(text) else None
 
 
-def assistant_spans(tok: ChatTokenizer, messages: list[dict], full: str, where: str) -> list[tuple[int, int]]:
+def assistant_spans(tok: ChatTokenizer, messages: list[dict], full: str, where: str,
+                    first: int = 0) -> list[tuple[int, int]]:
     """[start, end) character spans of ``full`` (the rendered conversation) to learn: each assistant message's
-    content and what the template writes after it up to the next message."""
+    content and what the template writes after it up to the next message (from message ``first`` on)."""
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < first:
             continue
         upto = _prefix(tok, messages[: i + 1], full, where)
         if upto is None:
@@ -497,9 +500,11 @@ def assistant_spans(tok: ChatTokenizer, messages: list[dict], full: str, where: 
     return spans
 
 
-def encode_example(example: dict, tok: ChatTokenizer, where: str = "chat example") -> tuple[list[int], list[bool]]:
+def encode_example(example: dict, tok: ChatTokenizer, where: str = "chat example",
+                   first: int = 0) -> tuple[list[int], list[bool]]:
     """A conversation as (token ids, learned flags), the same length: the flags are True exactly on the tokens
-    of the assistant's contents and the end-of-turn text the template writes after each."""
+    of the assistant's contents and the end-of-turn text the template writes after each (the assistant messages
+    from message ``first`` on: a preference pair learns its answer, not the turns of its prompt)."""
     messages = check_example(example, where)["messages"]
     for j, m in enumerate(messages, 1):
         for t in tok.control:
@@ -507,7 +512,7 @@ def encode_example(example: dict, tok: ChatTokenizer, where: str = "chat example
                 raise TrainscaleError(f"{where}: message {j} holds {t!r}, a control token of the tokenizer, "
                                       "which would be read as one; remove it from the text")
     full = tok.render(messages, where=where)
-    spans = assistant_spans(tok, messages, full, where)
+    spans = assistant_spans(tok, messages, full, where, first)
     enc = tok.tokenizer.encode(full, add_special_tokens=False)
     flags, s = [], 0
     for a, b in enc.offsets:  # offsets and spans are both in order: one pass
