@@ -153,11 +153,17 @@ def stream_ids(model, prompt_ids: list[int], cache: KVCache, sampling: Sampling 
     for n in range(1, max_new_tokens + 1):
         if kept is not None:
             kept.append(logits[0].float().cpu())
-        if not bool(torch.isfinite(logits).all()):
+        if sampling.temperature == 0:  # greedy on the device: one host sync a token (the id and the finite check)
+            nxt = logits.argmax(-1)
+            token, finite = torch.stack((nxt[0], torch.isfinite(logits).all().long())).tolist()
+        else:  # sampled on the host, whose seeded generator draws the same on every device
+            row = logits.float().cpu()
+            finite = bool(torch.isfinite(row).all())
+            nxt = sample_next(row, sampling, gen) if finite else None
+            token = int(nxt[0]) if finite else -1
+        if not finite:
             raise TrainscaleError(f"the model's logits at new token {n} are NaN or infinite: its weights "
                                   "are finite but overflow in the forward pass")
-        nxt = sample_next(logits.cpu(), sampling, gen)
-        token = int(nxt[0])
         yield token
         if token in stops:
             return

@@ -306,12 +306,12 @@ class Engine:
         new: list[int] = []
         text, sent, finish, count = "", 0, "length", 0
         for token in tokens:
-            count += 1
             if job.cancelled.is_set():
                 return
-            if token in ends:
+            if token in ends:  # not counted, as llama.cpp's server counts
                 finish = "stop"
                 break
+            count += 1
             new.append(token)
             text = self.tokenizer.decode(new)
             cut = min((i for s in job.stops if (i := text.find(s)) >= 0), default=-1)
