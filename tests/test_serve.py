@@ -70,10 +70,10 @@ def stop(proc: subprocess.Popen) -> str:
 
 @pytest.fixture(scope="module")
 def folder_server(source):  # noqa: F811
-    proc, url = start(source, "--max-tokens", "64", "--name", "tiny-chat")
+    proc, url = start(source, "--max-tokens", "64", "--name", "tiny-chat")  # no --host: 127.0.0.1
     yield url
     out = stop(proc)
-    assert "Traceback" not in out, out
+    assert "Traceback" not in out and "'tiny-chat' (trainscale (" in out and f"at {url} " in out, out
 
 
 @pytest.fixture(scope="module")

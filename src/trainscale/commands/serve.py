@@ -19,11 +19,12 @@ def serve(
                              "API asks no key)"),
     port: int = typer.Option(8000, callback=number(ge=0, le=65535), help="TCP port (0: any free one)"),
     max_tokens: int = typer.Option(512, "--max-tokens", callback=number(ge=1, le=1 << 20),
-                                   help="most new tokens one request may ask for (model folders; the default when a "
-                                   "request names none, within the model's context)"),
+                                   help="most new tokens one request may ask for (a model folder's default too when "
+                                   "a request names none, within the model's context)"),
     name: str = typer.Option(None, "--name", help="the model id clients name (default: the file's or folder's name)"),
-    n_ctx: int = typer.Option(0, "--n-ctx", callback=number(ge=0, le=1 << 20),
-                              help="llama.cpp's context for a .gguf (0: the model's own)"),
+    n_ctx: int = typer.Option(4096, "--n-ctx", callback=number(ge=0, le=1 << 20),
+                              help="llama.cpp's context (KV cache positions) for a .gguf; 0: the model's own, which "
+                              "for a 128K-context model is a large cache"),
     threads: int = typer.Option(None, "--threads", callback=number(ge=1, le=1024),
                                 help="llama.cpp's CPU threads for a .gguf (default: its own choice)"),
 ) -> None:

@@ -558,7 +558,7 @@ def open_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(model: str | Path, host: str = "127.0.0.1", port: int = 8000, max_tokens: int = 512,
-          name: str | None = None, n_ctx: int = 0, threads: int | None = None,
+          name: str | None = None, n_ctx: int = 4096, threads: int | None = None,
           announce: Any = print) -> dict[str, Any]:
     """Load ``model`` (a .gguf file or a model folder), listen on host:port and serve until interrupted; ->
     what was served."""
