@@ -146,3 +146,42 @@ def test_lora_adapter_renders_with_its_bases_template(hf, tmp_path):
         assert Path(out["chat"]["template_folder"]).resolve() == where.resolve()
         (adapter / "tokenizer_config.json").unlink(missing_ok=True)
         (adapter / "chat_template.jinja").unlink(missing_ok=True)
+
+
+def test_texts_are_bounded_and_checked_before_any_work(hf, capsys, monkeypatch):
+    """Issue 35: a 120,000-character --prompt or --system (the model's context is 128 positions: the cap is 16
+    characters a position, 2,048), a prompt over the absolute cap before the model is even read, a command-line byte
+    that is not UTF-8 (a lone surrogate in sys.argv, Python's surrogateescape), each one sentence."""
+    from trainscale.infer.generate import MAX_TEXT_CHARS
+
+    big = "a" * 120_000
+    err = refused(capsys, monkeypatch, "generate", str(hf), "--chat", "-p", big, "-n", "2")
+    assert "--prompt holds 120,000 characters, more than the cap of 2,048 (16 per position of the model's " \
+        "128-token context)" in err
+    err = refused(capsys, monkeypatch, "generate", str(hf), "--chat", "-p", USER, "--system", big, "-n", "2")
+    assert "--prompt and --system hold 120,030 characters, more than the cap of 2,048" in err
+    err = refused(capsys, monkeypatch, "generate", "/no/such/model", "-p", "b" * (MAX_TEXT_CHARS + 1))
+    assert f"more than the cap of {MAX_TEXT_CHARS:,}" in err  # refused before the folder is looked at
+    for flag in ("-p", "--system"):
+        text = "caf\udce9 au lait"
+        args = ["--chat", "-p", USER, flag, text] if flag == "--system" else ["--chat", flag, text]
+        err = refused(capsys, monkeypatch, "generate", str(hf), *args)
+        assert "is not valid UTF-8 text (byte 0xe9 at character 4)" in err, err
+    ok = cli("generate", str(hf), "--chat", "-p", "x" * 2_000, "-n", "1", "--json")  # under the cap: the context says
+    assert ok.exit_code != 0 and "exceeds the model's context of 128" in str(ok.exception)
+
+
+def test_sampling_domains_cannot_underflow(hf, capsys, monkeypatch):
+    """Issue 35: --temperature 1e-300 made logits / t infinite and --top-p 1e-300 is 0.0 in float32 (every token
+    dropped): both were "unexpected" crashes in torch.multinomial; now one sentence naming the domain, and the
+    domain's edges sample what they should (the most likely token)."""
+    from trainscale.infer.generate import MIN_TEMPERATURE, MIN_TOP_P, Sampling, sample_next
+
+    err = refused(capsys, monkeypatch, "generate", str(hf), "-p", USER, "--temperature", "1e-300")
+    assert "temperature must be 0 (greedy) or in [0.001, 100]" in err and "not 1e-300" in err
+    err = refused(capsys, monkeypatch, "generate", str(hf), "-p", USER, "--top-p", "1e-300")
+    assert "top-p must be in [1e-06, 1]" in err and "not 1e-300" in err
+    logits = torch.randn(4, 384, generator=torch.Generator().manual_seed(0)) * 30
+    gen = torch.Generator().manual_seed(0)
+    for s in (Sampling(MIN_TEMPERATURE), Sampling(1.0, top_p=MIN_TOP_P), Sampling(MIN_TEMPERATURE, 5, MIN_TOP_P)):
+        assert torch.equal(sample_next(logits, s, gen), logits.argmax(-1))

@@ -73,7 +73,7 @@ def report_unexpected(e: BaseException) -> str:
     path = crash_log_path()
     where = f"the traceback is in {path}"
     try:
-        with open(path, "a") as f:
+        with open(path, "a", errors="backslashreplace") as f:  # argv may hold non-UTF-8 bytes (surrogates)
             f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} trainscale {' '.join(sys.argv[1:])}\n")
             f.write("".join(traceback.format_exception(e)))
     except OSError:
