@@ -262,3 +262,73 @@ def test_deep_config_and_bad_index_are_one_sentence(folders, tmp_path):
             hf.read_index(index)
     index.write_text(json.dumps({"weight_map": {"x": "model-00001-of-00002.safetensors"}}))
     assert hf.read_index(index) == {"x": "model-00001-of-00002.safetensors"}
+
+
+# ------------------------------------------------------------------------------------ config.json read as written
+
+_CFG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "intermediate_size": 128, "vocab_size": 384}
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"rms_norm_eps": 0}, "rms_norm_eps must be a number in \\(0, 1\\], not 0"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a number"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer or null"),
+    ({"model_type": "gemma2", "sliding_window": 0}, "sliding_window must be a positive integer or null"),
+    ({"rope_parameters": ["linear", 4.0]}, "rope_parameters must be an object"),
+    ({"rope_scaling": "linear"}, "rope_scaling must be an object"),
+    ({"rope_parameters": {"rope_type": 3}}, "rope_parameters's rope_type must be a string"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "gives RoPE per layer type"),
+    ({"rope_parameters": {"rope_theta": 0}}, "rope_parameters' rope_theta must be a positive number"),
+    ({"model_type": "mixtral", "num_local_experts": 0}, "num_local_experts is 0; a mixtral model needs"),
+    ({"model_type": "qwen3_moe", "num_experts": 0, "moe_intermediate_size": 32}, "num_experts is 0"),
+    ({"model_type": "deepseek_v3", "n_routed_experts": 0}, "n_routed_experts is 0"),
+])
+def test_config_values_are_read_as_written_or_refused(tmp_path, config, message):
+    """Issue 35: no config.json value is reinterpreted without a word (0 experts as a dense model, an epsilon 0 as
+    1e-5, a window 0 as none, a malformed rope_parameters dropped): each is one sentence naming the file and key."""
+    from trainscale.specs import load_model
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_CFG, **config}))
+    with pytest.raises(TrainscaleError, match=message) as e:
+        load_model(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("cls", "want"), [("LlamaConfig", 1e-6), ("MixtralConfig", 1e-5), ("MistralConfig", 1e-6)])
+def test_absent_values_are_transformers_defaults(tmp_path, cls, want):
+    """What config.json leaves out is what transformers' config class puts there (rms_norm_eps 1e-6 in Llama, 1e-5
+    in Mixtral; Mistral's window 4096), not trainscale's guess; null is a window of none."""
+    from trainscale.specs import load_model
+
+    mt = getattr(transformers, cls)().model_type
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_CFG, "model_type": mt}))
+    spec = load_model(path)
+    assert spec.norm_eps == getattr(transformers, cls)().rms_norm_eps == want
+    if mt == "mistral":
+        assert spec.sliding_window == transformers.MistralConfig().sliding_window == 4096
+        path.write_text(json.dumps({**_CFG, "model_type": mt, "sliding_window": None}))
+        assert load_model(path).sliding_window == 0
+
+
+def test_extra_and_non_finite_weights_are_one_sentence(folders, tmp_path):
+    """A folder holding a layer more than its config.json says is refused before anything is read (the layer would
+    be left out without a word); a NaN or infinite weight is one sentence naming the tensor while it loads."""
+    from safetensors.torch import load_file, save_file
+
+    from trainscale.runtime.hf_init import check_hf_weights
+
+    source = folders["llama_linear"][0]
+    d = _folder(tmp_path, source, num_hidden_layers=1)
+    with pytest.raises(TrainscaleError, match=r"holds the tensor model\.layers\.1\..* \(and 8 more\), which the "
+                                              r"model its config.json describes \(1 layers\) has no place for"):
+        check_hf_weights(d, hf_folder_spec(d))
+    d = _folder(tmp_path, source, num_hidden_layers=2)
+    check_hf_weights(d, hf_folder_spec(d))
+    sd = load_file(str(d / "model.safetensors"))
+    sd["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(TrainscaleError, match="the tensor model.layers.1.mlp.up_proj.weight holds NaN or infinite"):
+        ours(d)

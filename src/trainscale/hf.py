@@ -137,10 +137,32 @@ def config_int(cfg: dict[str, Any], key: str, path: str | Path, default: Any = N
     return v
 
 
-def _sub(cfg: dict[str, Any], key: str) -> dict[str, Any]:
-    """A nested object of the config (rope_scaling, rope_parameters), {} when absent or not an object."""
+def _sub(cfg: dict[str, Any], key: str, path: str | Path = "config.json") -> dict[str, Any]:
+    """A nested object of the config (rope_scaling, rope_parameters), {} when absent or null; one sentence
+    naming the file and the key when it is something else (a list, a string: never dropped without a word)."""
     v = cfg.get(key)
-    return v if isinstance(v, dict) else {}
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise TrainscaleError(f"model file {path}: {key} must be an object, not {v!r}")
+    return v
+
+
+# transformers' default rms_norm_eps / layer_norm_eps per model_type where config.json does not give it
+# (configuration_*.py: 1e-6 in Llama, Mistral, Qwen2/3, Gemma 1-3 and their MoEs; 1e-5 in Mixtral, Phi-3, OLMo-2 and
+# the GPT-style families, whose LayerNorm default it is)
+_EPS_1E5 = ("mixtral", "phi3", "olmo2", "gpt2", "gpt_neox", "opt", "bloom", "mpt")
+
+
+def norm_eps(cfg: dict[str, Any], mt: str, key: str | None, path: str | Path) -> float:
+    """The norms' epsilon: ``cfg[key]`` when given, a positive number (0 or a string is one sentence: transformers
+    would divide by sqrt(0) where a token is all zeros), else the family's transformers default."""
+    v = cfg.get(key) if key else None
+    if v is None:
+        return 1e-5 if mt in _EPS_1E5 else 1e-6
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 1:
+        raise TrainscaleError(f"model file {path}: {key} must be a number in (0, 1], not {v!r}")
+    return float(v)
 
 
 def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
@@ -184,11 +206,11 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
         # runtime would build RoPE for them)
         "positions": "learned" if mt in ("gpt2", "opt") else "rope",
         # newer configs (transformers 5) keep the base under rope_parameters
-        "rope_theta": cfg.get("rope_theta", _sub(cfg, "rope_parameters").get("rope_theta", 10000.0)),
+        "rope_theta": rope_theta(cfg, path),
         "tied_embeddings": bool(cfg.get("tie_word_embeddings",
                                         mt in ("gpt2", "bloom", "mpt", "opt", "gemma", "gemma2"))),
         "bias": bool(cfg.get("attention_bias", False)) if llama else not cfg.get("no_bias", False),
-        "norm_eps": (cfg.get(eps_key) if eps_key else None) or 1e-5,
+        "norm_eps": norm_eps(cfg, mt, eps_key, path),
     }
     if llama and cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // heads:
         data["head_dim"] = cfg["head_dim"]
@@ -197,13 +219,35 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
     return data
 
 
-def rope_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+def rope_settings(cfg: dict[str, Any], path: str | Path = "config.json") -> dict[str, Any]:
     """The RoPE scaling object of a config: ``rope_scaling`` (transformers 4) or ``rope_parameters``
     (transformers 5), with its type under ``rope_type`` (or the older ``type``); {"rope_type": "default"} when
-    neither scales."""
-    got = _sub(cfg, "rope_scaling") or _sub(cfg, "rope_parameters")
+    neither scales. Either key holding something else than an object or null, a type that is not a string, or
+    ``rope_parameters`` given per layer type (Gemma 3's {"full_attention": {...}, "sliding_attention": {...}}) is
+    one sentence naming the file and the key."""
+    for key in ("rope_scaling", "rope_parameters"):
+        got = _sub(cfg, key, path)
+        nested = [k for k, v in got.items() if isinstance(v, dict)]
+        if nested:
+            raise TrainscaleError(f"model file {path}: {key} gives RoPE per layer type ({', '.join(nested)}), which "
+                                  "trainscale does not read (one RoPE for every layer)")
+        kind = got.get("rope_type", got.get("type"))
+        if kind is not None and not isinstance(kind, str):
+            raise TrainscaleError(f"model file {path}: {key}'s rope_type must be a string, not {kind!r}")
+    got = _sub(cfg, "rope_scaling", path) or _sub(cfg, "rope_parameters", path)
     kind = got.get("rope_type", got.get("type")) or "default"
     return {**got, "rope_type": kind}
+
+
+def rope_theta(cfg: dict[str, Any], path: str | Path) -> float:
+    """RoPE's base: ``rope_theta`` at the top (transformers 4) or in ``rope_parameters`` (transformers 5), else
+    transformers' 10000; a positive number, one sentence otherwise."""
+    key, v = "rope_theta", cfg.get("rope_theta")
+    if v is None:
+        key, v = "rope_parameters' rope_theta", _sub(cfg, "rope_parameters", path).get("rope_theta", 10000.0)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+        raise TrainscaleError(f"model file {path}: {key} must be a positive number, not {v!r}")
+    return float(v)
 
 
 def _number(cfg: dict[str, Any], key: str, default: float, path: str | Path) -> float:
@@ -226,7 +270,7 @@ def gemma2_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
     return {"sandwich_norms": True, "attn_softcap": _number(cfg, "attn_logit_softcapping", 0.0, path),
             "final_softcap": _number(cfg, "final_logit_softcapping", 0.0, path),
             "query_scale": _number(cfg, "query_pre_attn_scalar", 256.0, path),
-            "sliding_window": config_int(cfg, "sliding_window", path, 0, least=0),
+            "sliding_window": sliding_window(cfg, "gemma2", path),
             "window_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention")}
 
 
@@ -271,7 +315,7 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
         out.update(norm_offset=True, embed_scale=True, gate_act="gelu_tanh")
     if mt == "gemma2":
         out.update(gemma2_fields(cfg, path))
-    rope = rope_settings(cfg)
+    rope = rope_settings(cfg, path)
     if rope["rope_type"] in ("linear", "llama3"):
         out.update(rope_scaling=rope["rope_type"], rope_factor=_number(rope, "factor", 1.0, path))
     if rope["rope_type"] == "yarn":
@@ -284,10 +328,20 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
         out["qkv_bias"] = True
     if mt == "qwen3":
         out["qk_norm"] = True
-    window = config_int(cfg, "sliding_window", path, 0, least=0)
     if mt == "mistral" or (mt != "gemma2" and cfg.get("use_sliding_window")):
-        out["sliding_window"] = window
+        out["sliding_window"] = sliding_window(cfg, mt, path)
     return out
+
+
+def sliding_window(cfg: dict[str, Any], mt: str, path: str | Path) -> int:
+    """The sliding window of a family that has one: ``sliding_window`` a positive integer, null for none (0 is
+    one sentence: transformers' masks would let a query see no key), absent: transformers' default (4096 in
+    Mistral and Gemma 2, none elsewhere)."""
+    if "sliding_window" not in cfg:
+        return 4096 if mt in ("mistral", "gemma2") else 0
+    if cfg["sliding_window"] == 0 and not isinstance(cfg["sliding_window"], bool):
+        raise TrainscaleError(f"model file {path}: sliding_window must be a positive integer or null (none), not 0")
+    return config_int(cfg, "sliding_window", path, 0)
 
 
 def moe_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, Any]:
@@ -321,10 +375,11 @@ def moe_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, Any]
                "head_dim": num("qk_nope_head_dim") or None}
     else:
         return out
-    if not out["n_experts"]:  # no routed experts: a dense model (MLA, if any, stays)
-        moe = ("n_experts", "experts_per_token", "d_ff_expert", "d_ff_shared", "shared_expert_gate",
-               "first_dense_layers", "router_norm_topk")
-        return {k: v for k, v in out.items() if k not in moe}
+    if not out["n_experts"]:  # transformers builds no dense model from 0 experts: one sentence, never a guess
+        key = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts"}.get(
+            mt, "n_routed_experts")
+        raise TrainscaleError(f"model file {path}: {key} is {cfg.get(key)!r}; a {mt} model needs at least one "
+                              "routed expert")
     if mt != "mixtral" and not out["d_ff_expert"]:
         raise TrainscaleError(f"model file {path}: moe_intermediate_size (each expert's FFN width) must be a "
                               "positive integer for a mixture of experts")
@@ -491,7 +546,7 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
                                   "(gelu_pytorch_tanh)")
     elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Llama's SwiGLU (silu)")
-    rope = rope_settings(cfg).get("rope_type")
+    rope = rope_settings(cfg, path).get("rope_type")
     if rope == "dynamic":
         raise TrainscaleError(f"[model] init {path} uses RoPE scaling 'dynamic', whose frequencies transformers "
                               "recomputes on each forward from the longest sequence seen so far (keys already cached "

@@ -72,13 +72,21 @@ def expected_tensors(spec: ModelSpec, family: hf.Family) -> dict[str, tuple[int,
 
 
 def check_hf_weights(path: str | Path, spec: ModelSpec) -> None:
-    """Every tensor the model needs is in the folder with its shape (headers only: no weights are read)."""
+    """Every tensor the model needs is in the folder with its shape, and the folder holds no other (a layer more
+    than config.json says, a tensor of another architecture: never left unread without a word); headers only, no
+    weights are read. RoPE's ``inv_freq`` buffers, which older checkpoints saved, are recomputed and so ignored."""
     w = HFWeights(path)
-    for name, shape in expected_tensors(spec, w.family).items():
+    expected = expected_tensors(spec, w.family)
+    for name, shape in expected.items():
         got = w.shape(name)
         if got != shape:
             raise TrainscaleError(f"[model] init {path}: {name} has shape {list(got)}, but the model needs "
                                   f"{list(shape)} (a [model] field overriding config.json?)")
+    extra = sorted(n for n in w.file_of if n not in expected and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise TrainscaleError(f"[model] init {path} holds the tensor {extra[0]}{more}, which the model its "
+                              f"config.json describes ({spec.n_layers} layers) has no place for")
 
 
 def load_into(module: nn.Module, weights: HFWeights, spec: ModelSpec) -> None:
