@@ -21,6 +21,7 @@ from _parity import run_job
 
 from trainscale import hf
 from trainscale.errors import TrainscaleError
+from trainscale.estimate.params import param_count
 from trainscale.runtime.hf_init import hf_folder_spec
 
 transformers = pytest.importorskip("transformers")
@@ -53,8 +54,10 @@ FAMILIES = {
                                 "final_logit_softcapping": 3.0},
                {"family": "gemma2", "sandwich_norms": True, "window_layers": (0, 2), "sliding_window": 16,
                 "attn_softcap": 2.0, "final_softcap": 3.0, "query_scale": 24.0}),
+    # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, a sliding window (Phi-3-mini's 2047) shorter than the sequence
+    "phi3": ("Phi3Config", {"sliding_window": 16, "pad_token_id": None}, {"family": "phi3", "sliding_window": 16}),
 }
-TRAINED = ["llama31", "llama32", "mistral", "qwen2", "qwen3", "gemma", "gemma2"]  # what the torchrun job trains
+TRAINED = ["llama31", "llama32", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"]  # what the torchrun job trains
 LAYOUTS = ["dp2", "tp2", "pp2"]
 
 
@@ -88,7 +91,7 @@ def test_logits_equal_transformers(folders, name):
     for field, want in FAMILIES[name][2].items():
         assert getattr(spec, field) == want, field
     model = ours(folder)
-    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in theirs.parameters())
+    assert sum(p.numel() for p in model.parameters()) == theirs.num_parameters() == param_count(spec)  # the planner's
     diff = logit_diff(theirs, model, batch(1))
     print(f"{name}: max |logit diff| {diff:.2e}")
     assert diff < 1e-5
@@ -96,7 +99,7 @@ def test_logits_equal_transformers(folders, name):
 
 @pytest.mark.parametrize(("name", "off"), [("llama31", {"rope_scaling": "none"}),
                                            ("llama_linear", {"rope_scaling": "none"}),
-                                           ("mistral", {"sliding_window": 0}),
+                                           ("mistral", {"sliding_window": 0}), ("phi3", {"sliding_window": 0}),
                                            ("gemma", {"embed_scale": False}),
                                            ("gemma2", {"attn_softcap": 0.0}), ("gemma2", {"final_softcap": 0.0}),
                                            ("gemma2", {"window_layers": None}), ("gemma2", {"query_scale": 0.0})])
@@ -231,7 +234,9 @@ def _folder(tmp_path: Path, source: Path, **config) -> Path:
 @pytest.mark.parametrize(("config", "message"), [
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "RoPE scaling 'dynamic'"),
     ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "RoPE scaling 'longrope'"),
-    ({"model_type": "phi3"}, "holds a 'phi3' model"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 rotates only part"),
+    ({"model_type": "phi3", "rope_scaling": {"type": "yarn", "factor": 4.0}}, "RoPE scaling 'longrope' \\(Phi-3's"),
+    ({"model_type": "olmo"}, "holds a 'olmo' model"),
     ({"model_type": "gemma", "hidden_act": "silu"}, "is not Gemma's GeGLU"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}, "Qwen's sliding window"),
     ({"model_type": "qwen3", "attention_bias": True}, "biases in attention or the MLP but not both"),

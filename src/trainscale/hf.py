@@ -42,7 +42,7 @@ from trainscale.errors import TrainscaleError
 # names (``_LLAMA_KEYS``).
 CONFIG_KEYS: dict[str, dict[str, Any]] = {
     "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "gemma2": {}, "mixtral": {}, "qwen2_moe": {},
-    "qwen3_moe": {},
+    "qwen3_moe": {}, "phi3": {},
     "deepseek_v2": {}, "deepseek_v3": {},
     "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
              "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
@@ -54,7 +54,7 @@ CONFIG_KEYS: dict[str, dict[str, Any]] = {
 _LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
                "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
 _LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
-                "deepseek_v2", "deepseek_v3")
+                "deepseek_v2", "deepseek_v3", "phi3")
 _INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
          "vocab_size", "max_position_embeddings", "head_dim")
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kilobytes
@@ -308,9 +308,12 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
         return {"qkv_bias": True}
     if mt == "qwen3_moe":  # Qwen3MoeAttention: q_norm / k_norm over each head, as Qwen3's
         return {"qk_norm": True}
-    if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"):
+    if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"):
         return {}
     out: dict[str, Any] = {"family": mt}
+    if mt == "phi3":  # Phi3Attention / Phi3MLP: no biases whatever the config says; RoPE other than the default is
+        # "longrope" there (check_loadable refuses it; the planner's shapes do not depend on it)
+        return {**out, "bias": False, "sliding_window": sliding_window(cfg, mt, path)}
     if mt in ("gemma", "gemma2"):  # transformers' modeling_gemma: GemmaRMSNorm (1 + w), embeddings x sqrt(d), GeGLU
         out.update(norm_offset=True, embed_scale=True, gate_act="gelu_tanh")
     if mt == "gemma2":
@@ -405,6 +408,9 @@ class Family:
     names: dict[str, str]
     experts: dict[str, str] = field(default_factory=dict)
     loads: bool = False
+    # trainscale parameter pattern -> (the HF tensor that holds it with others, row-wise, and which part it is:
+    # "q", "k", "v" of a fused Q/K/V projection, "gate", "up" of a fused gate/up projection; Phi-3's)
+    fused: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 _LINEARS = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
@@ -425,6 +431,12 @@ _GEMMA2_NAMES = {**_LLAMA_NAMES,  # four norms a layer: input, post-attention, p
                  "layers.{i}.attention_post_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
                  "layers.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
                  "layers.{i}.ffn_post_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"}
+_PHI3_FUSED = {"layers.{i}.attention.wq.weight": ("model.layers.{i}.self_attn.qkv_proj.weight", "q"),
+               "layers.{i}.attention.wk.weight": ("model.layers.{i}.self_attn.qkv_proj.weight", "k"),
+               "layers.{i}.attention.wv.weight": ("model.layers.{i}.self_attn.qkv_proj.weight", "v"),
+               "layers.{i}.feed_forward.w1.weight": ("model.layers.{i}.mlp.gate_up_proj.weight", "gate"),
+               "layers.{i}.feed_forward.w3.weight": ("model.layers.{i}.mlp.gate_up_proj.weight", "up")}
+_PHI3_NAMES = {k: v for k, v in _LLAMA_NAMES.items() if not k.endswith(".bias") and k not in _PHI3_FUSED}
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", _LLAMA_NAMES, loads=True),
     "mistral": Family("mistral", "MistralForCausalLM", _LLAMA_NAMES, loads=True),
@@ -432,6 +444,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", _QWEN3_NAMES, loads=True),
     "gemma": Family("gemma", "GemmaForCausalLM", _LLAMA_NAMES, loads=True),
     "gemma2": Family("gemma2", "Gemma2ForCausalLM", _GEMMA2_NAMES, loads=True),
+    # Phi-3 and Phi-4 (Phi3ForCausalLM): Q, K, V in one qkv_proj (rows q | k | v), gate and up in one gate_up_proj
+    # (rows gate | up: Phi3MLP's chunk(2)), Llama's block otherwise
+    "phi3": Family("phi3", "Phi3ForCausalLM", _PHI3_NAMES, fused=_PHI3_FUSED, loads=True),
     # the published Mixtral checkpoints' layout; Mixtral names its experts' gate, up, down w1, w3, w2, as we do
     "mixtral": Family("mixtral", "MixtralForCausalLM",
                       {**_LLAMA_NAMES, "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"},
@@ -488,9 +503,25 @@ def _pattern(name: str) -> tuple[str, str]:
 def hf_name(name: str, family: Family) -> str:
     """trainscale parameter name -> the family's Hugging Face tensor name."""
     pattern, i = _pattern(name)
+    if pattern in family.fused:
+        raise TrainscaleError(f"the tensor {name} is part of {family.fused[pattern][0].format(i=i)} in a Hugging Face "
+                              f"{family.architecture} folder, not a tensor of its own")
     if pattern not in family.names:
         raise TrainscaleError(f"the tensor {name} has no name in a Hugging Face {family.architecture} folder")
     return family.names[pattern].format(i=i)
+
+
+def hf_place(name: str, family: Family, spec: ModelShape) -> tuple[str, int, int]:
+    """Where a trainscale parameter lives in a ``family`` folder: (HF tensor name, its first row there, the rows
+    of that HF tensor). A fused tensor holds its parts one after the other: Q, K, V rows (q_dim, kv_dim, kv_dim) in
+    ``qkv_proj``, gate then up rows (d_ff each) in ``gate_up_proj``; any other parameter is a whole tensor."""
+    pattern, i = _pattern(name)
+    if pattern not in family.fused:
+        return hf_name(name, family), 0, 0
+    fused, part = family.fused[pattern]
+    q, kv, ff = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim, spec.d_ff
+    first = {"q": 0, "k": q, "v": q + kv, "gate": 0, "up": ff}[part]
+    return fused.format(i=i), first, (q + 2 * kv if part in "qkv" else 2 * ff)
 
 
 def expert_names(name: str, n_experts: int, family: Family) -> list[str] | None:
@@ -547,6 +578,14 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Llama's SwiGLU (silu)")
     rope = rope_settings(cfg, path).get("rope_type")
+    partial = cfg.get("partial_rotary_factor", rope_settings(cfg, path).get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise TrainscaleError(f"[model] init {path}: partial_rotary_factor {partial!r} rotates only part of each head "
+                              "(Phi-4-mini's 0.75), which trainscale's RoPE (every dim of the head) does not compute")
+    if kind == "phi3" and rope != "default":  # Phi3Config reads "su" and "yarn" as "longrope"
+        raise TrainscaleError(f"[model] init {path} uses RoPE scaling 'longrope' (Phi-3's {rope!r}: per-dim short "
+                              "and long factors switched by sequence length), which trainscale's RoPE does not "
+                              "implement (it computes default, linear, llama3 and yarn exactly)")
     if rope == "dynamic":
         raise TrainscaleError(f"[model] init {path} uses RoPE scaling 'dynamic', whose frequencies transformers "
                               "recomputes on each forward from the longest sequence seen so far (keys already cached "
@@ -633,8 +672,11 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
                    attn_logit_softcapping=spec.attn_softcap or None, final_logit_softcapping=spec.final_softcap or None,
                    sliding_window=spec.sliding_window or None, hidden_activation="gelu_pytorch_tanh",
                    layer_types=["sliding_attention" if w and spec.sliding_window else "full_attention" for w in window])
-    if family.model_type in ("mistral", "qwen2", "gemma", "gemma2"):  # no bias keys: none in Mistral, Qwen2's Q/K/V
-        # (Gemma's attention_bias would leave its MLP without; check_loadable refuses it)
+    if family.model_type == "phi3":  # Phi3Config: no bias keys, its own pad id default (32000) set to none
+        cfg.update(sliding_window=spec.sliding_window or None, pad_token_id=None, partial_rotary_factor=1.0,
+                   original_max_position_embeddings=spec.max_seq_len, resid_pdrop=0.0, embd_pdrop=0.0)
+    if family.model_type in ("mistral", "qwen2", "gemma", "gemma2", "phi3"):  # no bias keys: none in Mistral, Phi-3,
+        # Qwen2's Q/K/V (Gemma's attention_bias would leave its MLP without; check_loadable refuses it)
         cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}
     if not spec.is_moe:
         return cfg
@@ -654,7 +696,7 @@ def check_exportable(spec: ModelShape) -> None:
         bad.append("biases on Q/K/V only (Qwen2's)")
     if getattr(spec, "qk_norm", False) and fam != "qwen3":
         bad.append("per-head Q/K norms (Qwen3's)")
-    if getattr(spec, "sliding_window", 0) and fam not in ("mistral", "gemma2"):
+    if getattr(spec, "sliding_window", 0) and fam not in ("mistral", "gemma2", "phi3"):
         bad.append("a sliding window (Mistral's)")
     gemma = [getattr(spec, "norm_offset", False), getattr(spec, "embed_scale", False),
              getattr(spec, "gate_act", "silu") != "silu", spec.tied_embeddings]

@@ -65,7 +65,7 @@ class ModelSpec(_Spec):
     bias: bool = False
     norm_eps: float = Field(default=1e-5, gt=0, le=1)
     # ---- what Hugging Face families add to the Llama block (read by hf.spec_fields; runtime/model.py computes them)
-    family: Literal["", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"] = Field(
+    family: Literal["", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"] = Field(
         default="", description="the Hugging Face model_type the model was read from; export writes it back "
         "('': Llama)")
     rope_scaling: Literal["none", "linear", "llama3", "yarn"] = Field(

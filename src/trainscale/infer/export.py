@@ -83,8 +83,10 @@ def check_mixtral(spec: ModelSpec, target: str) -> None:
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Our state dict under the ``hf.export_family`` names: experts one matrix each, Q / K rows rotate-half."""
+    """Our state dict under the ``hf.export_family`` names: experts one matrix each, Q / K rows rotate-half, the
+    parts of a fused tensor (Phi-3's qkv_proj: Q, K, V; gate_up_proj: gate, up) one after the other."""
     family, out = hf.export_family(spec), {}
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for name, t in sd.items():
         t = t.detach().float()
         experts = hf.expert_names(name, spec.n_experts, family)
@@ -94,7 +96,13 @@ def hf_state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dty
         heads = hf.rope_permuted_heads(name, spec)
         if heads is not None:
             t = hf.rope_interleaved_to_half(t, heads, spec.head_dim)
-        out[hf.hf_name(name, family)] = t.to(dtype).contiguous()
+        hf_name, first, rows = hf.hf_place(name, family, spec)
+        if rows:
+            parts.setdefault(hf_name, []).append((first, t))
+            if sum(p.shape[0] for _, p in parts[hf_name]) == rows:  # every part seen: the fused tensor, in order
+                out[hf_name] = torch.cat([p for _, p in sorted(parts[hf_name], key=lambda x: x[0])]).to(dtype)
+            continue
+        out[hf_name] = t.to(dtype).contiguous()
     return out
 
 

@@ -1,4 +1,4 @@
-"""Start training from a Hugging Face folder: ``[model] init = "PATH"`` (Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3).
+"""Start training from a Hugging Face folder: ``[model] init = "PATH"`` (the families of ``hf.LOADED_TYPES``).
 
 The folder holds ``config.json`` (the model: ``hf.spec_fields``) and the weights, one
 ``model.safetensors`` or several shards named by ``model.safetensors.index.json``. The model is built
@@ -11,7 +11,8 @@ Names and row orders go through ``trainscale.hf``, the one trainscale <-> Huggin
 exporter uses it the other way): the folder's ``model_type`` picks the family's tensor names
 (``hf.FAMILIES``), and Q and K rows, in Hugging Face's rotate-half order, are permuted head by head
 (``hf.rope_half_to_interleaved``); a shard that starts or ends inside a head reads the whole heads around it
-(at most two heads more) and keeps its rows.
+(at most two heads more) and keeps its rows. A part of a fused tensor (Phi-3's qkv_proj, gate_up_proj) is read as
+the rows of that tensor from the part's first row on (``hf.hf_place``).
 """
 
 from __future__ import annotations
@@ -67,8 +68,13 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 def expected_tensors(spec: ModelSpec, family: hf.Family) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor trainscale's model of ``spec`` takes from a ``family`` folder."""
-    return {hf.hf_name(n, family): tuple(p.shape) for n, p in build_model(spec, "meta").named_parameters()}
+    """HF name -> shape of every tensor trainscale's model of ``spec`` takes from a ``family`` folder (a fused one,
+    Phi-3's qkv_proj / gate_up_proj: the rows of all its parts)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for n, p in build_model(spec, "meta").named_parameters():
+        name, _, rows = hf.hf_place(n, family, spec)
+        out[name] = (rows, *p.shape[1:]) if rows else tuple(p.shape)
+    return out
 
 
 def check_hf_weights(path: str | Path, spec: ModelSpec) -> None:
@@ -94,12 +100,13 @@ def load_into(module: nn.Module, weights: HFWeights, spec: ModelSpec) -> None:
     hd = spec.head_dim
 
     def read(name: str, box: Box) -> torch.Tensor:
-        heads, hf_name = hf.rope_permuted_heads(name, spec), hf.hf_name(name, weights.family)
+        heads = hf.rope_permuted_heads(name, spec)
+        hf_name, first, _ = hf.hf_place(name, weights.family, spec)  # first: the part's first row in a fused tensor
+        lo, hi = box[0].start, box[0].stop
         if heads is None:
-            return weights.read(hf_name, box)
-        lo, hi = box[0].start, box[0].stop  # read whole heads, permute them, keep this rank's rows
-        h0, h1 = lo // hd, -(-hi // hd)
-        t = weights.read(hf_name, (slice(h0 * hd, h1 * hd), *box[1:]))
+            return weights.read(hf_name, (slice(first + lo, first + hi), *box[1:]))
+        h0, h1 = lo // hd, -(-hi // hd)  # read whole heads, permute them, keep this rank's rows
+        t = weights.read(hf_name, (slice(first + h0 * hd, first + h1 * hd), *box[1:]))
         return hf.rope_half_to_interleaved(t, h1 - h0, hd)[lo - h0 * hd:hi - h0 * hd]
 
     fill(module, read)
