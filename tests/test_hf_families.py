@@ -56,8 +56,11 @@ FAMILIES = {
                 "attn_softcap": 2.0, "final_softcap": 3.0, "query_scale": 24.0}),
     # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, a sliding window (Phi-3-mini's 2047) shorter than the sequence
     "phi3": ("Phi3Config", {"sliding_window": 16, "pad_token_id": None}, {"family": "phi3", "sliding_window": 16}),
+    # OLMo-2: norms after attention and the MLP only, Q/K norms over the whole projections (gains of q_dim, kv_dim)
+    "olmo2": ("Olmo2Config", {"pad_token_id": None}, {"family": "olmo2", "post_norms": True, "qk_norm": True,
+                                                      "qk_norm_whole": True}),
 }
-TRAINED = ["llama31", "llama32", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"]  # what the torchrun job trains
+TRAINED = ["llama31", "llama32", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2"]  # what the torchrun job trains
 LAYOUTS = ["dp2", "tp2", "pp2"]
 
 
@@ -237,6 +240,7 @@ def _folder(tmp_path: Path, source: Path, **config) -> Path:
     ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 rotates only part"),
     ({"model_type": "phi3", "rope_scaling": {"type": "yarn", "factor": 4.0}}, "RoPE scaling 'longrope' \\(Phi-3's"),
     ({"model_type": "olmo"}, "holds a 'olmo' model"),
+    ({"model_type": "olmo2", "attention_bias": True}, "olmo2 with attention_bias has no bias in its MLP"),
     ({"model_type": "gemma", "hidden_act": "silu"}, "is not Gemma's GeGLU"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}, "Qwen's sliding window"),
     ({"model_type": "qwen3", "attention_bias": True}, "biases in attention or the MLP but not both"),

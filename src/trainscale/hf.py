@@ -42,7 +42,7 @@ from trainscale.errors import TrainscaleError
 # names (``_LLAMA_KEYS``).
 CONFIG_KEYS: dict[str, dict[str, Any]] = {
     "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "gemma2": {}, "mixtral": {}, "qwen2_moe": {},
-    "qwen3_moe": {}, "phi3": {},
+    "qwen3_moe": {}, "phi3": {}, "olmo2": {},
     "deepseek_v2": {}, "deepseek_v3": {},
     "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
              "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
@@ -54,7 +54,7 @@ CONFIG_KEYS: dict[str, dict[str, Any]] = {
 _LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
                "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
 _LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
-                "deepseek_v2", "deepseek_v3", "phi3")
+                "deepseek_v2", "deepseek_v3", "phi3", "olmo2")
 _INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
          "vocab_size", "max_position_embeddings", "head_dim")
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kilobytes
@@ -308,9 +308,11 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
         return {"qkv_bias": True}
     if mt == "qwen3_moe":  # Qwen3MoeAttention: q_norm / k_norm over each head, as Qwen3's
         return {"qk_norm": True}
-    if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"):
+    if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2"):
         return {}
     out: dict[str, Any] = {"family": mt}
+    if mt == "olmo2":  # Olmo2DecoderLayer: RMSNorms after attention and the MLP only; Q/K norms over the projections
+        out.update(post_norms=True, qk_norm=True, qk_norm_whole=True)
     if mt == "phi3":  # Phi3Attention / Phi3MLP: no biases whatever the config says; RoPE other than the default is
         # "longrope" there (check_loadable refuses it; the planner's shapes do not depend on it)
         return {**out, "bias": False, "sliding_window": sliding_window(cfg, mt, path)}
@@ -437,6 +439,9 @@ _PHI3_FUSED = {"layers.{i}.attention.wq.weight": ("model.layers.{i}.self_attn.qk
                "layers.{i}.feed_forward.w1.weight": ("model.layers.{i}.mlp.gate_up_proj.weight", "gate"),
                "layers.{i}.feed_forward.w3.weight": ("model.layers.{i}.mlp.gate_up_proj.weight", "up")}
 _PHI3_NAMES = {k: v for k, v in _LLAMA_NAMES.items() if not k.endswith(".bias") and k not in _PHI3_FUSED}
+_OLMO2_NAMES = {**{k: v for k, v in _QWEN3_NAMES.items() if ("attention_norm" not in k and "ffn_norm" not in k)},
+                "layers.{i}.attention_post_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+                "layers.{i}.ffn_post_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"}
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", _LLAMA_NAMES, loads=True),
     "mistral": Family("mistral", "MistralForCausalLM", _LLAMA_NAMES, loads=True),
@@ -447,6 +452,8 @@ FAMILIES: dict[str, Family] = {
     # Phi-3 and Phi-4 (Phi3ForCausalLM): Q, K, V in one qkv_proj (rows q | k | v), gate and up in one gate_up_proj
     # (rows gate | up: Phi3MLP's chunk(2)), Llama's block otherwise
     "phi3": Family("phi3", "Phi3ForCausalLM", _PHI3_NAMES, fused=_PHI3_FUSED, loads=True),
+    # OLMo-2: no input norms, a norm after attention and one after the MLP, Q/K norms over the whole projections
+    "olmo2": Family("olmo2", "Olmo2ForCausalLM", _OLMO2_NAMES, loads=True),
     # the published Mixtral checkpoints' layout; Mixtral names its experts' gate, up, down w1, w3, w2, as we do
     "mixtral": Family("mixtral", "MixtralForCausalLM",
                       {**_LLAMA_NAMES, "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"},
@@ -540,6 +547,8 @@ def rope_permuted_heads(name: str, spec: ModelShape) -> int | None:
     if ".attention.wk." in name:
         return spec.n_kv_heads
     if name.endswith((".attention.q_norm.weight", ".attention.k_norm.weight")):
+        if getattr(spec, "qk_norm_whole", False):  # OLMo-2's gain over the whole projection: its rows' order
+            return spec.n_heads if ".q_norm." in name else spec.n_kv_heads
         return 1  # Qwen3's per-head norm gain: one head's dims, in the same order as the rows it scales
     return None
 
@@ -597,6 +606,9 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     if kind in ("qwen2", "qwen3") and (cfg.get("use_sliding_window") or "sliding_attention" in layer_types):
         raise TrainscaleError(f"[model] init {path} uses Qwen's sliding window on some layers (use_sliding_window), "
                               "which trainscale's attention does not implement")
+    if kind == "olmo2" and cfg.get("attention_bias"):  # Olmo2MLP has no bias whatever mlp_bias says
+        raise TrainscaleError(f"[model] init {path}: olmo2 with attention_bias has no bias in its MLP, which "
+                              "trainscale's bias setting (attention and MLP together) does not express")
     if bool(cfg.get("mlp_bias", cfg.get("attention_bias", False))) != bool(cfg.get("attention_bias", False)):
         raise TrainscaleError(f"[model] init {path} has biases in attention or the MLP but not both; trainscale's "
                               "bias setting covers both")
@@ -675,7 +687,9 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
     if family.model_type == "phi3":  # Phi3Config: no bias keys, its own pad id default (32000) set to none
         cfg.update(sliding_window=spec.sliding_window or None, pad_token_id=None, partial_rotary_factor=1.0,
                    original_max_position_embeddings=spec.max_seq_len, resid_pdrop=0.0, embd_pdrop=0.0)
-    if family.model_type in ("mistral", "qwen2", "gemma", "gemma2", "phi3"):  # no bias keys: none in Mistral, Phi-3,
+    if family.model_type == "olmo2":  # Olmo2Config's pad id default (1) set to none, its attention without biases
+        cfg.update(pad_token_id=None)
+    if family.model_type in ("mistral", "qwen2", "gemma", "gemma2", "phi3", "olmo2"):  # no bias keys: none in Mistral, Phi-3,
         # Qwen2's Q/K/V (Gemma's attention_bias would leave its MLP without; check_loadable refuses it)
         cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}
     if not spec.is_moe:
@@ -694,8 +708,14 @@ def check_exportable(spec: ModelShape) -> None:
     bad = []
     if getattr(spec, "qkv_bias", False) and fam != "qwen2":
         bad.append("biases on Q/K/V only (Qwen2's)")
-    if getattr(spec, "qk_norm", False) and fam != "qwen3":
+    whole = getattr(spec, "qk_norm_whole", False)
+    if getattr(spec, "qk_norm", False) and not whole and fam != "qwen3":
         bad.append("per-head Q/K norms (Qwen3's)")
+    olmo2 = [whole, getattr(spec, "post_norms", False)]
+    if any(olmo2) and fam != "olmo2":
+        bad.append("Q/K norms over the whole projections or norms after the sub-layers only (OLMo-2's)")
+    if fam == "olmo2" and not all(olmo2):
+        bad.append("a model without OLMo-2's Q/K norms over the projections and norms after each sub-layer")
     if getattr(spec, "sliding_window", 0) and fam not in ("mistral", "gemma2", "phi3"):
         bad.append("a sliding window (Mistral's)")
     gemma = [getattr(spec, "norm_offset", False), getattr(spec, "embed_scale", False),
