@@ -59,8 +59,21 @@ FAMILIES = {
     # OLMo-2: norms after attention and the MLP only, Q/K norms over the whole projections (gains of q_dim, kv_dim)
     "olmo2": ("Olmo2Config", {"pad_token_id": None}, {"family": "olmo2", "post_norms": True, "qk_norm": True,
                                                       "qk_norm_whole": True}),
+    # Gemma 3 (text): Gemma 2's block with per-head (1 + w) Q/K norms; window 16 on layers 0 and 2, whose RoPE base is
+    # their own (1e4, unscaled) while layer 1's is 1e6 scaled linearly by 2
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 32, "tie_word_embeddings": True, "num_hidden_layers": 3,
+                                    "sliding_window": 16, "query_pre_attn_scalar": 24, "pad_token_id": None,
+                                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                           "rope_theta": 1e6},
+                                                        "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 1e4}}},
+               {"family": "gemma3_text", "sandwich_norms": True, "qk_norm": True, "window_layers": (0, 2),
+                "rope_theta": 1e6, "rope_scaling": "linear", "rope_factor": 2.0, "rope_local_theta": 1e4,
+                "query_scale": 24.0}),
 }
-TRAINED = ["llama31", "llama32", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2"]  # what the torchrun job trains
+# what the torchrun job trains
+TRAINED = ["llama31", "llama32", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2", "gemma3"]
 LAYOUTS = ["dp2", "tp2", "pp2"]
 
 
@@ -105,7 +118,8 @@ def test_logits_equal_transformers(folders, name):
                                            ("mistral", {"sliding_window": 0}), ("phi3", {"sliding_window": 0}),
                                            ("gemma", {"embed_scale": False}),
                                            ("gemma2", {"attn_softcap": 0.0}), ("gemma2", {"final_softcap": 0.0}),
-                                           ("gemma2", {"window_layers": None}), ("gemma2", {"query_scale": 0.0})])
+                                           ("gemma2", {"window_layers": None}), ("gemma2", {"query_scale": 0.0}),
+                                           ("gemma3", {"rope_local_theta": 0.0})])
 def test_the_family_feature_is_what_makes_it_exact(folders, name, off):
     """Without the scaling or the window the same weights give other logits: the parity above tests them."""
     folder, theirs = folders[name]

@@ -42,7 +42,7 @@ from trainscale.errors import TrainscaleError
 # names (``_LLAMA_KEYS``).
 CONFIG_KEYS: dict[str, dict[str, Any]] = {
     "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "gemma2": {}, "mixtral": {}, "qwen2_moe": {},
-    "qwen3_moe": {}, "phi3": {}, "olmo2": {},
+    "qwen3_moe": {}, "phi3": {}, "olmo2": {}, "gemma3_text": {},
     "deepseek_v2": {}, "deepseek_v3": {},
     "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
              "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
@@ -54,7 +54,8 @@ CONFIG_KEYS: dict[str, dict[str, Any]] = {
 _LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
                "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
 _LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
-                "deepseek_v2", "deepseek_v3", "phi3", "olmo2")
+                "deepseek_v2", "deepseek_v3", "phi3", "olmo2", "gemma3_text")
+GEMMAS = ("gemma", "gemma2", "gemma3_text")
 _INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
          "vocab_size", "max_position_embeddings", "head_dim")
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kilobytes
@@ -185,7 +186,7 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
     if missing or "vocab_size" not in cfg:
         raise TrainscaleError(f"model file {path} ({mt}) lacks the fields {', '.join(missing or ['vocab_size'])}")
     act = str(cfg.get("hidden_act") or cfg.get("activation_function") or ("silu" if llama else "gelu"))
-    if mt in ("gemma", "gemma2"):  # a gated MLP whatever its activation (GeGLU: family_fields)
+    if mt in GEMMAS:  # a gated MLP whatever its activation (GeGLU: family_fields)
         act = "silu"
     heads = cfg[keys["n_heads"]]
     eps_key = keys.get("norm_eps")
@@ -208,7 +209,7 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
         # newer configs (transformers 5) keep the base under rope_parameters
         "rope_theta": rope_theta(cfg, path),
         "tied_embeddings": bool(cfg.get("tie_word_embeddings",
-                                        mt in ("gpt2", "bloom", "mpt", "opt", "gemma", "gemma2"))),
+                                        mt in ("gpt2", "bloom", "mpt", "opt", *GEMMAS))),
         "bias": bool(cfg.get("attention_bias", False)) if llama else not cfg.get("no_bias", False),
         "norm_eps": norm_eps(cfg, mt, eps_key, path),
     }
@@ -225,6 +226,8 @@ def rope_settings(cfg: dict[str, Any], path: str | Path = "config.json") -> dict
     neither scales. Either key holding something else than an object or null, a type that is not a string, or
     ``rope_parameters`` given per layer type (Gemma 3's {"full_attention": {...}, "sliding_attention": {...}}) is
     one sentence naming the file and the key."""
+    if cfg.get("model_type") == "gemma3_text":
+        return gemma3_rope(cfg, path)[0]
     for key in ("rope_scaling", "rope_parameters"):
         got = _sub(cfg, key, path)
         nested = [k for k, v in got.items() if isinstance(v, dict)]
@@ -239,10 +242,33 @@ def rope_settings(cfg: dict[str, Any], path: str | Path = "config.json") -> dict
     return {**got, "rope_type": kind}
 
 
+def gemma3_rope(cfg: dict[str, Any], path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 3's two RoPEs (transformers' Gemma3TextConfig.convert_rope_params_to_dict): (the full-attention
+    layers', the sliding-window layers'), each with its rope_type and rope_theta, from ``rope_parameters``
+    {"full_attention": ..., "sliding_attention": ...} (transformers 5) or rope_scaling, rope_theta and
+    rope_local_base_freq (transformers 4); defaults: bases 1e6 and 1e4, unscaled."""
+    rp = _sub(cfg, "rope_parameters", path)
+    if "full_attention" in rp or "sliding_attention" in rp:
+        full, local = _sub(rp, "full_attention", path), _sub(rp, "sliding_attention", path)
+    else:
+        full = {**_sub(cfg, "rope_scaling", path), **rp}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1e6))
+    out = []
+    for got, base in ((full, 1e6), (local, 1e4)):
+        kind = got.get("rope_type", got.get("type")) or "default"
+        if not isinstance(kind, str):
+            raise TrainscaleError(f"model file {path}: rope_parameters' rope_type must be a string, not {kind!r}")
+        out.append({"rope_theta": base, **got, "rope_type": kind})
+    return out[0], out[1]
+
+
 def rope_theta(cfg: dict[str, Any], path: str | Path) -> float:
     """RoPE's base: ``rope_theta`` at the top (transformers 4) or in ``rope_parameters`` (transformers 5), else
     transformers' 10000; a positive number, one sentence otherwise."""
     key, v = "rope_theta", cfg.get("rope_theta")
+    if cfg.get("model_type") == "gemma3_text":
+        key, v = "rope_parameters' full_attention rope_theta", gemma3_rope(cfg, path)[0]["rope_theta"]
     if v is None:
         key, v = "rope_parameters' rope_theta", _sub(cfg, "rope_parameters", path).get("rope_theta", 10000.0)
     if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
@@ -259,18 +285,18 @@ def _number(cfg: dict[str, Any], key: str, default: float, path: str | Path) -> 
     return float(v)
 
 
-def gemma2_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
+def gemma2_fields(cfg: dict[str, Any], path: str | Path, pattern: int = 2) -> dict[str, Any]:
     """Gemma 2 (transformers' configuration_gemma2 and its defaults): output norms, soft-capped attention scores
     and logits, scores scaled by query_pre_attn_scalar^-0.5, the sliding window on the layers ``layer_types``
     names "sliding_attention" (by default the even ones: 0, 2, ...)."""
     n = config_int(cfg, "num_hidden_layers", path, 0)
     types = cfg.get("layer_types")
     if not isinstance(types, list):
-        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     return {"sandwich_norms": True, "attn_softcap": _number(cfg, "attn_logit_softcapping", 0.0, path),
             "final_softcap": _number(cfg, "final_logit_softcapping", 0.0, path),
             "query_scale": _number(cfg, "query_pre_attn_scalar", 256.0, path),
-            "sliding_window": sliding_window(cfg, "gemma2", path),
+            "sliding_window": sliding_window(cfg, "gemma2", path),  # Gemma 3's default is 4096 too
             "window_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention")}
 
 
@@ -308,7 +334,7 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
         return {"qkv_bias": True}
     if mt == "qwen3_moe":  # Qwen3MoeAttention: q_norm / k_norm over each head, as Qwen3's
         return {"qk_norm": True}
-    if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2"):
+    if mt not in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", *GEMMAS):
         return {}
     out: dict[str, Any] = {"family": mt}
     if mt == "olmo2":  # Olmo2DecoderLayer: RMSNorms after attention and the MLP only; Q/K norms over the projections
@@ -316,10 +342,15 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
     if mt == "phi3":  # Phi3Attention / Phi3MLP: no biases whatever the config says; RoPE other than the default is
         # "longrope" there (check_loadable refuses it; the planner's shapes do not depend on it)
         return {**out, "bias": False, "sliding_window": sliding_window(cfg, mt, path)}
-    if mt in ("gemma", "gemma2"):  # transformers' modeling_gemma: GemmaRMSNorm (1 + w), embeddings x sqrt(d), GeGLU
+    if mt in GEMMAS:  # transformers' modeling_gemma: GemmaRMSNorm (1 + w), embeddings x sqrt(d), GeGLU
         out.update(norm_offset=True, embed_scale=True, gate_act="gelu_tanh")
     if mt == "gemma2":
         out.update(gemma2_fields(cfg, path))
+    if mt == "gemma3_text":  # Gemma 2's block with per-head Q/K norms, a window on 5 layers of 6 by default, and
+        # those layers' own unscaled RoPE base
+        pattern = config_int(cfg, "sliding_window_pattern", path, 6)
+        out.update(gemma2_fields(cfg, path, pattern), qk_norm=True,
+                   rope_local_theta=_number(gemma3_rope(cfg, path)[1], "rope_theta", 1e4, path))
     rope = rope_settings(cfg, path)
     if rope["rope_type"] in ("linear", "llama3"):
         out.update(rope_scaling=rope["rope_type"], rope_factor=_number(rope, "factor", 1.0, path))
@@ -333,7 +364,7 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
         out["qkv_bias"] = True
     if mt == "qwen3":
         out["qk_norm"] = True
-    if mt == "mistral" or (mt != "gemma2" and cfg.get("use_sliding_window")):
+    if mt == "mistral" or (mt not in ("gemma2", "gemma3_text") and cfg.get("use_sliding_window")):
         out["sliding_window"] = sliding_window(cfg, mt, path)
     return out
 
@@ -442,6 +473,8 @@ _PHI3_NAMES = {k: v for k, v in _LLAMA_NAMES.items() if not k.endswith(".bias") 
 _OLMO2_NAMES = {**{k: v for k, v in _QWEN3_NAMES.items() if ("attention_norm" not in k and "ffn_norm" not in k)},
                 "layers.{i}.attention_post_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
                 "layers.{i}.ffn_post_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"}
+_GEMMA3_NAMES = {**_GEMMA2_NAMES, "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+                 "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight"}
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", _LLAMA_NAMES, loads=True),
     "mistral": Family("mistral", "MistralForCausalLM", _LLAMA_NAMES, loads=True),
@@ -454,6 +487,8 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family("phi3", "Phi3ForCausalLM", _PHI3_NAMES, fused=_PHI3_FUSED, loads=True),
     # OLMo-2: no input norms, a norm after attention and one after the MLP, Q/K norms over the whole projections
     "olmo2": Family("olmo2", "Olmo2ForCausalLM", _OLMO2_NAMES, loads=True),
+    # Gemma 3's text model (Gemma3ForCausalLM; the multimodal model_type "gemma3" is another folder layout)
+    "gemma3_text": Family("gemma3_text", "Gemma3ForCausalLM", _GEMMA3_NAMES, loads=True),
     # the published Mixtral checkpoints' layout; Mixtral names its experts' gate, up, down w1, w3, w2, as we do
     "mixtral": Family("mixtral", "MixtralForCausalLM",
                       {**_LLAMA_NAMES, "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"},
@@ -577,10 +612,17 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     if kind not in LOADED_TYPES:
         raise TrainscaleError(f"[model] init {path} holds a {kind!r} model; only Llama-family folders "
                               f"(model_type {', '.join(LOADED_TYPES)}) can be loaded")
-    if kind == "gemma2" and cfg.get("use_bidirectional_attention"):
+    if kind == "gemma3_text" and gemma3_rope(cfg, path)[1]["rope_type"] != "default":
+        raise TrainscaleError(f"[model] init {path}: RoPE scaling on Gemma 3's sliding-window layers "
+                              f"({gemma3_rope(cfg, path)[1]['rope_type']!r}) is not computed by trainscale (it "
+                              "scales only the full-attention layers' RoPE)")
+    if kind in ("gemma2", "gemma3_text") and cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise TrainscaleError(f"[model] init {path}: hidden_activation {cfg['hidden_activation']!r} is not Gemma's "
+                              "GeGLU (gelu_pytorch_tanh)")
+    if kind in ("gemma2", "gemma3_text") and cfg.get("use_bidirectional_attention"):
         raise TrainscaleError(f"[model] init {path}: use_bidirectional_attention is not a causal language model's "
                               "attention, which trainscale trains")
-    if kind in ("gemma", "gemma2"):  # transformers reads Gemma's legacy "gelu" as the tanh approximation
+    if kind in GEMMAS:  # transformers reads Gemma's legacy "gelu" as the tanh approximation
         if cfg.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu"):
             raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Gemma's GeGLU "
                                   "(gelu_pytorch_tanh)")
@@ -612,7 +654,7 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     if bool(cfg.get("mlp_bias", cfg.get("attention_bias", False))) != bool(cfg.get("attention_bias", False)):
         raise TrainscaleError(f"[model] init {path} has biases in attention or the MLP but not both; trainscale's "
                               "bias setting covers both")
-    if kind in ("qwen2", "qwen3", "gemma", "gemma2") and cfg.get("attention_bias") and not cfg.get("mlp_bias"):
+    if kind in ("qwen2", "qwen3", *GEMMAS) and cfg.get("attention_bias") and not cfg.get("mlp_bias"):
         raise TrainscaleError(f"[model] init {path}: {kind} with attention_bias has no bias in its MLP, which "
                               "trainscale's bias setting (attention and MLP together) does not express")
     return FAMILIES[kind]
@@ -677,7 +719,7 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
         cfg["sliding_window"] = spec.sliding_window or None
     if family.model_type in ("qwen2", "qwen3"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.n_layers)
-    if family.model_type == "gemma2":
+    if family.model_type in ("gemma2", "gemma3_text"):
         window = [i in spec.window_layers if spec.window_layers is not None else True for i in range(spec.n_layers)]
         scalar = spec.query_scale or spec.head_dim  # an int in Gemma2Config
         cfg.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
@@ -687,9 +729,13 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
     if family.model_type == "phi3":  # Phi3Config: no bias keys, its own pad id default (32000) set to none
         cfg.update(sliding_window=spec.sliding_window or None, pad_token_id=None, partial_rotary_factor=1.0,
                    original_max_position_embeddings=spec.max_seq_len, resid_pdrop=0.0, embd_pdrop=0.0)
+    if family.model_type == "gemma3_text":  # one RoPE per layer type; no soft-capping keys when none
+        local = {"rope_type": "default", "rope_theta": spec.rope_local_theta or spec.rope_theta}
+        cfg = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling")}
+        cfg.update(rope_parameters={"full_attention": rope, "sliding_attention": local})
     if family.model_type == "olmo2":  # Olmo2Config's pad id default (1) set to none, its attention without biases
         cfg.update(pad_token_id=None)
-    if family.model_type in ("mistral", "qwen2", "gemma", "gemma2", "phi3", "olmo2"):  # no bias keys: none in Mistral, Phi-3,
+    if family.model_type in ("mistral", "qwen2", "phi3", "olmo2", *GEMMAS):  # no bias keys: none in Mistral, Phi-3,
         # Qwen2's Q/K/V (Gemma's attention_bias would leave its MLP without; check_loadable refuses it)
         cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}
     if not spec.is_moe:
@@ -709,27 +755,29 @@ def check_exportable(spec: ModelShape) -> None:
     if getattr(spec, "qkv_bias", False) and fam != "qwen2":
         bad.append("biases on Q/K/V only (Qwen2's)")
     whole = getattr(spec, "qk_norm_whole", False)
-    if getattr(spec, "qk_norm", False) and not whole and fam != "qwen3":
+    if getattr(spec, "qk_norm", False) and not whole and fam not in ("qwen3", "gemma3_text"):
         bad.append("per-head Q/K norms (Qwen3's)")
     olmo2 = [whole, getattr(spec, "post_norms", False)]
     if any(olmo2) and fam != "olmo2":
         bad.append("Q/K norms over the whole projections or norms after the sub-layers only (OLMo-2's)")
     if fam == "olmo2" and not all(olmo2):
         bad.append("a model without OLMo-2's Q/K norms over the projections and norms after each sub-layer")
-    if getattr(spec, "sliding_window", 0) and fam not in ("mistral", "gemma2", "phi3"):
+    if getattr(spec, "sliding_window", 0) and fam not in ("mistral", "gemma2", "phi3", "gemma3_text"):
         bad.append("a sliding window (Mistral's)")
     gemma = [getattr(spec, "norm_offset", False), getattr(spec, "embed_scale", False),
              getattr(spec, "gate_act", "silu") != "silu", spec.tied_embeddings]
-    if any(gemma[:3]) and fam not in ("gemma", "gemma2"):
+    if any(gemma[:3]) and fam not in GEMMAS:
         bad.append("Gemma's (1 + w) norms, sqrt(d)-scaled embeddings or GeGLU")
-    if fam in ("gemma", "gemma2") and not all(gemma):
+    if fam in GEMMAS and not all(gemma):
         bad.append("a model without all of Gemma's (1 + w) norms, scaled tied embeddings and GeGLU")
     gemma2 = [getattr(spec, k, 0) for k in ("sandwich_norms", "attn_softcap", "final_softcap", "query_scale")]
-    if any(gemma2) and fam != "gemma2":
+    if getattr(spec, "rope_local_theta", 0) and fam != "gemma3_text":
+        bad.append("a RoPE base of its own on the sliding-window layers (Gemma 3's)")
+    if any(gemma2) and fam not in ("gemma2", "gemma3_text"):
         bad.append("Gemma 2's output norms, soft-capping or query_pre_attn_scalar")
-    if fam == "gemma2" and not gemma2[0]:
+    if fam in ("gemma2", "gemma3_text") and not gemma2[0]:
         bad.append("a model without Gemma 2's output norms")
-    if getattr(spec, "window_layers", None) is not None and fam != "gemma2":
+    if getattr(spec, "window_layers", None) is not None and fam not in ("gemma2", "gemma3_text"):
         bad.append("a sliding window on some layers only (Gemma 2's)")
     if spec.bias and fam not in ("llama",):
         bad.append("biases in attention and the MLP (Llama's attention_bias + mlp_bias)")

@@ -474,11 +474,13 @@ class Transformer(nn.Module):
             h = h + self.pos_embeddings(positions if positions.ndim == 2 else positions[None])
         cos, sin = rope_angles(positions, self.spec.head_dim, self.spec.rope_theta,
                                rope_frequencies(self.spec, positions.device), rope_scale(self.spec))
+        local = local_rope(self.spec, positions)
         for key, layer in self.layers.items():
+            c, s = local[1:] if local is not None and int(key) in local[0] else (cos, sin)  # Gemma 3's own
             if cache is not None:
-                h = layer(h, cos, sin, cache, int(key))
+                h = layer(h, c, s, cache, int(key))
             else:
-                h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
+                h = layer(h, c, s) if mask is None else layer(h, c, s, mask=mask)
         if cache is not None:
             cache.length += tokens.shape[1]
         if self.norm is not None:
@@ -489,6 +491,15 @@ class Transformer(nn.Module):
         if self.spec.final_softcap:  # Gemma 2: z -> c tanh(z / c)
             logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
         return logits
+
+
+def local_rope(spec: ModelSpec, positions: torch.Tensor) -> tuple[set[int], torch.Tensor, torch.Tensor] | None:
+    """(the sliding-window layers, cos, sin of their RoPE) where they rotate by their own base
+    (``rope_local_theta``, unscaled: Gemma 3's rope_parameters["sliding_attention"]), else None."""
+    if not spec.rope_local_theta:
+        return None
+    layers = set(range(spec.n_layers) if spec.window_layers is None else spec.window_layers)
+    return (layers, *rope_angles(positions, spec.head_dim, spec.rope_local_theta))
 
 
 def tied_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
