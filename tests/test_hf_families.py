@@ -2,7 +2,9 @@
 tied embeddings), a linearly scaled Llama, Mistral (a sliding window shorter than the sequence, honoured), Qwen2
 (Q/K/V biases), Qwen3 (per-head Q/K norms, head_dim != d/heads), Gemma ((1 + w) norms, sqrt(d)-scaled tied
 embeddings, GeGLU) and Gemma 2 (with output norms, soft-capped scores and logits, query_pre_attn_scalar, a sliding
-window on alternate layers), a random model built by transformers (nothing
+window on alternate layers), Gemma 3 text (per-head Q/K norms, the window layers' own RoPE base), Phi-3 (fused
+qkv_proj / gate_up_proj, split in and fused out) and OLMo-2 (norms after the sub-layers only, Q/K norms over the
+whole projections), a random model built by transformers (nothing
 downloaded) loads into trainscale's model with transformers' own logits (fp32, 1e-5); trained a few steps under
 dp2, tp2 and pp2 (one torchrun job for every family) its losses equal the single process's; exported back, the
 family's transformers class loads the folder (sharded or not) with our logits. Folders trainscale would compute

@@ -16,8 +16,11 @@ equal to 1e-5, tests/test_hf_families.py, tests/test_hf_rope_scaling.py): Llama 
 "llama3" or "yarn"; tied embeddings), Mistral (its sliding window), Qwen2/2.5 (Q/K/V biases; "yarn" as Qwen2.5's
 long-context configs set it), Qwen3 (per-head Q/K RMSNorm), Gemma ((1 + w) RMSNorm,
 sqrt(d)-scaled tied embeddings, GeGLU) and Gemma 2 (with output norms, soft-capped scores and logits,
-query_pre_attn_scalar, the window on alternate layers). Refused in one sentence (``check_loadable``): other
-model types (Phi-3's fused qkv_proj / gate_up_proj among them), RoPE "longrope" and "dynamic" (transformers
+query_pre_attn_scalar, the window on alternate layers), Gemma 3's text model (Gemma 2's block with per-head Q/K
+norms, the window on the layers layer_types names, those layers' own unscaled RoPE base), Phi-3 / Phi-4 (Q/K/V in
+one qkv_proj and gate / up in one gate_up_proj: ``Family.fused``, ``hf_place``), OLMo-2 (norms after attention and
+the MLP only, Q/K norms over the whole projections). Refused in one sentence (``check_loadable``): other model
+types, partial rotary (Phi-4-mini), RoPE "longrope" and "dynamic" (transformers
 recomputes its frequencies per forward from the longest sequence seen, a state a fixed RoPE cannot hold), Qwen's
 per-layer sliding window, biases that trainscale's one ``bias`` switch does not express.
 
@@ -748,7 +751,8 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
 
 def check_exportable(spec: ModelShape) -> None:
     """The model has a form in its ``export_family``: Q/K/V-only biases only in Qwen2, per-head Q/K norms only in
-    Qwen3, a sliding window only in Mistral, biases everywhere only in Llama (attention_bias with mlp_bias);
+    Qwen3 and Gemma 3, Q/K norms over the projections and norms after the sub-layers only in OLMo-2, a sliding
+    window only in Mistral, Phi-3 and Gemma 2/3, biases everywhere only in Llama (attention_bias with mlp_bias);
     one sentence otherwise."""
     fam = export_family(spec).model_type
     bad = []

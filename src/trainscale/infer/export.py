@@ -1,5 +1,6 @@
 """Export a trainscale model to a Hugging Face folder of its family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2,
-Mixtral); infer/gguf.py writes the llama.cpp GGUF file, with the checks here (``check_llama``, ``check_mixtral``).
+Gemma 3 text, Phi-3, OLMo-2, Mixtral); infer/gguf.py writes the llama.cpp GGUF file, with the checks here
+(``check_llama``, ``check_mixtral``).
 
 RoPE layouts. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head (infer/gguf.py says what each
 llama.cpp architecture rotates). Hugging Face's Llama family rotates halves, so the HF export permutes each
