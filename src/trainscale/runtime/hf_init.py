@@ -102,6 +102,8 @@ def load_into(module: nn.Module, weights: HFWeights, spec: ModelSpec) -> None:
     def read(name: str, box: Box) -> torch.Tensor:
         heads = hf.rope_permuted_heads(name, spec)
         hf_name, first, _ = hf.hf_place(name, weights.family, spec)  # first: the part's first row in a fused tensor
+        if heads is None and not first:
+            return weights.read(hf_name, box)
         lo, hi = box[0].start, box[0].stop
         if heads is None:
             return weights.read(hf_name, (slice(first + lo, first + hi), *box[1:]))
