@@ -16,8 +16,11 @@ equal to 1e-5, tests/test_hf_families.py, tests/test_hf_rope_scaling.py): Llama 
 "llama3" or "yarn"; tied embeddings), Mistral (its sliding window), Qwen2/2.5 (Q/K/V biases; "yarn" as Qwen2.5's
 long-context configs set it), Qwen3 (per-head Q/K RMSNorm), Gemma ((1 + w) RMSNorm,
 sqrt(d)-scaled tied embeddings, GeGLU) and Gemma 2 (with output norms, soft-capped scores and logits,
-query_pre_attn_scalar, the window on alternate layers). Refused in one sentence (``check_loadable``): other
-model types (Phi-3's fused qkv_proj / gate_up_proj among them), RoPE "longrope" and "dynamic" (transformers
+query_pre_attn_scalar, the window on alternate layers), Gemma 3's text model (Gemma 2's block with per-head Q/K
+norms, the window on the layers layer_types names, those layers' own unscaled RoPE base), Phi-3 / Phi-4 (Q/K/V in
+one qkv_proj and gate / up in one gate_up_proj: ``Family.fused``, ``hf_place``), OLMo-2 (norms after attention and
+the MLP only, Q/K norms over the whole projections). Refused in one sentence (``check_loadable``): other model
+types, partial rotary (Phi-4-mini), RoPE "longrope" and "dynamic" (transformers
 recomputes its frequencies per forward from the longest sequence seen, a state a fixed RoPE cannot hold), Qwen's
 per-layer sliding window, biases that trainscale's one ``bias`` switch does not express.
 
@@ -42,7 +45,7 @@ from trainscale.errors import TrainscaleError
 # names (``_LLAMA_KEYS``).
 CONFIG_KEYS: dict[str, dict[str, Any]] = {
     "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {}, "gemma": {}, "gemma2": {}, "mixtral": {}, "qwen2_moe": {},
-    "qwen3_moe": {},
+    "qwen3_moe": {}, "phi3": {}, "olmo2": {}, "gemma3_text": {},
     "deepseek_v2": {}, "deepseek_v3": {},
     "gpt2": {"n_layers": "n_layer", "d_model": "n_embd", "n_heads": "n_head", "d_ff": "n_inner",
              "max_seq_len": "n_positions", "norm_eps": "layer_norm_epsilon"},
@@ -54,7 +57,8 @@ CONFIG_KEYS: dict[str, dict[str, Any]] = {
 _LLAMA_KEYS = {"n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
                "d_ff": "intermediate_size", "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
 _LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
-                "deepseek_v2", "deepseek_v3")
+                "deepseek_v2", "deepseek_v3", "phi3", "olmo2", "gemma3_text")
+GEMMAS = ("gemma", "gemma2", "gemma3_text")
 _INTS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
          "vocab_size", "max_position_embeddings", "head_dim")
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kilobytes
@@ -137,10 +141,32 @@ def config_int(cfg: dict[str, Any], key: str, path: str | Path, default: Any = N
     return v
 
 
-def _sub(cfg: dict[str, Any], key: str) -> dict[str, Any]:
-    """A nested object of the config (rope_scaling, rope_parameters), {} when absent or not an object."""
+def _sub(cfg: dict[str, Any], key: str, path: str | Path = "config.json") -> dict[str, Any]:
+    """A nested object of the config (rope_scaling, rope_parameters), {} when absent or null; one sentence
+    naming the file and the key when it is something else (a list, a string: never dropped without a word)."""
     v = cfg.get(key)
-    return v if isinstance(v, dict) else {}
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise TrainscaleError(f"model file {path}: {key} must be an object, not {v!r}")
+    return v
+
+
+# transformers' default rms_norm_eps / layer_norm_eps per model_type where config.json does not give it
+# (configuration_*.py: 1e-6 in Llama, Mistral, Qwen2/3, Gemma 1-3 and their MoEs; 1e-5 in Mixtral, Phi-3, OLMo-2 and
+# the GPT-style families, whose LayerNorm default it is)
+_EPS_1E5 = ("mixtral", "phi3", "olmo2", "gpt2", "gpt_neox", "opt", "bloom", "mpt")
+
+
+def norm_eps(cfg: dict[str, Any], mt: str, key: str | None, path: str | Path) -> float:
+    """The norms' epsilon: ``cfg[key]`` when given, a positive number (0 or a string is one sentence: transformers
+    would divide by sqrt(0) where a token is all zeros), else the family's transformers default."""
+    v = cfg.get(key) if key else None
+    if v is None:
+        return 1e-5 if mt in _EPS_1E5 else 1e-6
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 1:
+        raise TrainscaleError(f"model file {path}: {key} must be a number in (0, 1], not {v!r}")
+    return float(v)
 
 
 def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
@@ -163,7 +189,7 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
     if missing or "vocab_size" not in cfg:
         raise TrainscaleError(f"model file {path} ({mt}) lacks the fields {', '.join(missing or ['vocab_size'])}")
     act = str(cfg.get("hidden_act") or cfg.get("activation_function") or ("silu" if llama else "gelu"))
-    if mt in ("gemma", "gemma2"):  # a gated MLP whatever its activation (GeGLU: family_fields)
+    if mt in GEMMAS:  # a gated MLP whatever its activation (GeGLU: family_fields)
         act = "silu"
     heads = cfg[keys["n_heads"]]
     eps_key = keys.get("norm_eps")
@@ -184,11 +210,11 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
         # runtime would build RoPE for them)
         "positions": "learned" if mt in ("gpt2", "opt") else "rope",
         # newer configs (transformers 5) keep the base under rope_parameters
-        "rope_theta": cfg.get("rope_theta", _sub(cfg, "rope_parameters").get("rope_theta", 10000.0)),
+        "rope_theta": rope_theta(cfg, path),
         "tied_embeddings": bool(cfg.get("tie_word_embeddings",
-                                        mt in ("gpt2", "bloom", "mpt", "opt", "gemma", "gemma2"))),
+                                        mt in ("gpt2", "bloom", "mpt", "opt", *GEMMAS))),
         "bias": bool(cfg.get("attention_bias", False)) if llama else not cfg.get("no_bias", False),
-        "norm_eps": (cfg.get(eps_key) if eps_key else None) or 1e-5,
+        "norm_eps": norm_eps(cfg, mt, eps_key, path),
     }
     if llama and cfg.get("head_dim") and cfg["head_dim"] != cfg["hidden_size"] // heads:
         data["head_dim"] = cfg["head_dim"]
@@ -197,13 +223,60 @@ def spec_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
     return data
 
 
-def rope_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+def rope_settings(cfg: dict[str, Any], path: str | Path = "config.json") -> dict[str, Any]:
     """The RoPE scaling object of a config: ``rope_scaling`` (transformers 4) or ``rope_parameters``
     (transformers 5), with its type under ``rope_type`` (or the older ``type``); {"rope_type": "default"} when
-    neither scales."""
-    got = _sub(cfg, "rope_scaling") or _sub(cfg, "rope_parameters")
+    neither scales. Either key holding something else than an object or null, a type that is not a string, or
+    ``rope_parameters`` given per layer type (Gemma 3's {"full_attention": {...}, "sliding_attention": {...}}) is
+    one sentence naming the file and the key."""
+    if cfg.get("model_type") == "gemma3_text":
+        return gemma3_rope(cfg, path)[0]
+    for key in ("rope_scaling", "rope_parameters"):
+        got = _sub(cfg, key, path)
+        nested = [k for k, v in got.items() if isinstance(v, dict)]
+        if nested:
+            raise TrainscaleError(f"model file {path}: {key} gives RoPE per layer type ({', '.join(nested)}), which "
+                                  "trainscale does not read (one RoPE for every layer)")
+        kind = got.get("rope_type", got.get("type"))
+        if kind is not None and not isinstance(kind, str):
+            raise TrainscaleError(f"model file {path}: {key}'s rope_type must be a string, not {kind!r}")
+    got = _sub(cfg, "rope_scaling", path) or _sub(cfg, "rope_parameters", path)
     kind = got.get("rope_type", got.get("type")) or "default"
     return {**got, "rope_type": kind}
+
+
+def gemma3_rope(cfg: dict[str, Any], path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 3's two RoPEs (transformers' Gemma3TextConfig.convert_rope_params_to_dict): (the full-attention
+    layers', the sliding-window layers'), each with its rope_type and rope_theta, from ``rope_parameters``
+    {"full_attention": ..., "sliding_attention": ...} (transformers 5) or rope_scaling, rope_theta and
+    rope_local_base_freq (transformers 4); defaults: bases 1e6 and 1e4, unscaled."""
+    rp = _sub(cfg, "rope_parameters", path)
+    if "full_attention" in rp or "sliding_attention" in rp:
+        full, local = _sub(rp, "full_attention", path), _sub(rp, "sliding_attention", path)
+    else:
+        full = {**_sub(cfg, "rope_scaling", path), **rp}
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+        full.setdefault("rope_theta", cfg.get("rope_theta", 1e6))
+    out = []
+    for got, base in ((full, 1e6), (local, 1e4)):
+        kind = got.get("rope_type", got.get("type")) or "default"
+        if not isinstance(kind, str):
+            raise TrainscaleError(f"model file {path}: rope_parameters' rope_type must be a string, not {kind!r}")
+        out.append({"rope_theta": base, **got, "rope_type": kind})
+    return out[0], out[1]
+
+
+def rope_theta(cfg: dict[str, Any], path: str | Path) -> float:
+    """RoPE's base: ``rope_theta`` at the top (transformers 4) or in ``rope_parameters`` (transformers 5), else
+    transformers' 10000; a positive number, one sentence otherwise."""
+    key, v = "rope_theta", cfg.get("rope_theta")
+    if cfg.get("model_type") == "gemma3_text":
+        key, v = "rope_parameters' full_attention rope_theta", gemma3_rope(cfg, path)[0]["rope_theta"]
+    if v is None:
+        key, v = "rope_parameters' rope_theta", _sub(cfg, "rope_parameters", path).get("rope_theta", 10000.0)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+        raise TrainscaleError(f"model file {path}: {key} must be a positive number, not {v!r}")
+    return float(v)
 
 
 def _number(cfg: dict[str, Any], key: str, default: float, path: str | Path) -> float:
@@ -215,18 +288,18 @@ def _number(cfg: dict[str, Any], key: str, default: float, path: str | Path) -> 
     return float(v)
 
 
-def gemma2_fields(cfg: dict[str, Any], path: str | Path) -> dict[str, Any]:
+def gemma2_fields(cfg: dict[str, Any], path: str | Path, pattern: int = 2) -> dict[str, Any]:
     """Gemma 2 (transformers' configuration_gemma2 and its defaults): output norms, soft-capped attention scores
     and logits, scores scaled by query_pre_attn_scalar^-0.5, the sliding window on the layers ``layer_types``
     names "sliding_attention" (by default the even ones: 0, 2, ...)."""
     n = config_int(cfg, "num_hidden_layers", path, 0)
     types = cfg.get("layer_types")
     if not isinstance(types, list):
-        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     return {"sandwich_norms": True, "attn_softcap": _number(cfg, "attn_logit_softcapping", 0.0, path),
             "final_softcap": _number(cfg, "final_logit_softcapping", 0.0, path),
             "query_scale": _number(cfg, "query_pre_attn_scalar", 256.0, path),
-            "sliding_window": config_int(cfg, "sliding_window", path, 0, least=0),
+            "sliding_window": sliding_window(cfg, "gemma2", path),  # Gemma 3's default is 4096 too
             "window_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention")}
 
 
@@ -264,14 +337,24 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
         return {"qkv_bias": True}
     if mt == "qwen3_moe":  # Qwen3MoeAttention: q_norm / k_norm over each head, as Qwen3's
         return {"qk_norm": True}
-    if mt not in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"):
+    if mt not in ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", *GEMMAS):
         return {}
     out: dict[str, Any] = {"family": mt}
-    if mt in ("gemma", "gemma2"):  # transformers' modeling_gemma: GemmaRMSNorm (1 + w), embeddings x sqrt(d), GeGLU
+    if mt == "olmo2":  # Olmo2DecoderLayer: RMSNorms after attention and the MLP only; Q/K norms over the projections
+        out.update(post_norms=True, qk_norm=True, qk_norm_whole=True)
+    if mt == "phi3":  # Phi3Attention / Phi3MLP: no biases whatever the config says; RoPE other than the default is
+        # "longrope" there (check_loadable refuses it; the planner's shapes do not depend on it)
+        return {**out, "bias": False, "sliding_window": sliding_window(cfg, mt, path)}
+    if mt in GEMMAS:  # transformers' modeling_gemma: GemmaRMSNorm (1 + w), embeddings x sqrt(d), GeGLU
         out.update(norm_offset=True, embed_scale=True, gate_act="gelu_tanh")
     if mt == "gemma2":
         out.update(gemma2_fields(cfg, path))
-    rope = rope_settings(cfg)
+    if mt == "gemma3_text":  # Gemma 2's block with per-head Q/K norms, a window on 5 layers of 6 by default, and
+        # those layers' own unscaled RoPE base
+        pattern = config_int(cfg, "sliding_window_pattern", path, 6)
+        out.update(gemma2_fields(cfg, path, pattern), qk_norm=True,
+                   rope_local_theta=_number(gemma3_rope(cfg, path)[1], "rope_theta", 1e4, path))
+    rope = rope_settings(cfg, path)
     if rope["rope_type"] in ("linear", "llama3"):
         out.update(rope_scaling=rope["rope_type"], rope_factor=_number(rope, "factor", 1.0, path))
     if rope["rope_type"] == "yarn":
@@ -284,10 +367,20 @@ def family_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, A
         out["qkv_bias"] = True
     if mt == "qwen3":
         out["qk_norm"] = True
-    window = config_int(cfg, "sliding_window", path, 0, least=0)
-    if mt == "mistral" or (mt != "gemma2" and cfg.get("use_sliding_window")):
-        out["sliding_window"] = window
+    if mt == "mistral" or (mt not in ("gemma2", "gemma3_text") and cfg.get("use_sliding_window")):
+        out["sliding_window"] = sliding_window(cfg, mt, path)
     return out
+
+
+def sliding_window(cfg: dict[str, Any], mt: str, path: str | Path) -> int:
+    """The sliding window of a family that has one: ``sliding_window`` a positive integer, null for none (0 is
+    one sentence: transformers' masks would let a query see no key), absent: transformers' default (4096 in
+    Mistral and Gemma 2, none elsewhere)."""
+    if "sliding_window" not in cfg:
+        return 4096 if mt in ("mistral", "gemma2") else 0
+    if cfg["sliding_window"] == 0 and not isinstance(cfg["sliding_window"], bool):
+        raise TrainscaleError(f"model file {path}: sliding_window must be a positive integer or null (none), not 0")
+    return config_int(cfg, "sliding_window", path, 0)
 
 
 def moe_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, Any]:
@@ -321,10 +414,11 @@ def moe_fields(cfg: dict[str, Any], mt: str, path: str | Path) -> dict[str, Any]
                "head_dim": num("qk_nope_head_dim") or None}
     else:
         return out
-    if not out["n_experts"]:  # no routed experts: a dense model (MLA, if any, stays)
-        moe = ("n_experts", "experts_per_token", "d_ff_expert", "d_ff_shared", "shared_expert_gate",
-               "first_dense_layers", "router_norm_topk")
-        return {k: v for k, v in out.items() if k not in moe}
+    if not out["n_experts"]:  # transformers builds no dense model from 0 experts: one sentence, never a guess
+        key = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts"}.get(
+            mt, "n_routed_experts")
+        raise TrainscaleError(f"model file {path}: {key} is {cfg.get(key)!r}; a {mt} model needs at least one "
+                              "routed expert")
     if mt != "mixtral" and not out["d_ff_expert"]:
         raise TrainscaleError(f"model file {path}: moe_intermediate_size (each expert's FFN width) must be a "
                               "positive integer for a mixture of experts")
@@ -350,6 +444,9 @@ class Family:
     names: dict[str, str]
     experts: dict[str, str] = field(default_factory=dict)
     loads: bool = False
+    # trainscale parameter pattern -> (the HF tensor that holds it with others, row-wise, and which part it is:
+    # "q", "k", "v" of a fused Q/K/V projection, "gate", "up" of a fused gate/up projection; Phi-3's)
+    fused: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 _LINEARS = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
@@ -370,6 +467,17 @@ _GEMMA2_NAMES = {**_LLAMA_NAMES,  # four norms a layer: input, post-attention, p
                  "layers.{i}.attention_post_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
                  "layers.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
                  "layers.{i}.ffn_post_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"}
+_PHI3_FUSED = {"layers.{i}.attention.wq.weight": ("model.layers.{i}.self_attn.qkv_proj.weight", "q"),
+               "layers.{i}.attention.wk.weight": ("model.layers.{i}.self_attn.qkv_proj.weight", "k"),
+               "layers.{i}.attention.wv.weight": ("model.layers.{i}.self_attn.qkv_proj.weight", "v"),
+               "layers.{i}.feed_forward.w1.weight": ("model.layers.{i}.mlp.gate_up_proj.weight", "gate"),
+               "layers.{i}.feed_forward.w3.weight": ("model.layers.{i}.mlp.gate_up_proj.weight", "up")}
+_PHI3_NAMES = {k: v for k, v in _LLAMA_NAMES.items() if not k.endswith(".bias") and k not in _PHI3_FUSED}
+_OLMO2_NAMES = {**{k: v for k, v in _QWEN3_NAMES.items() if ("attention_norm" not in k and "ffn_norm" not in k)},
+                "layers.{i}.attention_post_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+                "layers.{i}.ffn_post_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight"}
+_GEMMA3_NAMES = {**_GEMMA2_NAMES, "layers.{i}.attention.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+                 "layers.{i}.attention.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight"}
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", _LLAMA_NAMES, loads=True),
     "mistral": Family("mistral", "MistralForCausalLM", _LLAMA_NAMES, loads=True),
@@ -377,6 +485,13 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", _QWEN3_NAMES, loads=True),
     "gemma": Family("gemma", "GemmaForCausalLM", _LLAMA_NAMES, loads=True),
     "gemma2": Family("gemma2", "Gemma2ForCausalLM", _GEMMA2_NAMES, loads=True),
+    # Phi-3 and Phi-4 (Phi3ForCausalLM): Q, K, V in one qkv_proj (rows q | k | v), gate and up in one gate_up_proj
+    # (rows gate | up: Phi3MLP's chunk(2)), Llama's block otherwise
+    "phi3": Family("phi3", "Phi3ForCausalLM", _PHI3_NAMES, fused=_PHI3_FUSED, loads=True),
+    # OLMo-2: no input norms, a norm after attention and one after the MLP, Q/K norms over the whole projections
+    "olmo2": Family("olmo2", "Olmo2ForCausalLM", _OLMO2_NAMES, loads=True),
+    # Gemma 3's text model (Gemma3ForCausalLM; the multimodal model_type "gemma3" is another folder layout)
+    "gemma3_text": Family("gemma3_text", "Gemma3ForCausalLM", _GEMMA3_NAMES, loads=True),
     # the published Mixtral checkpoints' layout; Mixtral names its experts' gate, up, down w1, w3, w2, as we do
     "mixtral": Family("mixtral", "MixtralForCausalLM",
                       {**_LLAMA_NAMES, "layers.{i}.moe.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"},
@@ -433,9 +548,25 @@ def _pattern(name: str) -> tuple[str, str]:
 def hf_name(name: str, family: Family) -> str:
     """trainscale parameter name -> the family's Hugging Face tensor name."""
     pattern, i = _pattern(name)
+    if pattern in family.fused:
+        raise TrainscaleError(f"the tensor {name} is part of {family.fused[pattern][0].format(i=i)} in a Hugging Face "
+                              f"{family.architecture} folder, not a tensor of its own")
     if pattern not in family.names:
         raise TrainscaleError(f"the tensor {name} has no name in a Hugging Face {family.architecture} folder")
     return family.names[pattern].format(i=i)
+
+
+def hf_place(name: str, family: Family, spec: ModelShape) -> tuple[str, int, int]:
+    """Where a trainscale parameter lives in a ``family`` folder: (HF tensor name, its first row there, the rows
+    of that HF tensor). A fused tensor holds its parts one after the other: Q, K, V rows (q_dim, kv_dim, kv_dim) in
+    ``qkv_proj``, gate then up rows (d_ff each) in ``gate_up_proj``; any other parameter is a whole tensor."""
+    pattern, i = _pattern(name)
+    if pattern not in family.fused:
+        return hf_name(name, family), 0, 0
+    fused, part = family.fused[pattern]
+    q, kv, ff = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim, spec.d_ff
+    first = {"q": 0, "k": q, "v": q + kv, "gate": 0, "up": ff}[part]
+    return fused.format(i=i), first, (q + 2 * kv if part in "qkv" else 2 * ff)
 
 
 def expert_names(name: str, n_experts: int, family: Family) -> list[str] | None:
@@ -454,6 +585,8 @@ def rope_permuted_heads(name: str, spec: ModelShape) -> int | None:
     if ".attention.wk." in name:
         return spec.n_kv_heads
     if name.endswith((".attention.q_norm.weight", ".attention.k_norm.weight")):
+        if getattr(spec, "qk_norm_whole", False):  # OLMo-2's gain over the whole projection: its rows' order
+            return spec.n_heads if ".q_norm." in name else spec.n_kv_heads
         return 1  # Qwen3's per-head norm gain: one head's dims, in the same order as the rows it scales
     return None
 
@@ -482,16 +615,31 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     if kind not in LOADED_TYPES:
         raise TrainscaleError(f"[model] init {path} holds a {kind!r} model; only Llama-family folders "
                               f"(model_type {', '.join(LOADED_TYPES)}) can be loaded")
-    if kind == "gemma2" and cfg.get("use_bidirectional_attention"):
+    if kind == "gemma3_text" and gemma3_rope(cfg, path)[1]["rope_type"] != "default":
+        raise TrainscaleError(f"[model] init {path}: RoPE scaling on Gemma 3's sliding-window layers "
+                              f"({gemma3_rope(cfg, path)[1]['rope_type']!r}) is not computed by trainscale (it "
+                              "scales only the full-attention layers' RoPE)")
+    if kind in ("gemma2", "gemma3_text") and cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise TrainscaleError(f"[model] init {path}: hidden_activation {cfg['hidden_activation']!r} is not Gemma's "
+                              "GeGLU (gelu_pytorch_tanh)")
+    if kind in ("gemma2", "gemma3_text") and cfg.get("use_bidirectional_attention"):
         raise TrainscaleError(f"[model] init {path}: use_bidirectional_attention is not a causal language model's "
                               "attention, which trainscale trains")
-    if kind in ("gemma", "gemma2"):  # transformers reads Gemma's legacy "gelu" as the tanh approximation
+    if kind in GEMMAS:  # transformers reads Gemma's legacy "gelu" as the tanh approximation
         if cfg.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu"):
             raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Gemma's GeGLU "
                                   "(gelu_pytorch_tanh)")
     elif cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise TrainscaleError(f"[model] init {path}: hidden_act {cfg['hidden_act']!r} is not Llama's SwiGLU (silu)")
-    rope = rope_settings(cfg).get("rope_type")
+    rope = rope_settings(cfg, path).get("rope_type")
+    partial = cfg.get("partial_rotary_factor", rope_settings(cfg, path).get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise TrainscaleError(f"[model] init {path}: partial_rotary_factor {partial!r} rotates only part of each head "
+                              "(Phi-4-mini's 0.75), which trainscale's RoPE (every dim of the head) does not compute")
+    if kind == "phi3" and rope != "default":  # Phi3Config reads "su" and "yarn" as "longrope"
+        raise TrainscaleError(f"[model] init {path} uses RoPE scaling 'longrope' (Phi-3's {rope!r}: per-dim short "
+                              "and long factors switched by sequence length), which trainscale's RoPE does not "
+                              "implement (it computes default, linear, llama3 and yarn exactly)")
     if rope == "dynamic":
         raise TrainscaleError(f"[model] init {path} uses RoPE scaling 'dynamic', whose frequencies transformers "
                               "recomputes on each forward from the longest sequence seen so far (keys already cached "
@@ -503,10 +651,13 @@ def check_loadable(cfg: dict[str, Any], path: str | Path) -> Family:
     if kind in ("qwen2", "qwen3") and (cfg.get("use_sliding_window") or "sliding_attention" in layer_types):
         raise TrainscaleError(f"[model] init {path} uses Qwen's sliding window on some layers (use_sliding_window), "
                               "which trainscale's attention does not implement")
+    if kind == "olmo2" and cfg.get("attention_bias"):  # Olmo2MLP has no bias whatever mlp_bias says
+        raise TrainscaleError(f"[model] init {path}: olmo2 with attention_bias has no bias in its MLP, which "
+                              "trainscale's bias setting (attention and MLP together) does not express")
     if bool(cfg.get("mlp_bias", cfg.get("attention_bias", False))) != bool(cfg.get("attention_bias", False)):
         raise TrainscaleError(f"[model] init {path} has biases in attention or the MLP but not both; trainscale's "
                               "bias setting covers both")
-    if kind in ("qwen2", "qwen3", "gemma", "gemma2") and cfg.get("attention_bias") and not cfg.get("mlp_bias"):
+    if kind in ("qwen2", "qwen3", *GEMMAS) and cfg.get("attention_bias") and not cfg.get("mlp_bias"):
         raise TrainscaleError(f"[model] init {path}: {kind} with attention_bias has no bias in its MLP, which "
                               "trainscale's bias setting (attention and MLP together) does not express")
     return FAMILIES[kind]
@@ -571,15 +722,24 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
         cfg["sliding_window"] = spec.sliding_window or None
     if family.model_type in ("qwen2", "qwen3"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=spec.n_layers)
-    if family.model_type == "gemma2":
+    if family.model_type in ("gemma2", "gemma3_text"):
         window = [i in spec.window_layers if spec.window_layers is not None else True for i in range(spec.n_layers)]
         scalar = spec.query_scale or spec.head_dim  # an int in Gemma2Config
         cfg.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                    attn_logit_softcapping=spec.attn_softcap or None, final_logit_softcapping=spec.final_softcap or None,
                    sliding_window=spec.sliding_window or None, hidden_activation="gelu_pytorch_tanh",
                    layer_types=["sliding_attention" if w and spec.sliding_window else "full_attention" for w in window])
-    if family.model_type in ("mistral", "qwen2", "gemma", "gemma2"):  # no bias keys: none in Mistral, Qwen2's Q/K/V
-        # (Gemma's attention_bias would leave its MLP without; check_loadable refuses it)
+    if family.model_type == "phi3":  # Phi3Config: no bias keys, its own pad id default (32000) set to none
+        cfg.update(sliding_window=spec.sliding_window or None, pad_token_id=None, partial_rotary_factor=1.0,
+                   original_max_position_embeddings=spec.max_seq_len, resid_pdrop=0.0, embd_pdrop=0.0)
+    if family.model_type == "gemma3_text":  # one RoPE per layer type; no soft-capping keys when none
+        local = {"rope_type": "default", "rope_theta": spec.rope_local_theta or spec.rope_theta}
+        cfg = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling")}
+        cfg.update(rope_parameters={"full_attention": rope, "sliding_attention": local})
+    if family.model_type == "olmo2":  # Olmo2Config's pad id default (1) set to none, its attention without biases
+        cfg.update(pad_token_id=None)
+    if family.model_type in ("mistral", "qwen2", "phi3", "olmo2", *GEMMAS):  # no bias keys: none in Mistral, Phi-3,
+        # Qwen2's Q/K/V (Gemma's attention_bias would leave its MLP without; check_loadable refuses it)
         cfg = {k: v for k, v in cfg.items() if k not in ("attention_bias", "mlp_bias")}
     if not spec.is_moe:
         return cfg
@@ -591,28 +751,37 @@ def hf_config(spec: ModelShape, dtype: str, token: int | None) -> dict[str, Any]
 
 def check_exportable(spec: ModelShape) -> None:
     """The model has a form in its ``export_family``: Q/K/V-only biases only in Qwen2, per-head Q/K norms only in
-    Qwen3, a sliding window only in Mistral, biases everywhere only in Llama (attention_bias with mlp_bias);
+    Qwen3 and Gemma 3, Q/K norms over the projections and norms after the sub-layers only in OLMo-2, a sliding
+    window only in Mistral, Phi-3 and Gemma 2/3, biases everywhere only in Llama (attention_bias with mlp_bias);
     one sentence otherwise."""
     fam = export_family(spec).model_type
     bad = []
     if getattr(spec, "qkv_bias", False) and fam != "qwen2":
         bad.append("biases on Q/K/V only (Qwen2's)")
-    if getattr(spec, "qk_norm", False) and fam != "qwen3":
+    whole = getattr(spec, "qk_norm_whole", False)
+    if getattr(spec, "qk_norm", False) and not whole and fam not in ("qwen3", "gemma3_text"):
         bad.append("per-head Q/K norms (Qwen3's)")
-    if getattr(spec, "sliding_window", 0) and fam not in ("mistral", "gemma2"):
+    olmo2 = [whole, getattr(spec, "post_norms", False)]
+    if any(olmo2) and fam != "olmo2":
+        bad.append("Q/K norms over the whole projections or norms after the sub-layers only (OLMo-2's)")
+    if fam == "olmo2" and not all(olmo2):
+        bad.append("a model without OLMo-2's Q/K norms over the projections and norms after each sub-layer")
+    if getattr(spec, "sliding_window", 0) and fam not in ("mistral", "gemma2", "phi3", "gemma3_text"):
         bad.append("a sliding window (Mistral's)")
     gemma = [getattr(spec, "norm_offset", False), getattr(spec, "embed_scale", False),
              getattr(spec, "gate_act", "silu") != "silu", spec.tied_embeddings]
-    if any(gemma[:3]) and fam not in ("gemma", "gemma2"):
+    if any(gemma[:3]) and fam not in GEMMAS:
         bad.append("Gemma's (1 + w) norms, sqrt(d)-scaled embeddings or GeGLU")
-    if fam in ("gemma", "gemma2") and not all(gemma):
+    if fam in GEMMAS and not all(gemma):
         bad.append("a model without all of Gemma's (1 + w) norms, scaled tied embeddings and GeGLU")
     gemma2 = [getattr(spec, k, 0) for k in ("sandwich_norms", "attn_softcap", "final_softcap", "query_scale")]
-    if any(gemma2) and fam != "gemma2":
+    if getattr(spec, "rope_local_theta", 0) and fam != "gemma3_text":
+        bad.append("a RoPE base of its own on the sliding-window layers (Gemma 3's)")
+    if any(gemma2) and fam not in ("gemma2", "gemma3_text"):
         bad.append("Gemma 2's output norms, soft-capping or query_pre_attn_scalar")
-    if fam == "gemma2" and not gemma2[0]:
+    if fam in ("gemma2", "gemma3_text") and not gemma2[0]:
         bad.append("a model without Gemma 2's output norms")
-    if getattr(spec, "window_layers", None) is not None and fam != "gemma2":
+    if getattr(spec, "window_layers", None) is not None and fam not in ("gemma2", "gemma3_text"):
         bad.append("a sliding window on some layers only (Gemma 2's)")
     if spec.bias and fam not in ("llama",):
         bad.append("biases in attention and the MLP (Llama's attention_bias + mlp_bias)")

@@ -65,7 +65,8 @@ class ModelSpec(_Spec):
     bias: bool = False
     norm_eps: float = Field(default=1e-5, gt=0, le=1)
     # ---- what Hugging Face families add to the Llama block (read by hf.spec_fields; runtime/model.py computes them)
-    family: Literal["", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"] = Field(
+    family: Literal["", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "olmo2",
+                    "gemma3_text"] = Field(
         default="", description="the Hugging Face model_type the model was read from; export writes it back "
         "('': Llama)")
     rope_scaling: Literal["none", "linear", "llama3", "yarn"] = Field(
@@ -86,6 +87,13 @@ class ModelSpec(_Spec):
     qkv_bias: bool = Field(default=False, description="biases on Q, K and V only, none on the output or the MLP "
                            "(Qwen2)")
     qk_norm: bool = Field(default=False, description="an RMSNorm over each head's query and key before RoPE (Qwen3)")
+    rope_local_theta: float = Field(default=0.0, ge=0, le=1e15, description="RoPE's base on the sliding-window "
+                                    "layers, unscaled there (Gemma 3's rope_local_base_freq); 0: rope_theta and its "
+                                    "scaling on every layer")
+    qk_norm_whole: bool = Field(default=False, description="qk_norm over the whole query and key projections (all "
+                                "heads together, gains of q_dim and kv_dim) instead of each head (OLMo-2)")
+    post_norms: bool = Field(default=False, description="the attention's and the MLP's outputs normed before the "
+                             "residual add and their inputs not (OLMo-2's norms after each sub-layer only)")
     sliding_window: int = Field(default=0, ge=0, le=_SEQ, description="each query sees at most this many keys, "
                                 "itself included (Mistral); 0: no window")
     norm_offset: bool = Field(default=False, description="the RMSNorm gain is 1 + weight, applied in fp32 (Gemma)")
@@ -140,6 +148,11 @@ class ModelSpec(_Spec):
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
+        if self.qk_norm_whole and not self.qk_norm:
+            raise ValueError("qk_norm_whole needs qk_norm (it says what the Q/K norms span)")
+        if self.post_norms and (self.sandwich_norms or self.norm != "rmsnorm"):
+            raise ValueError("post_norms (OLMo-2's RMSNorms after each sub-layer only) excludes sandwich_norms and "
+                             "layernorm")
         if self.window_layers is not None and any(not 0 <= i < self.n_layers for i in self.window_layers):
             raise ValueError(f"window_layers {list(self.window_layers)} must be layers 0..{self.n_layers - 1}")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:

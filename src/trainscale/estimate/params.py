@@ -74,7 +74,9 @@ def attention_tensors(m: ModelSpec, i: int) -> list[Tensor]:
     out.append((p + "wo.weight", (d, m.q_dim)))
     if m.bias:
         out.append((p + "wo.bias", (d,)))
-    if m.qk_norm:  # Qwen3: one RMSNorm gain of head_dim over every query head and one over every key head
+    if m.qk_norm and m.qk_norm_whole:  # OLMo-2: one gain over the whole query projection, one over the keys'
+        out += [(p + "q_norm.weight", (m.q_dim,)), (p + "k_norm.weight", (m.kv_dim,))]
+    elif m.qk_norm:  # Qwen3: one RMSNorm gain of head_dim over every query head and one over every key head
         out += [(p + "q_norm.weight", (m.head_dim,)), (p + "k_norm.weight", (m.head_dim,))]
     return out
 
@@ -83,7 +85,11 @@ def layer_tensors(m: ModelSpec, i: int) -> list[Tensor]:
     """Tensors of decoder layer ``i``: attention + its norm, then the feed-forward (dense, or MoE when
     ``m.is_moe_layer(i)``) + its norm."""
     d, p = m.d_model, f"layers.{i}."
-    out: list[Tensor] = [(p + "attention_norm.weight", (d,))]
+    if m.post_norms:  # OLMo-2: RMSNorms on the sub-layers' outputs only
+        out: list[Tensor] = [*attention_tensors(m, i), (p + "attention_post_norm.weight", (d,)),
+                             (p + "ffn_post_norm.weight", (d,))]
+        return out + (moe_tensors(m, i) if m.is_moe_layer(i) else _ffn_tensors(m, p + "feed_forward.", m.d_ff))
+    out = [(p + "attention_norm.weight", (d,))]
     if m.norm == "layernorm":
         out.append((p + "attention_norm.bias", (d,)))
     out += attention_tensors(m, i)

@@ -1,5 +1,6 @@
 """Export a trainscale model to a Hugging Face folder of its family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2,
-Mixtral); infer/gguf.py writes the llama.cpp GGUF file, with the checks here (``check_llama``, ``check_mixtral``).
+Gemma 3 text, Phi-3, OLMo-2, Mixtral); infer/gguf.py writes the llama.cpp GGUF file, with the checks here
+(``check_llama``, ``check_mixtral``).
 
 RoPE layouts. trainscale rotates interleaved pairs (x[2i], x[2i+1]) of each head (infer/gguf.py says what each
 llama.cpp architecture rotates). Hugging Face's Llama family rotates halves, so the HF export permutes each
@@ -83,8 +84,10 @@ def check_mixtral(spec: ModelSpec, target: str) -> None:
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Our state dict under the ``hf.export_family`` names: experts one matrix each, Q / K rows rotate-half."""
+    """Our state dict under the ``hf.export_family`` names: experts one matrix each, Q / K rows rotate-half, the
+    parts of a fused tensor (Phi-3's qkv_proj: Q, K, V; gate_up_proj: gate, up) one after the other."""
     family, out = hf.export_family(spec), {}
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for name, t in sd.items():
         t = t.detach().float()
         experts = hf.expert_names(name, spec.n_experts, family)
@@ -94,7 +97,13 @@ def hf_state_dict(sd: dict[str, torch.Tensor], spec: ModelSpec, dtype: torch.dty
         heads = hf.rope_permuted_heads(name, spec)
         if heads is not None:
             t = hf.rope_interleaved_to_half(t, heads, spec.head_dim)
-        out[hf.hf_name(name, family)] = t.to(dtype).contiguous()
+        hf_name, first, rows = hf.hf_place(name, family, spec)
+        if rows:
+            parts.setdefault(hf_name, []).append((first, t))
+            if sum(p.shape[0] for _, p in parts[hf_name]) == rows:  # every part seen: the fused tensor, in order
+                out[hf_name] = torch.cat([p for _, p in sorted(parts[hf_name], key=lambda x: x[0])]).to(dtype)
+            continue
+        out[hf_name] = t.to(dtype).contiguous()
     return out
 
 

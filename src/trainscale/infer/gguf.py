@@ -68,6 +68,8 @@ GEMMA2_27B_LAYERS = 46  # llama.cpp's gemma2 hparams: 46 layers is LLM_TYPE_27B,
 
 def gguf_architecture(spec: ModelSpec) -> str:
     """The llama.cpp architecture our model is written as: its family's (a MoE: llama)."""
+    if not spec.is_moe and spec.family not in ARCHITECTURES:
+        raise TrainscaleError(f"GGUF export does not write {spec.family} models yet; export --to hf does")
     return "llama" if spec.is_moe else ARCHITECTURES[spec.family]
 
 

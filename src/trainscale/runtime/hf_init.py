@@ -1,4 +1,4 @@
-"""Start training from a Hugging Face folder: ``[model] init = "PATH"`` (Llama 1-3.x, Mistral, Qwen2/2.5, Qwen3).
+"""Start training from a Hugging Face folder: ``[model] init = "PATH"`` (the families of ``hf.LOADED_TYPES``).
 
 The folder holds ``config.json`` (the model: ``hf.spec_fields``) and the weights, one
 ``model.safetensors`` or several shards named by ``model.safetensors.index.json``. The model is built
@@ -11,7 +11,8 @@ Names and row orders go through ``trainscale.hf``, the one trainscale <-> Huggin
 exporter uses it the other way): the folder's ``model_type`` picks the family's tensor names
 (``hf.FAMILIES``), and Q and K rows, in Hugging Face's rotate-half order, are permuted head by head
 (``hf.rope_half_to_interleaved``); a shard that starts or ends inside a head reads the whole heads around it
-(at most two heads more) and keeps its rows.
+(at most two heads more) and keeps its rows. A part of a fused tensor (Phi-3's qkv_proj, gate_up_proj) is read as
+the rows of that tensor from the part's first row on (``hf.hf_place``).
 """
 
 from __future__ import annotations
@@ -67,18 +68,31 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 def expected_tensors(spec: ModelSpec, family: hf.Family) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every tensor trainscale's model of ``spec`` takes from a ``family`` folder."""
-    return {hf.hf_name(n, family): tuple(p.shape) for n, p in build_model(spec, "meta").named_parameters()}
+    """HF name -> shape of every tensor trainscale's model of ``spec`` takes from a ``family`` folder (a fused one,
+    Phi-3's qkv_proj / gate_up_proj: the rows of all its parts)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for n, p in build_model(spec, "meta").named_parameters():
+        name, _, rows = hf.hf_place(n, family, spec)
+        out[name] = (rows, *p.shape[1:]) if rows else tuple(p.shape)
+    return out
 
 
 def check_hf_weights(path: str | Path, spec: ModelSpec) -> None:
-    """Every tensor the model needs is in the folder with its shape (headers only: no weights are read)."""
+    """Every tensor the model needs is in the folder with its shape, and the folder holds no other (a layer more
+    than config.json says, a tensor of another architecture: never left unread without a word); headers only, no
+    weights are read. RoPE's ``inv_freq`` buffers, which older checkpoints saved, are recomputed and so ignored."""
     w = HFWeights(path)
-    for name, shape in expected_tensors(spec, w.family).items():
+    expected = expected_tensors(spec, w.family)
+    for name, shape in expected.items():
         got = w.shape(name)
         if got != shape:
             raise TrainscaleError(f"[model] init {path}: {name} has shape {list(got)}, but the model needs "
                                   f"{list(shape)} (a [model] field overriding config.json?)")
+    extra = sorted(n for n in w.file_of if n not in expected and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise TrainscaleError(f"[model] init {path} holds the tensor {extra[0]}{more}, which the model its "
+                              f"config.json describes ({spec.n_layers} layers) has no place for")
 
 
 def load_into(module: nn.Module, weights: HFWeights, spec: ModelSpec) -> None:
@@ -86,12 +100,15 @@ def load_into(module: nn.Module, weights: HFWeights, spec: ModelSpec) -> None:
     hd = spec.head_dim
 
     def read(name: str, box: Box) -> torch.Tensor:
-        heads, hf_name = hf.rope_permuted_heads(name, spec), hf.hf_name(name, weights.family)
-        if heads is None:
+        heads = hf.rope_permuted_heads(name, spec)
+        hf_name, first, _ = hf.hf_place(name, weights.family, spec)  # first: the part's first row in a fused tensor
+        if heads is None and not first:
             return weights.read(hf_name, box)
-        lo, hi = box[0].start, box[0].stop  # read whole heads, permute them, keep this rank's rows
-        h0, h1 = lo // hd, -(-hi // hd)
-        t = weights.read(hf_name, (slice(h0 * hd, h1 * hd), *box[1:]))
+        lo, hi = box[0].start, box[0].stop
+        if heads is None:
+            return weights.read(hf_name, (slice(first + lo, first + hi), *box[1:]))
+        h0, h1 = lo // hd, -(-hi // hd)  # read whole heads, permute them, keep this rank's rows
+        t = weights.read(hf_name, (slice(first + h0 * hd, first + h1 * hd), *box[1:]))
         return hf.rope_half_to_interleaved(t, h1 - h0, hd)[lo - h0 * hd:hi - h0 * hd]
 
     fill(module, read)

@@ -60,6 +60,30 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+class ProjectionNorm(nn.Module):
+    """OLMo-2's q_norm / k_norm (transformers' Olmo2RMSNorm over the whole projection, all heads together, the gain
+    applied in fp32 before the cast): x / sqrt(sum(x^2) / dim + eps) * g. Under tensor parallelism a rank holds its
+    heads' features and their rows of g (a DTensor sharded on dim 0, as the projection's rows are): the sum of
+    squares is all-reduced over ``group`` (set by runtime/parallel/parallelize.py), whose backward all-reduces
+    the gradient, so every rank divides by the whole projection's norm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.group = None
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        if self.group is not None:
+            from torch.distributed.nn.functional import all_reduce
+
+            squares = all_reduce(squares, group=self.group)
+        w = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        return (w * (xf * torch.rsqrt(squares / self.dim + self.eps))).to(x.dtype)
+
+
 def make_norm(spec: ModelSpec) -> nn.Module:
     if spec.norm == "rmsnorm":
         return RMSNorm(spec.d_model, spec.norm_eps, spec.norm_offset)
@@ -291,7 +315,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, spec.kv_dim, bias=qkv_b)
         self.wv = nn.Linear(d, spec.kv_dim, bias=qkv_b)
         self.wo = nn.Linear(spec.q_dim, d, bias=b)
-        if spec.qk_norm:  # Qwen3: an RMSNorm over each head's query and key, before RoPE
+        self.whole_qk_norm = spec.qk_norm and spec.qk_norm_whole
+        if self.whole_qk_norm:  # OLMo-2: an RMSNorm over the whole Q projection and one over K's, before RoPE
+            self.q_norm = ProjectionNorm(spec.q_dim, spec.norm_eps)
+            self.k_norm = ProjectionNorm(spec.kv_dim, spec.norm_eps)
+        elif spec.qk_norm:  # Qwen3: an RMSNorm over each head's query and key, before RoPE
             self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset)
             self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps, spec.norm_offset)
         self.core: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = attention_core(spec, layer)
@@ -301,10 +329,13 @@ class Attention(nn.Module):
         """x [b, s, d] -> [b, s, d]; with ``cache``, x's K/V join layer ``layer``'s cached ones first; ``mask``
         (packed documents): who sees whom."""
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        q, k = self.wq(x), self.wk(x)
+        if self.whole_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(bsz, seq, -1, self.head_dim)
+        k = k.view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.whole_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -331,14 +362,17 @@ class FeedForward(FFN):
 
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + ffn(norm(x)); the ffn is ``moe`` (runtime/moe.py)
-    in a MoE model's layers from ``first_dense_layers`` on, else ``feed_forward``."""
+    in a MoE model's layers from ``first_dense_layers`` on, else ``feed_forward``. Gemma 2 norms the sub-layers'
+    outputs too (``sandwich_norms``); OLMo-2 norms only them (``post_norms``): x + norm(attn(x)), + norm(ffn(x))."""
 
     def __init__(self, spec: ModelSpec, layer: int = 0) -> None:
         super().__init__()
-        self.attention_norm = make_norm(spec)
+        if not spec.post_norms:  # OLMo-2 norms the sub-layers' outputs only
+            self.attention_norm = make_norm(spec)
         self.attention = Attention(spec, layer)
-        self.ffn_norm = make_norm(spec)
-        if spec.sandwich_norms:  # Gemma 2: the sub-layers' outputs normed too
+        if not spec.post_norms:
+            self.ffn_norm = make_norm(spec)
+        if spec.sandwich_norms or spec.post_norms:  # Gemma 2 (and OLMo-2): the sub-layers' outputs normed
             self.attention_post_norm = make_norm(spec)
             self.ffn_post_norm = make_norm(spec)
         if spec.is_moe_layer(layer):
@@ -349,10 +383,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
                 layer: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         # the cache and mask as keywords: tensor parallelism prepares the positional inputs (x, cos, sin) only
-        a = self.attention(self.attention_norm(x), cos, sin, cache=cache, layer=layer, mask=mask)
+        pre = hasattr(self, "attention_norm")
+        a = self.attention(self.attention_norm(x) if pre else x, cos, sin, cache=cache, layer=layer, mask=mask)
         x = x + (self.attention_post_norm(a) if hasattr(self, "attention_post_norm") else a)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        f = ffn(self.ffn_norm(x))
+        f = ffn(self.ffn_norm(x) if pre else x)
         return x + (self.ffn_post_norm(f) if hasattr(self, "ffn_post_norm") else f)
 
 
@@ -439,11 +474,13 @@ class Transformer(nn.Module):
             h = h + self.pos_embeddings(positions if positions.ndim == 2 else positions[None])
         cos, sin = rope_angles(positions, self.spec.head_dim, self.spec.rope_theta,
                                rope_frequencies(self.spec, positions.device), rope_scale(self.spec))
+        local = local_rope(self.spec, positions)
         for key, layer in self.layers.items():
+            c, s = local[1:] if local is not None and int(key) in local[0] else (cos, sin)  # Gemma 3's own
             if cache is not None:
-                h = layer(h, cos, sin, cache, int(key))
+                h = layer(h, c, s, cache, int(key))
             else:
-                h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
+                h = layer(h, c, s) if mask is None else layer(h, c, s, mask=mask)
         if cache is not None:
             cache.length += tokens.shape[1]
         if self.norm is not None:
@@ -454,6 +491,15 @@ class Transformer(nn.Module):
         if self.spec.final_softcap:  # Gemma 2: z -> c tanh(z / c)
             logits = torch.tanh(logits / self.spec.final_softcap) * self.spec.final_softcap
         return logits
+
+
+def local_rope(spec: ModelSpec, positions: torch.Tensor) -> tuple[set[int], torch.Tensor, torch.Tensor] | None:
+    """(the sliding-window layers, cos, sin of their RoPE) where they rotate by their own base
+    (``rope_local_theta``, unscaled: Gemma 3's rope_parameters["sliding_attention"]), else None."""
+    if not spec.rope_local_theta:
+        return None
+    layers = set(range(spec.n_layers) if spec.window_layers is None else spec.window_layers)
+    return (layers, *rope_angles(positions, spec.head_dim, spec.rope_local_theta))
 
 
 def tied_head(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -70,9 +70,12 @@ class Safetensors:
         return tuple(self.slice(name).get_shape())
 
     def read(self, name: str, box: Box) -> torch.Tensor:
-        """The ``box`` of tensor ``name`` (only those bytes are read)."""
+        """The ``box`` of tensor ``name`` (only those bytes are read); a NaN or an infinity in it is one sentence
+        naming the tensor (a model started from it would train NaN)."""
         t = self.slice(name)[box]
         self.elements_read += t.numel()
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise TrainscaleError(f"{self.what}: the tensor {name} holds NaN or infinite values")
         return t
 
 

@@ -91,7 +91,12 @@ def apply_tensor_parallel(model: Transformer, mesh: ParallelMesh, sp: bool) -> N
         plan = {name: _tp_style(style, name, sp, _GATHER_INPUTS.get(name, 1)) for name, style in block_plan.items()
                 if _has(block, name)}  # w3 only in a gated (SwiGLU) MLP
         parallelize_module(block, tp, plan)
-        if _has(block, "attention.q_norm"):  # Qwen3's per-head norms: on this rank's heads (dim 2), gains whole
+        if getattr(block.attention, "whole_qk_norm", False):  # OLMo-2: this rank's heads' rows of the gains
+            for n in ("q_norm", "k_norm"):
+                norm = block.attention.get_submodule(n)
+                norm.weight = nn.Parameter(distribute_tensor(norm.weight.data, tp, [Shard(0)]))
+                norm.group = tp.get_group()  # the sum of squares all-reduced over the projection's shards
+        elif _has(block, "attention.q_norm"):  # Qwen3's per-head norms: on this rank's heads (dim 2), gains whole
             parallelize_module(block, tp, {f"attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
                                            for n in ("q_norm", "k_norm")})
         if sp and _has(block, "attention_post_norm"):  # Gemma 2's output norms: on this rank's seq/tp tokens
