@@ -367,3 +367,17 @@ def test_gguf_refuses_the_new_families_in_one_sentence(folders, name):
     spec = hf_folder_spec(folders[name][0])
     with pytest.raises(TrainscaleError, match=f"GGUF export does not write {spec.family} models yet; export --to hf"):
         check_gguf(spec)
+
+
+def test_olmo2_qk_norm_gains_are_counted_cut_with_the_heads_under_tp(folders):
+    """runtime/parallel/parallelize.py shards OLMo-2's whole-projection Q/K norm gains on dim 0 with the heads;
+    the rank model (placement.tp_shard_dim) counts them the same way, a per-head norm (Qwen3) stays replicated."""
+    from trainscale.estimate.measured.rank import rank_tensors
+    from trainscale.specs import Layout, load_model
+
+    for name, cut in (("olmo2", True), ("qwen3", False)):
+        spec = load_model(folders[name][0] / "config.json")
+        shapes = dict(rank_tensors(spec, Layout.parse("tp2"), 1))
+        q = next(s for n, s in shapes.items() if n.endswith("q_norm.weight"))
+        k = next(s for n, s in shapes.items() if n.endswith("k_norm.weight"))
+        assert (q, k) == (((spec.q_dim // 2,), (spec.kv_dim // 2,)) if cut else ((spec.head_dim,), (spec.head_dim,)))

@@ -274,11 +274,15 @@ def _style_of(module: str) -> TPStyle | None:
     return None
 
 
-def tp_shard_dim(name: str) -> int | None:
+def tp_shard_dim(name: str, spec: Any = None) -> int | None:
     """The dim tensor parallelism shards the parameter ``name`` on (None: replicated), from the plan:
     column-parallel weights and biases on dim 0, row-parallel weights on dim 1 (their biases
-    replicated), row-parallel embeddings on the vocabulary dim 0; norms are replicated."""
+    replicated), row-parallel embeddings on the vocabulary dim 0; norms are replicated, but for a Q/K norm over the
+    whole projection (OLMo-2, ``spec.qk_norm_whole``), whose gain is cut with the heads on dim 0
+    (runtime/parallel/parallelize.py)."""
     module, kind = name.rsplit(".", 1)
+    if getattr(spec, "qk_norm_whole", False) and module.rsplit(".", 1)[-1] in ("q_norm", "k_norm"):
+        return 0
     style = _style_of(module)
     if style == "colwise":
         return 0

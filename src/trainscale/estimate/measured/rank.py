@@ -88,7 +88,7 @@ def rank_tensors(m: ModelSpec, layout: Layout, rank: int, optimizer: bool = Fals
                 local[1] = chunk_len(local[1], n_expert_shard, expert_idx)
             out.append((name, tuple(local)))
             continue
-        dim = tp_shard_dim(name) if layout.tp > 1 else None
+        dim = tp_shard_dim(name, m) if layout.tp > 1 else None
         if dim is not None:
             local[dim] = chunk_len(local[dim], layout.tp, c["tp"])
         if fsdp:
