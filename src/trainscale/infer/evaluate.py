@@ -25,6 +25,7 @@ from trainscale.runtime.evaluator import window_batches
 from trainscale.safeio import read_json_object
 
 SPLITS = ("all", "held-out")
+BATCH_TOKENS = 8192  # tokens a forward pass of short windows holds (8 windows of the model's own length at least)
 FORMATS = ("auto", "text", "chat")
 
 
@@ -39,17 +40,19 @@ def eval_ids(tokenizer, text: str | None = None, max_tokens: int = 32768) -> lis
 
 
 @torch.no_grad()
-def perplexity(model, ids: list[int], seq_len: int | None = None, batch: int = 8) -> float:
+def perplexity(model, ids: list[int], seq_len: int | None = None, batch: int | None = None) -> float:
     """exp of the mean NLL of every token after the first in each window of ``seq_len`` + 1 tokens."""
     total, count = nll_sum(model, ids, seq_len, batch)
     return math.exp(total / count)
 
 
 @torch.no_grad()
-def nll_sum(model, ids: list[int], seq_len: int | None = None, batch: int = 8) -> tuple[float, int]:
+def nll_sum(model, ids: list[int], seq_len: int | None = None, batch: int | None = None) -> tuple[float, int]:
     """(summed next-token NLL, tokens scored) over the windows of ``seq_len`` + 1 tokens that cover ``ids``
-    (runtime/evaluator.window_spans: the trainer's held-out loss cuts its text the same way)."""
+    (runtime/evaluator.window_spans: the trainer's held-out loss cuts its text the same way), ``batch`` windows a
+    forward pass (default: 8, or as many as fill BATCH_TOKENS tokens: short windows are not one pass each)."""
     seq_len = min(seq_len or model.spec.max_seq_len, model.spec.max_seq_len)
+    batch = batch or max(8, BATCH_TOKENS // seq_len)
     data = torch.tensor(ids)
     total, count = 0.0, 0
     device = next(model.parameters()).device
@@ -284,3 +287,14 @@ def _same_tokenizer(a: Path, b: Path) -> bool:
         return read_json_object(a, "tokenizer") == read_json_object(b, "tokenizer")
     except TrainscaleError:
         return False
+
+
+def check_window(seq_len: int | None, spec) -> int:
+    """The tokens per window of an evaluation: ``seq_len`` (default: the model's max_seq_len), at most the model's
+    window; a longer one is refused rather than cut down silently."""
+    if seq_len is None:
+        return spec.max_seq_len
+    if not 1 <= seq_len <= spec.max_seq_len:
+        raise TrainscaleError(f"--seq-len must be 1 to the model's window, {spec.max_seq_len:,} tokens (its "
+                              f"max_seq_len), not {seq_len:,}")
+    return seq_len
