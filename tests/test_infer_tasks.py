@@ -179,13 +179,14 @@ def test_task_files_are_bounded(world, tmp_path, monkeypatch):
         "evaluate", str(world["model"]), "--tasks", str(world["tasks"]), "--data", "corpus:val")
 
 
+@pytest.mark.slow
 def test_batched_scores_equal_one_by_one(world):
     """Requests of mixed lengths in right-padded batches give what each alone gives."""
     from trainscale.infer.load import load_for_inference, load_tokenizer_for
     from trainscale.infer.tasks import read_tasks, score_tasks
 
     model, spec, folder = load_for_inference(world["model"])
-    rows = read_tasks(world["tasks"])
+    rows = read_tasks(world["tasks"])[:5]  # 15 requests of mixed lengths (every new shape is slow on a first pass)
     batched = score_tasks(model, load_tokenizer_for(folder), rows, spec.max_seq_len, VOCAB)
     alone = score_tasks(model, load_tokenizer_for(folder), rows, spec.max_seq_len, VOCAB, batch_tokens=1)
     for a, b in zip(batched["predictions"], alone["predictions"], strict=True):
@@ -193,10 +194,40 @@ def test_batched_scores_equal_one_by_one(world):
         assert (a["pred"], a["pred_norm"]) == (b["pred"], b["pred_norm"])
 
 
-def test_evaluate_windows_are_bounded(world):
-    msg = fails("evaluate", str(world["model"]), "--data", "corpus:val", "--seq-len", "65")
+def test_evaluate_windows_are_bounded(world, tmp_path):
+    from trainscale.runtime.data.sources import corpus_text
+
+    text = tmp_path / "val.txt"
+    text.write_text(corpus_text("val", max_chars=8000))
+    msg = fails("evaluate", str(world["model"]), "--data", str(text), "--seq-len", "65")
     assert msg == "--seq-len must be 1 to the model's window, 64 tokens (its max_seq_len), not 65"
-    assert "must be a positive integer" in fails("evaluate", str(world["model"]), "--data", "corpus:val",
+    assert "must be a positive integer" in fails("evaluate", str(world["model"]), "--data", str(text),
                                                  "--seq-len", "0")
-    one = cli("evaluate", str(world["model"]), "--data", "corpus:val", "--seq-len", "1", "--max-tokens", "2000")
+    one = cli("evaluate", str(world["model"]), "--data", str(text), "--seq-len", "1", "--max-tokens", "2000")
     assert (one["seq_len"], one["scored_tokens"]) == (1, 1999)
+
+
+def test_evaluate_data_lines_are_bounded_before_tokenising(world, tmp_path, monkeypatch):
+    """A 10 MB chat message or JSONL line is refused in one sentence naming its line, before any tokenising
+    (it was tokenised whole: tens of seconds, gigabytes); the scan streams, so a line across read chunks counts."""
+    from trainscale.infer import evaluate as ev
+
+    big = tmp_path / "chat.jsonl"
+    msg = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 2_000_000}]}
+    big.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+                   + "\n" + json.dumps(msg) + "\n")
+    said = fails("evaluate", str(world["model"]), "--data", str(big), "--format", "chat")
+    assert said.startswith(f"data file {big} line 2 is longer than 1,048,576 bytes") and said.endswith("split it")
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("short\n" * 10)
+    (folder / "b.jsonl").write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"text": "y" * 300}) + "\n")
+    monkeypatch.setattr(ev, "MAX_EVAL_LINE_BYTES", 200)
+    assert f"{folder / 'b.jsonl'} line 2 is longer than 200 bytes" in fails("evaluate", str(world["model"]),
+                                                                            "--data", str(folder))
+    ev.check_lines(str(folder), limit=320)  # the longest line, 314 bytes, passes a limit above it
+    one = tmp_path / "one.txt"
+    one.write_bytes(b"z" * ((1 << 20) + 5))  # one line across two read chunks
+    with pytest.raises(ev.TrainscaleError, match="line 1 is longer than 1,048,580"):
+        ev.check_lines(str(one), limit=(1 << 20) + 4)
+    ev.check_lines(str(one), limit=(1 << 20) + 5)

@@ -31,10 +31,10 @@ def evaluate(
                                    help="evaluate on at most this many tokens (the first of the text)"),
     seq_len: int = typer.Option(None, "--seq-len", callback=number(gt=0, le=1 << 20),
                                 help="tokens per window (default: the model's max_seq_len)"),
-    tasks: str = typer.Option(None, "--tasks", help="a JSONL file of multiple-choice examples ({\"context\": "
-                              "str, \"choices\": [str, ...], \"gold\": int} a line): accuracy and length-normalised "
-                              "accuracy, each choice scored by its summed log-likelihood as lm-evaluation-harness "
-                              "scores its multiple_choice tasks (instead of a perplexity)"),
+    tasks: str = typer.Option(None, "--tasks", help="a JSONL file of multiple-choice examples, one a line: "
+                              "'context' (a string), 'choices' (a list of strings), 'gold' (the right one's index); "
+                              "prints accuracy and length-normalised accuracy, each choice scored by its summed "
+                              "log-likelihood as lm-evaluation-harness scores its multiple_choice tasks"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Mean next-token loss and perplexity of a model on a text, in non-overlapping windows; says which text.

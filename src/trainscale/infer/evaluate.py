@@ -25,6 +25,9 @@ from trainscale.runtime.evaluator import window_batches
 from trainscale.safeio import read_json_object
 
 SPLITS = ("all", "held-out")
+# A line of a text or JSONL file evaluate reads: a document, or a conversation, of at most ~250K tokens. A window
+# scores at most max_seq_len + 1 tokens of it; a longer line (a 10 MB message) would be tokenised whole first.
+MAX_EVAL_LINE_BYTES = 1 << 20
 BATCH_TOKENS = 8192  # tokens a forward pass of short windows holds (8 windows of the model's own length at least)
 FORMATS = ("auto", "text", "chat")
 
@@ -126,6 +129,7 @@ def evaluation_text(folder: Path, tok, data: str | None = None, text_field: str 
         raise TrainscaleError(f"an evaluation needs at least 2 tokens, not {max_tokens}")
     if data is not None:
         split = split or "all"
+        check_lines(data)
         fraction, why = held_fraction(folder, data)
         if fmt == "chat" or (fmt == "auto" and is_chat_data(data, text_field)):
             return _chat_text(folder, data, split, fraction, why, max_tokens, vocab, "data")
@@ -151,6 +155,41 @@ def evaluation_text(folder: Path, tok, data: str | None = None, text_field: str 
     ids = held.ids if held.ids is not None else eval_ids(tok, None, max_tokens)
     source = held.data or "the Shakespeare plays (runtime/data/sources.py)"
     return EvalText(_enough(ids, held.what), f"{held.what}, {len(ids):,} tokens", held.kind, source, "held-out")
+
+
+def check_lines(data: str, limit: int | None = None) -> None:
+    """Every line of the text, JSONL and chat files ``data`` names is at most ``limit`` bytes (default
+    MAX_EVAL_LINE_BYTES), checked by streaming each file before any is tokenised; else one sentence naming the
+    line. corpus:train / corpus:val, Parquet and token files are not line-based and are not scanned."""
+    from trainscale.runtime.data.sources import resolve_sources
+    from trainscale.safeio import check_regular
+
+    if data in ("corpus:train", "corpus:val") or not data.strip():
+        return
+    limit = limit or MAX_EVAL_LINE_BYTES
+    try:  # resolve_sources asks is_dir(), which raises for a name too long
+        Path(data).expanduser().is_dir()
+    except (OSError, ValueError):
+        return  # split_data says so in its own sentence
+    for src in resolve_sources((data,)):
+        if src.format not in ("text", "jsonl", "chat"):
+            continue
+        line, length = 1, 0
+        try:
+            with open(check_regular(src.path, "data file"), "rb") as f:
+                while chunk := f.read(1 << 20):
+                    parts = chunk.split(b"\n")
+                    for k, part in enumerate(parts):
+                        length += len(part)
+                        if length > limit:
+                            raise TrainscaleError(f"data file {src.path} line {line:,} is longer than {limit:,} "
+                                                  "bytes, more than evaluate reads as one document or conversation "
+                                                  "(a window scores at most the model's max_seq_len tokens of it); "
+                                                  "split it")
+                        if k < len(parts) - 1:
+                            line, length = line + 1, 0
+        except OSError as e:
+            raise TrainscaleError(f"data file {src.path} cannot be read: {e.strerror}") from None
 
 
 def _chat_text(folder: Path, data: str, split: str, fraction: float, why: str, max_tokens: int, vocab: int | None,
