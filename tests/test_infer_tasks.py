@@ -198,13 +198,13 @@ def test_evaluate_windows_are_bounded(world, tmp_path):
     from trainscale.runtime.data.sources import corpus_text
 
     text = tmp_path / "val.txt"
-    text.write_text(corpus_text("val", max_chars=8000))
+    text.write_text(corpus_text("val", max_chars=2000))
     msg = fails("evaluate", str(world["model"]), "--data", str(text), "--seq-len", "65")
     assert msg == "--seq-len must be 1 to the model's window, 64 tokens (its max_seq_len), not 65"
     assert "must be a positive integer" in fails("evaluate", str(world["model"]), "--data", str(text),
                                                  "--seq-len", "0")
-    one = cli("evaluate", str(world["model"]), "--data", str(text), "--seq-len", "1", "--max-tokens", "2000")
-    assert (one["seq_len"], one["scored_tokens"]) == (1, 1999)
+    one = cli("evaluate", str(world["model"]), "--data", str(text), "--seq-len", "1", "--max-tokens", "500")
+    assert (one["seq_len"], one["scored_tokens"]) == (1, 499)  # 499 windows of 2 tokens, in one forward pass
 
 
 def test_evaluate_data_lines_are_bounded_before_tokenising(world, tmp_path, monkeypatch):
@@ -231,3 +231,17 @@ def test_evaluate_data_lines_are_bounded_before_tokenising(world, tmp_path, monk
     with pytest.raises(ev.TrainscaleError, match="line 1 is longer than 1,048,580"):
         ev.check_lines(str(one), limit=(1 << 20) + 4)
     ev.check_lines(str(one), limit=(1 << 20) + 5)
+
+
+def test_an_adapters_own_data_is_bounded_too(tmp_path, monkeypatch):
+    """Without --data a LoRA folder is evaluated on the file its adapter.json names: its lines are bounded the same."""
+    from trainscale.infer import evaluate as ev
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"text": "b" * 100}) + "\n")
+    (tmp_path / "ad").mkdir()
+    (tmp_path / "ad" / "adapter.json").write_text(json.dumps({"data": str(data), "text_field": "text",
+                                                               "held_out": 0.1}))
+    monkeypatch.setattr(ev, "MAX_EVAL_LINE_BYTES", 50)
+    with pytest.raises(ev.TrainscaleError, match=f"data file {data} line 2 is longer than 50 bytes"):
+        ev.evaluation_text(tmp_path / "ad", None)

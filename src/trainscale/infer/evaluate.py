@@ -144,6 +144,8 @@ def evaluation_text(folder: Path, tok, data: str | None = None, text_field: str 
     if held.kind == "default-plays" and not default_plays:
         raise TrainscaleError(f"{folder} has no held-out data of its own (not a LoRA folder, nor from a run folder "
                               "that says what it trained on); name the text to evaluate on with --data")
+    if held.kind == "adapter-data":
+        check_lines(held.data)
     if held.kind == "adapter-data" and held.chat:
         return _chat_text(folder, held.data, "held-out", held.fraction, f"what the LoRA adapter {folder} held out",
                           max_tokens, vocab, held.kind)
