@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from trainscale.errors import TrainscaleError
 from trainscale.safeio import parse_json, read_bytes
 
@@ -140,11 +138,19 @@ def requests_of(rows: list[TaskRow], tok, max_seq_len: int, vocab: int) -> list[
     return out
 
 
-@torch.no_grad()
 def loglikelihoods(model, requests: list[Request], batch_tokens: int = BATCH_TOKENS) -> list[float]:
     """Summed log-probability of each request's continuation tokens; requests sorted longest first and run in
     right-padded batches of at most ``batch_tokens`` tokens (a causal model's earlier positions never see the
     padding after them)."""
+    import torch  # here: a bad task file is refused before torch is imported
+
+    with torch.no_grad():
+        return _loglikelihoods(model, requests, batch_tokens)
+
+
+def _loglikelihoods(model, requests: list[Request], batch_tokens: int) -> list[float]:
+    import torch
+
     device = next(model.parameters()).device
     order = sorted(range(len(requests)), key=lambda k: -len(requests[k].ids))
     out = [0.0] * len(requests)
@@ -199,16 +205,16 @@ def score_tasks(model, tok, rows: list[TaskRow], max_seq_len: int, vocab: int,
 
 
 def evaluate_tasks(checkpoint: str | Path, path: str | Path, batch_tokens: int = BATCH_TOKENS) -> dict[str, Any]:
-    """``score_tasks`` of any model folder infer/ loads on the task file ``path`` (read and checked before the
-    model is loaded), with what was scored: the model, the file, the window, the seconds."""
+    """``score_tasks`` of any model folder infer/ loads on the task file ``path`` (read and checked first, before
+    the model's folder is looked at), with what was scored: the model, the file, the window, the seconds."""
     import time
 
+    rows = read_tasks(path)
     from trainscale.infer.load import folder_kind, load_for_inference, load_tokenizer_for, source_folder, spec_of
 
     folder = source_folder(checkpoint)
     spec = spec_of(folder)
     tok = load_tokenizer_for(folder)
-    rows = read_tasks(path)
     model, spec, folder = load_for_inference(folder)
     t0 = time.perf_counter()
     got = score_tasks(model, tok, rows, spec.max_seq_len, spec.vocab_size, batch_tokens)
