@@ -411,6 +411,7 @@ def test_paths(tmp, model_dir):
                                  "--seq-len", "16", "--out", p, "--json"],
         "evaluate MODEL": lambda p: ["evaluate", p, "--data", str(tmp / "data.txt"), "--max-tokens", "64"],
         "evaluate --data": lambda p: ["evaluate", m, "--data", p, "--max-tokens", "64", "--json"],
+        "evaluate --tasks": lambda p: ["evaluate", m, "--tasks", p, "--json"],
         "export CHECKPOINT": lambda p: ["export", p, str(tmp / "e.gguf"), "--to", "gguf"],
         "export OUT hf": lambda p: ["export", m, p, "--to", "hf", "--json"],
         "export OUT gguf": lambda p: ["export", m, p, "--to", "gguf", "--json"],

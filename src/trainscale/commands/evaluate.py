@@ -31,20 +31,28 @@ def evaluate(
                                    help="evaluate on at most this many tokens (the first of the text)"),
     seq_len: int = typer.Option(None, "--seq-len", callback=number(gt=0, le=1 << 20),
                                 help="tokens per window (default: the model's max_seq_len)"),
+    tasks: str = typer.Option(None, "--tasks", help="a JSONL file of multiple-choice examples, one a line: "
+                              "'context' (a string), 'choices' (a list of strings), 'gold' (the right one's index); "
+                              "prints accuracy and length-normalised accuracy, each choice scored by its summed "
+                              "log-likelihood as lm-evaluation-harness scores its multiple_choice tasks"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
-    """Mean next-token loss and perplexity of a model on a text, in non-overlapping windows; says which text."""
+    """Mean next-token loss and perplexity of a model on a text, in non-overlapping windows; says which text.
+    With --tasks: multiple-choice accuracy (acc, acc_norm) on a local task file, as lm-evaluation-harness scores it."""
+    if tasks is not None:
+        _tasks(checkpoint, tasks, data, split, seq_len, as_json)
+        return
     from trainscale.commands._infer import kv_table, print_tables
-    from trainscale.infer.evaluate import evaluation_text, score
+    from trainscale.infer.evaluate import check_window, evaluation_text, score
     from trainscale.infer.load import folder_kind, load_for_inference, load_tokenizer_for, source_folder, spec_of
     from trainscale.runtime.artifact import checkpoint_source
 
     folder = source_folder(checkpoint)
     spec = spec_of(folder)
     tok = load_tokenizer_for(folder)
+    window = check_window(seq_len, spec)
     text = evaluation_text(folder, tok, data, text_field, split, max_tokens, spec.vocab_size, fmt=fmt)
     model, spec, folder = load_for_inference(folder)
-    window = min(seq_len or spec.max_seq_len, spec.max_seq_len)
     t0 = time.perf_counter()
     total, count = score(model, text, window)
     secs = time.perf_counter() - t0
@@ -66,4 +74,31 @@ def evaluate(
         "tokens scored": scored,
         "loss": f"{loss:.4f} nats/token",
         "perplexity": f"{math.exp(loss):.3f}",
+    }))
+
+
+def _tasks(checkpoint: str, tasks: str, data: str | None, split: str | None, seq_len: int | None,
+           as_json: bool) -> None:
+    from trainscale.commands._infer import kv_table, print_tables
+    from trainscale.errors import TrainscaleError
+    from trainscale.infer.tasks import evaluate_tasks
+
+    if data is not None or split is not None or seq_len is not None:
+        raise TrainscaleError("--tasks scores multiple-choice examples in the model's whole window; --data, --split "
+                              "and --seq-len belong to a perplexity evaluation (run evaluate once for each)")
+    rep = evaluate_tasks(checkpoint, tasks)
+    if as_json:
+        emit_json(rep)
+        return
+    console.print(f"[bold]{rep['name'] or 'model'}[/bold] ({rep['model_kind']} folder {rep['model']})")
+
+    def pm(v: float, se: float | None) -> str:
+        return f"{v:.4f}" + (f" ± {se:.4f}" if se is not None else "")
+
+    print_tables(kv_table({
+        "tasks": f"{rep['tasks']}: {rep['examples']:,} examples, {rep['requests']:,} choices scored",
+        "acc": pm(rep["acc"], rep["acc_stderr"]),
+        "acc_norm": pm(rep["acc_norm"], rep["acc_norm_stderr"]),
+        "left-truncated": f"{rep['truncated_requests']:,} of {rep['requests']:,} (window {rep['max_seq_len']:,})",
+        "seconds": f"{rep['seconds']:.2f}",
     }))

@@ -18,13 +18,26 @@ from typing import Any
 import torch
 
 from trainscale.errors import TrainscaleError
-from trainscale.infer.lora import LORA_HELD_OUT, ChatSplit, chat_rows, is_chat_data, lora_loss, split_chat, split_data
+from trainscale.infer.lora import (
+    LORA_HELD_OUT,
+    MAX_DATA_BYTES,
+    ChatSplit,
+    chat_rows,
+    is_chat_data,
+    lora_loss,
+    split_chat,
+    split_data,
+)
 from trainscale.runtime.artifact import RUN_CONFIG, RUN_TOKENIZER, run_folder_of, run_toml
 from trainscale.runtime.data.sources import corpus_text
 from trainscale.runtime.evaluator import window_batches
 from trainscale.safeio import read_json_object
 
 SPLITS = ("all", "held-out")
+# A line of a text or JSONL file evaluate reads: a document, or a conversation, of at most ~250K tokens. A window
+# scores at most max_seq_len + 1 tokens of it; a longer line (a 10 MB message) would be tokenised whole first.
+MAX_EVAL_LINE_BYTES = 1 << 20
+BATCH_TOKENS = 8192  # tokens a forward pass of short windows holds (8 windows of the model's own length at least)
 FORMATS = ("auto", "text", "chat")
 
 
@@ -39,17 +52,19 @@ def eval_ids(tokenizer, text: str | None = None, max_tokens: int = 32768) -> lis
 
 
 @torch.no_grad()
-def perplexity(model, ids: list[int], seq_len: int | None = None, batch: int = 8) -> float:
+def perplexity(model, ids: list[int], seq_len: int | None = None, batch: int | None = None) -> float:
     """exp of the mean NLL of every token after the first in each window of ``seq_len`` + 1 tokens."""
     total, count = nll_sum(model, ids, seq_len, batch)
     return math.exp(total / count)
 
 
 @torch.no_grad()
-def nll_sum(model, ids: list[int], seq_len: int | None = None, batch: int = 8) -> tuple[float, int]:
+def nll_sum(model, ids: list[int], seq_len: int | None = None, batch: int | None = None) -> tuple[float, int]:
     """(summed next-token NLL, tokens scored) over the windows of ``seq_len`` + 1 tokens that cover ``ids``
-    (runtime/evaluator.window_spans: the trainer's held-out loss cuts its text the same way)."""
+    (runtime/evaluator.window_spans: the trainer's held-out loss cuts its text the same way), ``batch`` windows a
+    forward pass (default: 8, or as many as fill BATCH_TOKENS tokens: short windows are not one pass each)."""
     seq_len = min(seq_len or model.spec.max_seq_len, model.spec.max_seq_len)
+    batch = batch or max(8, BATCH_TOKENS // seq_len)
     data = torch.tensor(ids)
     total, count = 0.0, 0
     device = next(model.parameters()).device
@@ -123,6 +138,7 @@ def evaluation_text(folder: Path, tok, data: str | None = None, text_field: str 
         raise TrainscaleError(f"an evaluation needs at least 2 tokens, not {max_tokens}")
     if data is not None:
         split = split or "all"
+        check_lines(data)
         fraction, why = held_fraction(folder, data)
         if fmt == "chat" or (fmt == "auto" and is_chat_data(data, text_field)):
             return _chat_text(folder, data, split, fraction, why, max_tokens, vocab, "data")
@@ -137,6 +153,8 @@ def evaluation_text(folder: Path, tok, data: str | None = None, text_field: str 
     if held.kind == "default-plays" and not default_plays:
         raise TrainscaleError(f"{folder} has no held-out data of its own (not a LoRA folder, nor from a run folder "
                               "that says what it trained on); name the text to evaluate on with --data")
+    if held.kind == "adapter-data":
+        check_lines(held.data)
     if held.kind == "adapter-data" and held.chat:
         return _chat_text(folder, held.data, "held-out", held.fraction, f"what the LoRA adapter {folder} held out",
                           max_tokens, vocab, held.kind)
@@ -148,6 +166,52 @@ def evaluation_text(folder: Path, tok, data: str | None = None, text_field: str 
     ids = held.ids if held.ids is not None else eval_ids(tok, None, max_tokens)
     source = held.data or "the Shakespeare plays (runtime/data/sources.py)"
     return EvalText(_enough(ids, held.what), f"{held.what}, {len(ids):,} tokens", held.kind, source, "held-out")
+
+
+def check_lines(data: str, limit: int | None = None) -> None:
+    """Every line of the text, JSONL and chat files ``data`` names is at most ``limit`` bytes (default
+    MAX_EVAL_LINE_BYTES), checked by streaming each file before any is tokenised; else one sentence naming the
+    line. corpus:train / corpus:val, Parquet and token files are not line-based and are not scanned."""
+    from trainscale.runtime.data.sources import resolve_sources
+
+    if data in ("corpus:train", "corpus:val") or not data.strip():
+        return
+    limit = limit or MAX_EVAL_LINE_BYTES
+    try:  # resolve_sources asks is_dir(), which raises for a name too long
+        Path(data).expanduser().is_dir()
+    except (OSError, ValueError):
+        return  # split_data says so in its own sentence
+    sources = resolve_sources((data,))
+    if sum(s.size for s in sources) > MAX_DATA_BYTES:
+        return  # split_data and split_chat refuse it in their own sentence, before reading it
+    for src in sources:
+        if src.format in ("text", "jsonl", "chat"):
+            _check_file_lines(src.path, limit)
+
+
+def _check_file_lines(path: str, limit: int) -> None:
+    """Stream ``path`` in 1 MiB chunks; a line (counted across chunks) longer than ``limit`` is one sentence. The
+    newlines are found by numpy, so a gigabyte of short lines takes seconds, not a Python loop per line."""
+    import numpy as np
+
+    from trainscale.safeio import check_regular
+
+    line, carry = 1, 0  # the line the chunk starts in, and its bytes before the chunk
+    try:
+        with open(check_regular(path, "data file"), "rb") as f:
+            while chunk := f.read(1 << 20):
+                nl = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10)
+                # each line's bytes in this chunk (its last one: to the chunk's end), the first one's carry added
+                lengths = np.diff(np.concatenate(([-1], nl, [len(chunk)]))) - 1
+                lengths[0] += carry
+                if int(lengths.max()) > limit:
+                    raise TrainscaleError(f"data file {path} line {line + int(np.argmax(lengths > limit)):,} is "
+                                          f"longer than {limit:,} bytes, more than evaluate reads as one document or "
+                                          "conversation (a window scores at most the model's max_seq_len tokens of "
+                                          "it); split it")
+                carry, line = int(lengths[-1]), line + len(nl)
+    except OSError as e:
+        raise TrainscaleError(f"data file {path} cannot be read: {e.strerror}") from None
 
 
 def _chat_text(folder: Path, data: str, split: str, fraction: float, why: str, max_tokens: int, vocab: int | None,
@@ -284,3 +348,14 @@ def _same_tokenizer(a: Path, b: Path) -> bool:
         return read_json_object(a, "tokenizer") == read_json_object(b, "tokenizer")
     except TrainscaleError:
         return False
+
+
+def check_window(seq_len: int | None, spec) -> int:
+    """The tokens per window of an evaluation: ``seq_len`` (default: the model's max_seq_len), at most the model's
+    window; a longer one is refused rather than cut down silently."""
+    if seq_len is None:
+        return spec.max_seq_len
+    if not 1 <= seq_len <= spec.max_seq_len:
+        raise TrainscaleError(f"--seq-len must be 1 to the model's window, {spec.max_seq_len:,} tokens (its "
+                              f"max_seq_len), not {seq_len:,}")
+    return seq_len
