@@ -31,7 +31,7 @@ $TS reliability --trials 300
 step "4. Train the tiny model on 4 processes (dp2 x tp2), checkpoint every 5 steps, one injected crash"
 rm -rf runs/demo runs/demo-int4 runs/own-data runs/demo-report runs/moe-tiny runs/demo-hf-step25 runs/demo-lora \
   runs/demo-peft runs/llama32 runs/llama32-lora runs/llama32-peft runs/llama32.gguf \
-  runs/chat-llama32  # a fresh run folder each time
+  runs/chat-llama32 runs/chat-llama32-dpo  # a fresh run folder each time
 $TS train --config configs/demo.toml --layout dp2,tp2 --inject crash@step=12,rank=3 --max-restarts 6
 
 step "4b. Your own data: a JSONL file (made here), tokenised once into shards, trained on for 60 steps"
@@ -60,6 +60,9 @@ $TS export runs/demo/checkpoints/step-00000025 runs/demo-hf-step25 --to hf
 $TS lora runs/demo --data runs/own-data/corpus.jsonl --text-field text --rank 4 --steps 20 --out runs/demo-lora
 $TS export runs/demo-lora runs/demo-peft --to peft
 
+step "5c. Scores people compare: multiple-choice accuracy on a local task file, as lm-evaluation-harness computes it"
+$TS evaluate runs/demo --tasks examples/tasks-plays.jsonl
+
 step "6. Calibrate this machine, then check the plan against the runtime, rank by rank"
 $TS calibrate --config configs/small.toml --processes 1,2
 $TS compare --config configs/small.toml --layouts "dp2,zero1,mb8;dp2,zero3,mb8;tp2,mb16;pp2,mb4"
@@ -68,6 +71,10 @@ step "7. Fine-tune a model you have: a Llama-3.2-shaped Hugging Face folder (lla
 .venv/bin/python scripts/tiny_llama32.py runs/llama32 --chat examples/chat.jsonl 2>/dev/null  # built by transformers
 # full fine-tuning on the chat file (assistant tokens learned, conversations masked from each other), dp2
 $TS train --config configs/chat-llama32.toml --layout dp2
+# preference tuning of that run, fsdp2 on 2 processes: its answers chosen over the same answers shouted (DPO,
+# reference log-probs computed once; the same numbers as one process)
+$TS dpo runs/chat-llama32/run --data examples/preference.jsonl --steps 30 --batch 8 --lr 1e-4 --layout fsdp2 \
+  --out runs/chat-llama32-dpo
 # LoRA on the folder itself, the adapter merged into a copy of the weights too
 $TS lora runs/llama32 --data examples/chat.jsonl --rank 8 --steps 60 --merge --out runs/llama32-lora
 $TS export runs/llama32-lora runs/llama32-peft --to peft
@@ -98,3 +105,32 @@ $TS generate runs/llama32-lora --chat --prompt "What is a good way to learn to c
 step "8. The report of the plan, the reliability model and this run"
 $TS report --out runs/demo-report --plan runs/plan-405b.json --run runs/demo
 echo "open runs/demo-report/index.html"
+
+step "9. Run it at home: the fine-tuned chat model behind an OpenAI-compatible server on 127.0.0.1"
+PORT=${SERVE_PORT:-8765}
+$TS serve runs/llama32-lora --port "$PORT" --name llama32-chat &   # binds 127.0.0.1 unless --host says otherwise
+SERVE_PID=$!
+trap 'kill $SERVE_PID 2>/dev/null || true' EXIT
+.venv/bin/python - "$PORT" <<'PY'
+# the official openai client, pointed at the local server: the reply is generate --chat's (greedy), streamed too
+import sys
+import time
+
+import openai
+
+client = openai.OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key="not-needed")
+for _ in range(600):  # the server loads the model first
+    try:
+        model = client.models.list().data[0].id
+        break
+    except openai.APIConnectionError:
+        time.sleep(0.2)
+question = [{"role": "user", "content": "What is a good way to learn to cook?"}]
+reply = client.chat.completions.create(model=model, messages=question, temperature=0, max_tokens=24)
+print(f"openai client -> {model}:", repr(reply.choices[0].message.content), f"({reply.choices[0].finish_reason},",
+      f"{reply.usage.completion_tokens} tokens)")
+stream = client.chat.completions.create(model=model, messages=question, temperature=0, max_tokens=24, stream=True)
+print("streamed:", repr("".join(c.choices[0].delta.content or "" for c in stream if c.choices)))
+PY
+kill "$SERVE_PID"; wait "$SERVE_PID" 2>/dev/null || true
+trap - EXIT
