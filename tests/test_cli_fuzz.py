@@ -724,13 +724,17 @@ def test_tokenizer_files(tmp, model_dir):
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp) -> Path:
-    """A transformers-built random Llama folder, as people download them."""
+    """A transformers-built random Llama folder with its tokenizer.json, as people download them."""
     import transformers
+
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.data.tokenizer import train_bpe
 
     cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                                    intermediate_size=128, vocab_size=512, max_position_embeddings=128)
     folder = tmp / "hf-llama"
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    train_bpe([corpus_text("train", max_chars=50_000)], 512).save(str(folder / "tokenizer.json"))
     return folder
 
 

@@ -322,3 +322,17 @@ def test_bad_input_exits_2_with_one_line(args, needle):
     assert r.returncode == 2
     assert needle in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_kquant_file_sizes_match_llama_cpps_published_llama3_8b():
+    """llama.cpp tools/perplexity/README.md, LLaMA 3 8B scoreboard, "Model size [GiB]": q4_K_M 4.58, q5_K_M 5.33,
+    q6_K 6.14, q8_0 7.96 (also in tools/quantize/quantize.cpp's type list). Our tensor bytes, from llama.cpp's type
+    mix and ggml's block layouts (Q4_K 144 B, Q5_K 176 B, Q6_K 210 B per 256 weights; Q8_0 34 B per 32), land
+    within 0.5 % (the files add their tokenizer metadata)."""
+    m = load_model("llama3.1-8b")
+    assert inference.bits_per_weight("Q5_K") == 5.5
+    for ftype, gib in (("q4_k_m", 4.58), ("q5_k_m", 5.33), ("q6_k", 6.14), ("q8_0", 7.96)):
+        assert rel(inference.gguf_tensor_bytes(m, ftype) / 2**30, gib) < 0.005, ftype
+    types = inference.gguf_tensor_types(m, "q6_k")
+    assert set(types.values()) == {"Q6_K", "F32"}
+    assert inference.gguf_tensor_types(m, "q8_0")["output.weight"] == "Q8_0"

@@ -157,9 +157,16 @@ def test_export_round_trip(folders, tmp_path, name):
 
 
 def _config(folder: Path, path: Path) -> Path:
+    """A run from ``folder`` (random weights, no tokenizer of their own: [data] tokenizer names a BPE of VOCAB
+    tokens on the plays, which [model] init requires)."""
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.data.tokenizer import train_bpe
+
+    tok = path.with_suffix(".tokenizer.json")
+    train_bpe([corpus_text("train", max_chars=100_000)], VOCAB).save(str(tok))
     path.write_text(f'name = "{path.stem}"\n[model]\ninit = "{folder}"\n'
                     "[train]\nsteps = 4\nlr = 1e-3\nwarmup = 1\nseq_len = 32\nglobal_batch = 8\n"
-                    "[data]\nmax_chars = 100000\n[run]\neval_sequences = 0\nsave_final = false\n")
+                    f'[data]\nmax_chars = 100000\ntokenizer = "{tok}"\n[run]\neval_sequences = 0\nsave_final = false\n')
     return path
 
 

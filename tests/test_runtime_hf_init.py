@@ -37,7 +37,17 @@ def make_hf(folder: Path, shard: str | None = None, **over) -> torch.nn.Module:
             if "norm" in n:
                 p.add_(0.1 * torch.randn(p.shape))
     model.save_pretrained(str(folder), **({"max_shard_size": shard} if shard else {}))
+    save_tokenizer(folder, model.config.vocab_size)
     return model
+
+
+def save_tokenizer(folder: Path, vocab: int) -> None:
+    """The folder's tokenizer.json: a byte-level BPE of ``vocab`` tokens on the plays (the token ids its embeddings
+    stand for; ``[model] init`` refuses a folder without one)."""
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.data.tokenizer import train_bpe
+
+    train_bpe([corpus_text("train", max_chars=100_000)], vocab).save(str(Path(folder) / "tokenizer.json"))
 
 
 def write_config(path: Path, init: Path | str, **model) -> Path:
@@ -133,7 +143,8 @@ def test_bad_init_folders_are_one_line(hf_dirs, tmp_path):
 
 def test_init_defaults_to_the_folders_own_tokenizer(tmp_path):
     """#21: `[model] init` without `[data] tokenizer` takes the folder's tokenizer (its token ids are the ones the
-    embeddings were trained on), not a new BPE; a folder without one leaves the choice to [data]."""
+    embeddings were trained on), not a new BPE; #33: a folder without one is refused in one sentence naming
+    [data] tokenizer, and a tokenizer named there is taken."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -146,7 +157,14 @@ def test_init_defaults_to_the_folders_own_tokenizer(tmp_path):
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
     toml = tmp_path / "c.toml"
     toml.write_text(f'name = "t"\n[model]\ninit = "{folder}"\n[train]\nsteps = 1\nseq_len = 16\nglobal_batch = 2\n')
-    assert resolved_config(toml).data.tokenizer is None  # no tokenizer in the folder: [data] decides
+    with pytest.raises(TrainscaleError, match=r"holds no tokenizer .*; name that tokenizer with \[data\] tokenizer") \
+            as e:
+        resolved_config(toml)  # no tokenizer in the folder: a new BPE would silently give its ids to other text
+    assert "\n" not in str(e.value)
+    named = tmp_path / "named.json"
+    save_tokenizer(tmp_path, 320)
+    (tmp_path / "tokenizer.json").rename(named)
+    assert resolved_config(toml, {"data": {"tokenizer": str(named)}}).data.tokenizer == str(named)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
     tok.train_from_iterator(["to be or not to be"] * 50, trainers.BpeTrainer(

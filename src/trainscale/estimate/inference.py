@@ -51,12 +51,21 @@ def quantized_model_bytes(m: ModelSpec, fmt: str, group_size: int = 32, asymmetr
 GGML_BLOCK = {
     "F32": (4, 1),
     "F16": (2, 1),
-    "Q8_0": (34, 32),  # fp16 scale + 32 int8
-    "Q4_0": (18, 32),  # fp16 scale + 32 x 4 bit
-    "Q4_K": (144, 256),  # 2 fp16 + 12 bytes of 6-bit scales/mins + 128 bytes of nibbles: 4.5 bpw
-    "Q5_K": (176, 256),
-    "Q6_K": (210, 256),  # 6.5625 bpw
+    "Q8_0": (34, 32),  # block_q8_0: fp16 scale + 32 int8: 8.5 bpw
+    "Q4_0": (18, 32),  # block_q4_0: fp16 scale + 32 x 4 bit
+    "Q5_0": (22, 32),  # block_q5_0: fp16 scale + 4 bytes of 5th bits + 16 bytes of nibbles
+    "Q5_1": (24, 32),  # block_q5_1: fp16 scale and min + 4 + 16 bytes
+    "Q4_K": (144, 256),  # block_q4_K: 2 fp16 (d, dmin) + 12 bytes of 6-bit scales/mins + 128 bytes of nibbles: 4.5 bpw
+    "Q5_K": (176, 256),  # block_q5_K: Q4_K's 144 bytes + 32 bytes of 5th bits (qh): 5.5 bpw
+    "Q6_K": (210, 256),  # block_q6_K: 128 bytes low 4 bits + 64 bytes high 2 bits + 16 int8 scales + fp16 d: 6.5625 bpw
 }
+# trainscale's GGUF type names (export --type, quantize --to gguf --type in lower case) -> the ggml type of their
+# matrices before llama.cpp's mix (llama.cpp's LLAMA_FTYPE_MOSTLY_*)
+GGUF_FTYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K", "q5_k_m": "Q5_K",
+               "q6_k": "Q6_K"}
+# llama.cpp src/llama-quant.cpp tensor_type_fallback(): a K-quant's rows must be whole 256-weight super-blocks
+# (QK_K); other rows take this 32-weight type instead (and F16 when they are not whole 32-weight blocks either)
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def bits_per_weight(ggml_type: str) -> float:
@@ -95,37 +104,53 @@ def _use_more_bits(i: int, n: int) -> bool:
 
 
 def gguf_tensor_types(m: ModelSpec, ftype: str, llama_cpp_mix: bool = True) -> dict[str, str]:
-    """ggml type per GGUF tensor for a file type, following llama.cpp's llama_tensor_get_type().
+    """ggml type per GGUF tensor for a file type, following llama.cpp's llama_tensor_get_type() (src/llama-quant.cpp).
 
-    f32 / f16: matrices F32 / F16; q8_0 / q4_0: matrices of that type; q4_k_m: Q4_K with Q6_K for output.weight
-    and for attn_v / ffn_down(_exps) in the layers use_more_bits() picks; an 8-expert MoE gets Q8_0 attn_v
-    and attn_k in every quantized type (llama.cpp's Mixtral rule). Norms are F32 throughout, and so is a
+    f32 / f16: matrices F32 / F16; q8_0 / q4_0 / q4_k_m / q5_k_m / q6_k: matrices of that base type (Q4_K, Q5_K,
+    Q6_K for the K-quants), then llama.cpp's mix: output.weight (token_embd when the head is tied) Q6_K unless the
+    base is Q8_0 (Q8_0 when its rows are not whole blocks of the base); for q4_k_m / q5_k_m Q6_K attn_v and
+    ffn_down(_exps) in the layers use_more_bits() picks; an 8-expert MoE gets Q8_0 attn_v and attn_k in every
+    quantized type (llama.cpp's Mixtral rule) and Q5_K attn_output in q4_k_m. Norms are F32 throughout, and so is a
     MoE router (ffn_gate_inp: llama.cpp's convert_hf_to_gguf.py writes it F32 and its quantizer skips it).
-    Routed experts are 3-D [E, rows, cols] tensors quantized row by row like a matrix. With
-    ``llama_cpp_mix`` off, every matrix gets the base type (what trainscale's own writer does).
+    Routed experts are 3-D [E, rows, cols] tensors quantized row by row like a matrix. A row that is not a whole
+    number of its type's blocks falls back (``K_FALLBACK``, then F16). With ``llama_cpp_mix`` off, every matrix
+    gets the base type and F16 as its fallback (what trainscale's own writer does).
     """
-    base = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K"}.get(ftype)
+    base = GGUF_FTYPES.get(ftype)
     if base is None:
-        raise ValueError(f"GGUF type must be f32, f16, q8_0, q4_0 or q4_k_m, not {ftype!r}")
+        raise ValueError(f"GGUF type must be one of {', '.join(GGUF_FTYPES)}, not {ftype!r}")
+    inventory = [(gguf_name(name), shape) for name, shape in tensor_inventory(m)]
+    tied = all(g != "output.weight" for g, _ in inventory)
     out: dict[str, str] = {}
-    for name, shape in tensor_inventory(m):
-        g = gguf_name(name)
-        t = "F32" if len(shape) == 1 or g.endswith("ffn_gate_inp.weight") else base
-        if llama_cpp_mix and len(shape) >= 2:
-            if g == "output.weight" and base in ("Q4_0", "Q4_K"):
-                t = "Q6_K"
-            elif ftype == "q4_k_m" and g.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
-                if _use_more_bits(int(g.split(".")[1]), m.n_layers):
-                    t = "Q6_K"
-            if m.n_experts == 8 and base not in ("F16", "F32") and g.endswith(("attn_v.weight", "attn_k.weight")):
-                t = "Q8_0"  # llama-quant.cpp: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
-        block = GGML_BLOCK[t][1]
-        if len(shape) >= 2 and shape[-1] % block:  # row not a whole number of blocks: llama.cpp falls back
-            t = "F16"
+    for g, shape in inventory:
+        if len(shape) == 1 or g.endswith("ffn_gate_inp.weight"):
+            out[g] = "F32"
+            continue
+        quantized = base not in ("F16", "F32")
+        t = _llama_cpp_mix(m, ftype, base, g, shape[-1], tied) if llama_cpp_mix and quantized else base
+        if shape[-1] % GGML_BLOCK[t][1]:  # row not a whole number of blocks: llama.cpp falls back
+            t = K_FALLBACK.get(t, "F16") if llama_cpp_mix else "F16"
+            t = "F16" if shape[-1] % GGML_BLOCK[t][1] else t
         out[g] = t
     if m.rope_scaling == "llama3":  # convert_hf_to_gguf.py's LlamaModel: RoPE's per-frequency divisors, F32
         out["rope_freqs.weight"] = "F32"
     return out
+
+
+def _llama_cpp_mix(m: ModelSpec, ftype: str, base: str, g: str, cols: int, tied: bool) -> str:
+    """llama_tensor_get_type_impl() for one matrix of a quantized file type (the rules that touch our tensors)."""
+    if g == "output.weight" or (tied and g == "token_embd.weight"):  # the head (a tied head: its embeddings)
+        if cols % GGML_BLOCK[base][1]:
+            return "Q8_0"
+        return base if base == "Q8_0" else "Q6_K"
+    layer = int(g.split(".")[1]) if g.startswith("blk.") else -1
+    if g.endswith(("attn_v.weight", "attn_k.weight")) and m.n_experts == 8:
+        return "Q8_0"  # llama-quant.cpp: "for the 8-expert model, bumping this to Q8_0 trades just ~128MB"
+    if ftype in ("q4_k_m", "q5_k_m") and g.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
+        return "Q6_K" if _use_more_bits(layer, m.n_layers) else base
+    if ftype == "q4_k_m" and g.endswith("attn_output.weight") and m.n_experts == 8:
+        return "Q5_K"
+    return base
 
 
 def gguf_tensor_bytes(m: ModelSpec, ftype: str, llama_cpp_mix: bool = True) -> float:

@@ -27,7 +27,7 @@ class QuantSettings:
     out: Path | None = None
     eval_tokens: int = 16384
     eval_text: Path | None = None
-    prompt: str = "To be, or not to be"
+    prompt: str | None = None  # None: the start of the held-out text (infer/gguf_quant.default_prompt)
     max_new_tokens: int = 48
     seed: int = 0
 
@@ -79,32 +79,45 @@ def quantize_and_check(checkpoint: str, s: QuantSettings,
     if (res.source / "model.safetensors").exists():
         report["file"]["source_file_bytes"] = safetensors_layout(res.source / "model.safetensors")["file_bytes"]
     tok = load_tokenizer_for(out)
-    report["perplexity"] = _perplexities(res, src, tok, s, status)
+    text = _held_out(src, tok, s, spec.vocab_size)
+    report["perplexity"] = _perplexities(res, text, s, status)
     if s.max_new_tokens:
+        from trainscale.infer.gguf_quant import default_prompt
+
+        prompt = s.prompt if s.prompt is not None else default_prompt(tok, text.ids)
         qmodel, _, _ = load_for_inference(out)  # from the file just written
-        g = generate_ids(qmodel, tok.encode(s.prompt).ids, s.max_new_tokens, Sampling(0.8, 0, 0.95, s.seed))
-        report["sample"] = {"prompt": s.prompt, "completion": tok.decode(g.new_ids)}
+        g = generate_ids(qmodel, tok.encode(prompt).ids, s.max_new_tokens, Sampling(0.8, 0, 0.95, s.seed))
+        report["sample"] = {"prompt": prompt, "prompt_default": s.prompt is None, "completion": tok.decode(g.new_ids)}
     return QuantResult(report=report, path=res.path)
 
 
-def _perplexities(res: Any, src: Path, tok: Any, s: QuantSettings,
+def _held_out(src: Path, tok: Any, s: QuantSettings, vocab: int) -> Any:
+    """The held-out text (infer/evaluate.evaluation_text: --eval-text, else the model's own held-out data), for the
+    perplexity and the default prompt; None when neither needs it."""
+    from trainscale.infer.evaluate import evaluation_text
+
+    if not s.eval_tokens and (s.prompt is not None or not s.max_new_tokens):
+        return None
+    return evaluation_text(src, tok, str(s.eval_text) if s.eval_text is not None else None,
+                           split="all" if s.eval_text else None, max_tokens=max(s.eval_tokens, 64), vocab=vocab,
+                           default_plays=True)
+
+
+def _perplexities(res: Any, text: Any, s: QuantSettings,
                   status: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
     """Held-out perplexity of the source, its bf16 copy and the quantized weights, on one text."""
     import torch
 
-    from trainscale.infer.evaluate import evaluation_text, perplexity
+    from trainscale.infer.evaluate import perplexity
     from trainscale.infer.quantize import model_from_state_dict
 
     if not s.eval_tokens:
         return {"text": "none (--eval-tokens 0)", "text_kind": "none"}
     spec = res.spec
-    text = evaluation_text(src, tok, str(s.eval_text) if s.eval_text is not None else None,
-                           split="all" if s.eval_text else None, max_tokens=s.eval_tokens, vocab=spec.vocab_size,
-                           default_plays=True)
-    ids = text.ids
+    ids = text.ids[:s.eval_tokens]
     bf16 = {k: v.to(torch.bfloat16) for k, v in res.original.items()}
     with status("held-out perplexity ..."):
         ppl = {"source": perplexity(model_from_state_dict(spec, res.original), ids),
                "bf16": perplexity(model_from_state_dict(spec, bf16), ids),
                s.format: perplexity(model_from_state_dict(spec, res.restored), ids)}
-    return {**ppl, **text.report(), "change_vs_bf16": ppl[s.format] / ppl["bf16"] - 1}
+    return {**ppl, **text.report(), "tokens": len(ids), "change_vs_bf16": ppl[s.format] / ppl["bf16"] - 1}

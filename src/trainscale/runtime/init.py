@@ -75,23 +75,40 @@ def check_init_weights(path: str, spec: ModelSpec) -> None:
         check_hf_weights(path, spec)
 
 
+def init_tokenizer(init: str, folder: str) -> str:
+    """The tokenizer of a resolved ``[model] init`` folder, for a config whose [data] names none: a trainscale
+    model folder's tokenizer.json, a Hugging Face folder itself (tokenizer.json, or a byte-level BPE's vocab.json +
+    merges.txt: runtime/data/tokenizer.load_tokenizer reads it with its special tokens). A folder without one is
+    refused: its embeddings were trained on some tokenizer's ids, and a new BPE would give the same ids to other
+    text, silently."""
+    p = Path(folder)
+    if (p / "model.json").exists() and (p / "tokenizer.json").exists():
+        return str(p / "tokenizer.json")
+    if not (p / "model.json").exists() and ((p / "tokenizer.json").exists() or (
+            (p / "vocab.json").exists() and (p / "merges.txt").exists())):
+        return str(p)
+    raise TrainscaleError(f"[model] init {init} holds no tokenizer (tokenizer.json) for the token ids its weights "
+                          "were trained on; name that tokenizer with [data] tokenizer (a tokenizer.json or a "
+                          "Hugging Face tokenizer folder)")
+
+
 def resolve_init(data: dict[str, Any], what: str = "config") -> tuple[dict[str, Any], str | None]:
     """A config's raw tables with ``[model] init`` resolved -> (tables for ``config_from_dict``, the folder or
     None). [model] becomes the folder's model fields with the section's over them, [data] tokenizer defaults to
-    the folder's tokenizer.json (the weights' own token ids, not a new BPE), and the weights are checked."""
+    the folder's tokenizer (``init_tokenizer``: the weights' own token ids, never a new BPE; a folder without one
+    is refused), and the weights are checked."""
     check_sections(data, what)
     init = data["model"].get("init")
     if init is None:
         return data, None
     folder = init_folder(init)
     data = dict(data)
-    own_data = data.get("data", {})
-    if (Path(folder) / "tokenizer.json").exists() and isinstance(own_data, dict) and own_data.get("tokenizer") is None:
-        own = Path(folder) / "tokenizer.json" if (Path(folder) / "model.json").exists() else Path(folder)
-        data["data"] = {**own_data, "tokenizer": str(own)}  # an HF folder: with its special tokens
     section = {k: v for k, v in data["model"].items() if k != "init"}
     fields = {**init_spec_fields(folder), **section}
     check_init_weights(folder, load_model(fields))
+    own_data = data.get("data", {})
+    if isinstance(own_data, dict) and own_data.get("tokenizer") is None:
+        data["data"] = {**own_data, "tokenizer": init_tokenizer(init, folder)}
     data["model"] = fields
     return data, folder
 
