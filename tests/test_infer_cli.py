@@ -32,6 +32,19 @@ def test_quantize_then_generate(small_model_dir, tmp_path):  # noqa: F811
     assert g["new_tokens"] <= 12 and g["kv_cache"]["positions"] == g["prompt_tokens"] + 12
     human = ts("generate", str(small_model_dir), "-p", "ROMEO:", "-n", "4")
     assert human.returncode == 0 and "KV cache bytes" in human.stdout
+    # no --prompt: the start of the model's own held-out text (infer/evaluate.held_out_prompt), as quantize's sample
+    from trainscale.infer.evaluate import default_prompt, evaluation_text
+    from trainscale.infer.load import load_tokenizer_for
+    from trainscale.runtime.find_model import find_model_folder
+
+    r = ts("generate", str(small_model_dir), "-n", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    folder = find_model_folder(str(small_model_dir))
+    tok = load_tokenizer_for(folder)
+    held = evaluation_text(folder, tok, max_tokens=64, default_plays=True)
+    assert json.loads(r.stdout)["prompt"] == default_prompt(tok, held.ids) != ""
+    r = ts("generate", str(small_model_dir), "--chat")
+    assert r.returncode == 2 and "--chat needs --prompt" in r.stderr
 
 
 @pytest.mark.slow

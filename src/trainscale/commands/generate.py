@@ -20,8 +20,9 @@ def generate(
     checkpoint: str = typer.Argument(..., help="model folder, run folder (its final/, else its newest checkpoint), "
                                       "checkpoint RUN/checkpoints/step-N, quantized or LoRA folder, or a Hugging "
                                       "Face model folder"),
-    prompt: str = typer.Option(..., "--prompt", "-p", help="text to continue (with --chat: the user's message); "
-                               "UTF-8, at most 16 characters per position of the model's context (with --system)"),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="text to continue (with --chat: the user's message); "
+                               "UTF-8, at most 16 characters per position of the model's context (with --system); "
+                               "default: the start of the model's own held-out text"),
     chat: bool = typer.Option(False, "--chat", help="render the prompt as a user message with the model folder's "
                               "chat template (an adapter's: its base's) and print the assistant's reply, stopping "
                               "at the end of its turn"),
@@ -43,6 +44,7 @@ def generate(
 
     from trainscale.commands._infer import check_table, kv_table, print_tables
     from trainscale.estimate.memory import kv_cache_bytes
+    from trainscale.infer.evaluate import held_out_prompt
     from trainscale.infer.generate import Sampling, chat_prompt, check_text, generate_ids, text_cap
     from trainscale.infer.load import load_for_inference, load_tokenizer_for, stop_token_id
     from trainscale.runtime.artifact import checkpoint_source
@@ -51,7 +53,9 @@ def generate(
         raise TrainscaleError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
     if system is not None and not chat:
         raise TrainscaleError("--system is a chat message; give it with --chat")
-    texts = {"--prompt": check_text("--prompt", prompt), "--system": check_text("--system", system or "")}
+    if prompt is None and chat:
+        raise TrainscaleError("--chat needs --prompt: the user's message")
+    texts = {"--prompt": check_text("--prompt", prompt or ""), "--system": check_text("--system", system or "")}
     sampling = Sampling(temperature, top_k, top_p, seed).check()
     model, spec, folder = load_for_inference(checkpoint)
     check_text(" and ".join(k for k, v in texts.items() if v), "".join(texts.values()), *text_cap(spec.max_seq_len))
@@ -60,6 +64,7 @@ def generate(
         tok, ids, stops = rendered.tokenizer, rendered.ids, rendered.stop_ids
     else:
         tok = load_tokenizer_for(folder)
+        prompt = held_out_prompt(folder, tok) if prompt is None else prompt
         ids, stops = tok.encode(prompt).ids, (stop_token_id(tok, folder),)
     stops = tuple(i for i in stops if i is not None) if stop else ()
     dt = getattr(torch, kv_dtype)

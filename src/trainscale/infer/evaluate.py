@@ -359,3 +359,21 @@ def check_window(seq_len: int | None, spec) -> int:
         raise TrainscaleError(f"--seq-len must be 1 to the model's window, {spec.max_seq_len:,} tokens (its "
                               f"max_seq_len), not {seq_len:,}")
     return seq_len
+
+
+def default_prompt(tok: Any, ids: list[int], n: int = 24) -> str:
+    """The start of the held-out text as a prompt: its first ``n`` tokens, cut after their last whole line (else
+    their last whole word) so that the prompt ends where the text paused."""
+    text = tok.decode(ids[:n])
+    for sep in ("\n", " "):
+        cut = text.rstrip().rfind(sep)
+        if cut > 0:
+            return text[:cut + 1] if sep == "\n" else text[:cut]
+    return text
+
+
+def held_out_prompt(folder: Path, tok: Any) -> str:
+    """``generate``'s and ``quantize``'s default prompt: the start of the model's own held-out text
+    (``evaluation_text``: its run's or adapter's held-out data, else the held-out plays), not a line of Hamlet for a
+    model trained on something else."""
+    return default_prompt(tok, evaluation_text(folder, tok, max_tokens=64, default_plays=True).ids)

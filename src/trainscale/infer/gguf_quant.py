@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from trainscale.errors import JobFailed, TrainscaleError
+from trainscale.infer.evaluate import default_prompt
 from trainscale.safeio import check_output
 
 # the types offered: llama.cpp's name -> (trainscale's GGUF type name in estimate/inference.GGUF_FTYPES, the ggml
@@ -239,17 +240,6 @@ def _perplexities(f16: Path, out: Path, kind: str, text: Any, seq_len: int, thre
     ppl16, pplq = math.exp(nll16 / n16), math.exp(nllq / nq)
     return {**text.report(), "tokens": len(ids), "scored": nq, "by": "llama.cpp", "f16": ppl16, kind: pplq,
             "ratio_vs_f16": pplq / ppl16, "change_vs_f16": pplq / ppl16 - 1, "increase_vs_f16": pplq - ppl16}
-
-
-def default_prompt(tok: Any, ids: list[int], n: int = 24) -> str:
-    """The start of the held-out text as a prompt: its first ``n`` tokens, cut after their last whole line (else
-    their last whole word) so that the prompt ends where the text paused."""
-    text = tok.decode(ids[:n])
-    for sep in ("\n", " "):
-        cut = text.rstrip().rfind(sep)
-        if cut > 0:
-            return text[:cut + 1] if sep == "\n" else text[:cut]
-    return text
 
 
 def _sample(out: Path, tok: Any, s: GgufQuantSettings, text: Any, seq_len: int, threads: int) -> dict[str, Any]:

@@ -27,7 +27,7 @@ class QuantSettings:
     out: Path | None = None
     eval_tokens: int = 16384
     eval_text: Path | None = None
-    prompt: str | None = None  # None: the start of the held-out text (infer/gguf_quant.default_prompt)
+    prompt: str | None = None  # None: the start of the held-out text (infer/evaluate.default_prompt)
     max_new_tokens: int = 48
     seed: int = 0
 
@@ -82,7 +82,7 @@ def quantize_and_check(checkpoint: str, s: QuantSettings,
     text = _held_out(src, tok, s, spec.vocab_size)
     report["perplexity"] = _perplexities(res, text, s, status)
     if s.max_new_tokens:
-        from trainscale.infer.gguf_quant import default_prompt
+        from trainscale.infer.evaluate import default_prompt
 
         prompt = s.prompt if s.prompt is not None else default_prompt(tok, text.ids)
         qmodel, _, _ = load_for_inference(out)  # from the file just written
