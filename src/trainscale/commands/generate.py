@@ -51,10 +51,9 @@ def generate(
 
     if kv_dtype not in KV_DTYPES:
         raise TrainscaleError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {kv_dtype!r}")
-    if system is not None and not chat:
-        raise TrainscaleError("--system is a chat message; give it with --chat")
-    if prompt is None and chat:
-        raise TrainscaleError("--chat needs --prompt: the user's message")
+    if chat and prompt is None or system is not None and not chat:
+        raise TrainscaleError("--chat needs --prompt: the user's message" if chat else
+                              "--system is a chat message; give it with --chat")
     texts = {"--prompt": check_text("--prompt", prompt or ""), "--system": check_text("--system", system or "")}
     sampling = Sampling(temperature, top_k, top_p, seed).check()
     model, spec, folder = load_for_inference(checkpoint)
