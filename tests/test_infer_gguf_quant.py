@@ -155,3 +155,29 @@ def test_quantize_prompt_defaults_to_the_start_of_the_held_out_text(tiny_dir, tm
     given = quantize_and_check(str(tiny_dir), QuantSettings(format="int8", out=tmp_path / "q2", eval_tokens=0,
                                                             max_new_tokens=2, prompt="To be")).report
     assert given["sample"]["prompt"] == "To be" and not given["sample"]["prompt_default"]
+
+
+@pytest.mark.slow
+def test_a_model_with_a_long_window_is_scored_and_sampled_within_what_its_text_needs(tmp_path):
+    """The Llama-3.2-shaped folder of `make demo` has a 131,072-token window: llama.cpp's context is sized by the
+    evaluation's longest window and the sample, not by the model's window (a KV cache of 128K positions failed to be
+    made: 'Failed to create llama_context'). Its perplexity equals trainscale's own on the same ids."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trainscale.infer.evaluate import evaluation_text, perplexity
+    from trainscale.infer.load import load_for_inference, load_tokenizer_for
+
+    root = Path(__file__).resolve().parents[1]
+
+    folder = tmp_path / "llama32"
+    subprocess.run([sys.executable, str(root / "scripts" / "tiny_llama32.py"), str(folder), "--chat",
+                    str(root / "examples" / "chat.jsonl")], check=True, capture_output=True)
+    rep = quantize_gguf(str(folder), GgufQuantSettings(out=tmp_path / "m.gguf", eval_tokens=300, max_new_tokens=4,
+                                                       threads=1)).report
+    model, spec, _ = load_for_inference(str(folder))
+    assert spec.max_seq_len == 131072 and rep["perplexity"]["tokens"] <= 300 and rep["sample"]["completion"] != ""
+    tok = load_tokenizer_for(folder)
+    ids = evaluation_text(folder, tok, max_tokens=300, default_plays=True).ids[:300]
+    assert rep["perplexity"]["f16"] == pytest.approx(perplexity(model, ids), rel=2e-3)  # f16 weights vs fp32

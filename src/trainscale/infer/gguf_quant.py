@@ -111,10 +111,12 @@ def llama_cpp_nll(path: str | Path, ids: list[int], seq_len: int, threads: int) 
     the windows infer/evaluate.nll_sum uses: runtime/evaluator.window_spans(len(ids), seq_len)."""
     from trainscale.runtime.evaluator import window_spans
 
-    llm = _llama(path, threads, n_ctx=seq_len, n_batch=seq_len, n_ubatch=seq_len, logits_all=True)
+    spans = window_spans(len(ids), seq_len)
+    ctx = max(b - a - 1 for a, b in spans)  # the longest window's inputs, not the model's whole window: a KV cache
+    llm = _llama(path, threads, n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, logits_all=True)  # of 128K would not fit
     total, count = 0.0, 0
     try:
-        for a, b in window_spans(len(ids), seq_len):
+        for a, b in spans:
             x, y = ids[a:b - 1], np.asarray(ids[a + 1:b])
             llm.reset()
             llm.eval(x)
@@ -248,9 +250,10 @@ def _sample(out: Path, tok: Any, s: GgufQuantSettings, text: Any, seq_len: int, 
     ids = tok.encode(prompt).ids
     if not ids or len(ids) >= seq_len:
         raise TrainscaleError(f"the prompt must be 1 to {seq_len - 1} tokens, not {len(ids)}")
-    llm = _llama(out, threads, n_ctx=seq_len, seed=s.seed)
+    new = min(s.max_new_tokens, seq_len - len(ids))
+    llm = _llama(out, threads, n_ctx=len(ids) + new, seed=s.seed)  # what the sample needs, not the whole window
     try:
-        got = llm.create_completion(ids, max_tokens=min(s.max_new_tokens, seq_len - len(ids)), temperature=0.8,
+        got = llm.create_completion(ids, max_tokens=new, temperature=0.8,
                                     top_p=0.95, seed=s.seed)
     finally:
         llm.close()
