@@ -31,7 +31,7 @@ $TS reliability --trials 300
 step "4. Train the tiny model on 4 processes (dp2 x tp2), checkpoint every 5 steps, one injected crash"
 rm -rf runs/demo runs/demo-int4 runs/own-data runs/demo-report runs/moe-tiny runs/demo-hf-step25 runs/demo-lora \
   runs/demo-peft runs/llama32 runs/llama32-lora runs/llama32-peft runs/llama32.gguf \
-  runs/chat-llama32 runs/chat-llama32-dpo  # a fresh run folder each time
+  runs/chat-llama32 runs/chat-llama32-dpo runs/llama32-q4_k_m.gguf  # a fresh run folder each time
 $TS train --config configs/demo.toml --layout dp2,tp2 --inject crash@step=12,rank=3 --max-restarts 6
 
 step "4b. Your own data: a JSONL file (made here), tokenised once into shards, trained on for 60 steps"
@@ -134,3 +134,6 @@ print("streamed:", repr("".join(c.choices[0].delta.content or "" for c in stream
 PY
 kill "$SERVE_PID"; wait "$SERVE_PID" 2>/dev/null || true
 trap - EXIT
+
+step "10. The quantization people download: Q4_K_M by llama.cpp's own quantizer, its size and perplexity vs f16"
+$TS quantize runs/llama32-lora --to gguf --type Q4_K_M --out runs/llama32-q4_k_m.gguf
