@@ -158,6 +158,9 @@ def _job(config: Path, layout: str | None, steps: int | None, plan: bool, sets: 
     if extend and not resume:
         raise TrainscaleError("--extend continues a run past its total steps: use it with --resume and --steps")
     cfg, layout_text, lay, why = _resolve(config, layout, steps, plan, sets)
+    from trainscale.runtime.data.corpus import check_data
+
+    check_data(cfg)  # the config's own inputs before the run folder's checks: a wrong path is named as one
     run_dir = out or Path(cfg.run.out)
     check_output(run_dir, "the run folder", folder=True)
     parse_faults(inject, lay.world_size)  # a bad fault spec is a one-line error here, not a crash in every worker

@@ -49,9 +49,34 @@ class Corpus:
         return np.bincount(np.asarray(self.tokens("train")), minlength=self.vocab_size)
 
 
+def check_data(cfg) -> None:
+    """The config's data, checked before any run folder or shard is touched (a wrong data path must be named as
+    such, not as a run folder's conflict): every file, glob and folder it names exists and holds input files, its
+    tokenizer path exists, and chat data has a tokenizer folder with the chat template (``[model] init``'s, when
+    that folder has one). One sentence (TrainscaleError) otherwise; reads no file's contents."""
+    import os
+
+    d = cfg.data
+    if d.format == "chat" and d.tokenizer is None:
+        if cfg.init is not None:
+            raise TrainscaleError(f"[data] format = \"chat\" needs the model's tokenizer and chat template, and "
+                                  f"[model] init {cfg.init} has no tokenizer.json; copy the model's tokenizer files "
+                                  "there or set [data] tokenizer = \"FOLDER\"")
+        raise TrainscaleError("[data] format = \"chat\" needs the model's tokenizer folder with its chat template: "
+                              "set [data] tokenizer = \"FOLDER\", or [model] init")
+    if d.tokenizer is not None and not os.path.lexists(Path(d.tokenizer).expanduser()):
+        raise TrainscaleError(f"[data] tokenizer {d.tokenizer} does not exist")
+    req = d.request()
+    if req is not None and (d.files or d.sources):
+        from trainscale.runtime.data.shards import resolve_request
+
+        resolve_request(req)
+
+
 def corpus_for(cfg, progress=None, log=lambda _m: None):
     """The tokenised corpus a TrainConfig asks for: the user's shards (prepared now if they are not yet,
     a no-op if they are), or the Shakespeare plays. -> Corpus or shards.ShardCorpus (same interface)."""
+    check_data(cfg)
     cache = Path(cfg.data.cache) if cfg.data.cache else None
     req = cfg.data.request()
     if req is not None:

@@ -449,7 +449,7 @@ def default_folder(req: DataRequest, cache: Path) -> Path:
     return cache / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _resolve(req: DataRequest) -> list[Source]:
+def resolve_request(req: DataRequest) -> list[Source]:
     """Every component's sources, in order; a file in two components is refused."""
     out: list[Source] = []
     owner: dict[str, int] = {}
@@ -496,7 +496,7 @@ def prepare(req: DataRequest, model_vocab: int, cache: Path, progress: Progress 
             log: Callable[[str], None] = lambda _m: None) -> ShardCorpus:
     """Tokenise ``req``'s corpus into shards (or find them done): -> the opened folder."""
     folder = Path(req.folder).expanduser() if req.folder else default_folder(req, cache)
-    sources = _resolve(req)
+    sources = resolve_request(req)
     files = [f for c in req.parts() for f in c.files]
     if not sources or all(s.size == 0 for s in sources):
         raise TrainscaleError(f"the corpus is empty: {', '.join(files)} hold no text")
