@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from trainscale.cli import main
+from _cli import run_cli
 
 MODEL = ('[model]\nname = "t"\nn_layers = 2\nd_model = 64\nn_heads = 4\nn_kv_heads = 2\nd_ff = 128\n'
          'vocab_size = 512\nmax_seq_len = 64\n')
@@ -18,18 +17,9 @@ TRAIN = "[train]\nsteps = 2\nseq_len = 32\nglobal_batch = 4\n"
 
 
 def _train(tmp_path, monkeypatch, capsys, text: str, *args: str) -> tuple[int, str]:
-    """``trainscale train`` in this process, through the command line's own error handling -> (exit code, output)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.toml").write_text(text)
-    monkeypatch.setattr("sys.argv", ["trainscale", "train", "--config", "c.toml", *args])
-    capsys.readouterr()
-    try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out = capsys.readouterr()
-    return code, out.out + out.err
+    return run_cli(monkeypatch, capsys, "train", "--config", "c.toml", *args)
 
 
 def test_a_wrong_data_path_in_a_folder_with_a_run_is_named_as_a_data_path(tmp_path, monkeypatch, capsys):
@@ -49,6 +39,7 @@ def test_the_tp_suggestion_lists_every_degree_that_trains(tmp_path, monkeypatch,
     assert code == 0, out  # the degree it names does train
 
 
+@pytest.mark.slow  # builds a transformers model
 def test_chat_data_with_an_init_folder_without_a_tokenizer_names_the_folder(tmp_path, monkeypatch, capsys):
     from safetensors.torch import save_file
 
@@ -75,4 +66,4 @@ def test_a_misspelt_key_names_itself_its_nearest_key_and_the_file(tmp_path, monk
     text = (MODEL + TRAIN).replace(f"\n{meant} =", f"\n{typo} =")
     code, out = _train(tmp_path, monkeypatch, capsys, text, "--dry-run")
     assert code == 2
-    assert f"config c.toml: [{section}] has no key '{typo}'; did you mean {meant}?" in " ".join(out.split())
+    assert f"config c.toml: [{section}] has no key '{typo}'; did you mean {meant}?" in out

@@ -76,6 +76,30 @@ def input_file(what: str):
     return check
 
 
+def output_path(folder: bool, what: str | None = None, remote: bool = False):
+    """A typer callback for every option that names where a command writes (``--out``, ``--script``, ``--plot``):
+    before anything is read, the path is a path (no NUL byte, not too long) and, unless ``remote`` (a path on
+    another machine, e.g. a Slurm job's run folder), it can be written here as a ``folder`` (or a file): not the
+    other kind, not a FIFO or device, its nearest existing parent a writable folder outside /proc and /sys
+    (``safeio.check_output``). One sentence (TrainscaleError, exit 2) otherwise."""
+
+    def check(param: typer.CallbackParam, value: Any) -> Any:
+        if value is None:
+            return value
+        from trainscale.safeio import check_output
+
+        name = what or _opt(param)
+        text = str(value)
+        if remote:
+            if not text.strip() or "\0" in text or len(text) > 4000:
+                raise TrainscaleError(f"{name} must be a path, not {text[:60]!r}")
+            return value
+        check_output(value, name, folder=folder)
+        return value
+
+    return check
+
+
 def catalog_or_file(what: str):
     """A typer callback for 'a catalog name or a file': a value that names an existing path must be a
     regular file (a folder with config.json is fine too)."""

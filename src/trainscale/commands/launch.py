@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number
+from trainscale.commands._common import console, emit_json, input_file, number, output_path
 from trainscale.errors import TrainscaleError
 
 
@@ -49,10 +49,12 @@ def launch(
                                        help="times the job requeues itself after its checkpoint before the time limit"),
     steps: int = typer.Option(None, callback=number(gt=0, le=1e9), help="optimizer steps (default: the config's)"),
     inject: str = typer.Option(None, help="faults to inject, as for `trainscale train --inject`"),
-    out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out); passed as is, "
-                                        "no $VARIABLE expansion"),
-    script: Path = typer.Option(None, help="where to write the script (default: stdout); the Slurm log goes beside "
-                                           "it"),
+    out: Path = typer.Option(None, callback=output_path(folder=True, remote=True),
+                             help="run folder on the cluster (default: the config's run.out); passed as is, "
+                                  "no $VARIABLE expansion"),
+    script: Path = typer.Option(None, callback=output_path(folder=False),
+                                help="where to write the script (default: stdout); the Slurm log goes beside "
+                                     "it"),
     as_json: bool = typer.Option(False, "--json", help="print the script and its settings as JSON"),
     sets: list[str] = typer.Option(None, "--set", metavar="SECTION.KEY=VALUE",
                                    help="override a config value, e.g. --set train.lr=1e-4 (repeatable); the config "

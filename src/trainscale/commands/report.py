@@ -13,6 +13,7 @@ from trainscale.commands._common import (
     input_file,
     input_folder,
     number,
+    output_path,
 )
 
 
@@ -21,7 +22,8 @@ def register(app: typer.Typer) -> None:
 
 
 def report(
-    out: Path = typer.Option(..., "--out", help="folder for index.html and the figures"),
+    out: Path = typer.Option(..., "--out", callback=output_path(folder=True),
+                             help="folder for index.html and the figures"),
     model: str = typer.Option("llama3.1-405b", callback=catalog_or_file("model"),
                               help="catalog name, TOML file or HF config.json"),
     gpu: str = typer.Option("h100-sxm", callback=catalog_or_file("GPU"), help="GPU of the cluster"),

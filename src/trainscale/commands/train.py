@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number
+from trainscale.commands._common import console, emit_json, input_file, number, output_path
 from trainscale.errors import TrainscaleError
 from trainscale.safeio import check_output
 
@@ -47,7 +47,8 @@ def train(
     layout: str = typer.Option(None, help="parallel layout, e.g. dp2,tp2,pp2 (default: the config's run.layout)"),
     steps: int = typer.Option(None, callback=number(gt=0, le=1e9),
                               help="optimizer steps (default: the config's train.steps)"),
-    out: Path = typer.Option(None, help="run folder (default: the config's run.out)"),
+    out: Path = typer.Option(None, callback=output_path(folder=True, what="the run folder"),
+                             help="run folder (default: the config's run.out)"),
     plan: bool = typer.Option(False, "--plan", help="ask the planner for the best layout for this machine"),
     nnodes: str = typer.Option("1", help="machines in the job (run the same command on each); MIN:MAX makes it "
                                "elastic: it goes on after losing machines, down to MIN"),

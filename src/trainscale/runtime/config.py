@@ -248,7 +248,10 @@ def config_from_dict(data: dict[str, Any], what: str = "config", init: str | Non
                               "(resolved_config), not by the config parser")
     section = {k: v for k, v in data["model"].items() if k != "init"}
     # a resolved init: its fields are complete (the folder's, the section's over them), no catalog entry under them
-    data["model"] = load_model(section) if init is not None else _model_from(section)
+    try:
+        data["model"] = load_model(section) if init is not None else _model_from(section)
+    except TrainscaleError as e:  # name the file: "config c.toml: [model] max_seq_len: Field required"
+        raise TrainscaleError(f"{what}: [model] {str(e).removeprefix('model is invalid: ')}") from None
     if init is not None:
         data["init"] = init
     try:

@@ -53,7 +53,8 @@ def check_data(cfg) -> None:
     """The config's data, checked before any run folder or shard is touched (a wrong data path must be named as
     such, not as a run folder's conflict): every file, glob and folder it names exists and holds input files, its
     tokenizer path exists, and chat data has a tokenizer folder with the chat template (``[model] init``'s, when
-    that folder has one). One sentence (TrainscaleError) otherwise; reads no file's contents."""
+    that folder has one), and the folder the shards go to can be written. One sentence (TrainscaleError)
+    otherwise; reads no file's contents."""
     import os
 
     d = cfg.data
@@ -66,6 +67,13 @@ def check_data(cfg) -> None:
                               "set [data] tokenizer = \"FOLDER\", or [model] init")
     if d.tokenizer is not None and not os.path.lexists(Path(d.tokenizer).expanduser()):
         raise TrainscaleError(f"[data] tokenizer {d.tokenizer} does not exist")
+    from trainscale.safeio import check_output
+
+    if d.prepared is not None:  # where the shards are written: refused before anything is read
+        check_output(Path(d.prepared).expanduser(), "[data] prepared", folder=True)
+    else:
+        check_output(Path(d.cache) if d.cache else cache_root(), "[data] cache" if d.cache else "the cache folder "
+                     "($TRAINSCALE_CACHE)", folder=True)
     req = d.request()
     if req is not None and (d.files or d.sources):
         from trainscale.runtime.data.shards import resolve_request
