@@ -35,9 +35,10 @@ class Corpus:
         return self.folder / "tokenizer.json"
 
     def tokens(self, split: str):
-        import numpy as np
 
-        return np.load(self.folder / f"{split}.npy", mmap_mode="r")
+        from trainscale.runtime.data.pretokenized import read_npy
+
+        return read_npy(self.folder / f"{split}.npy").array()  # a regular file: a FIFO there is refused
 
     @property
     def vocab_size(self) -> int:
