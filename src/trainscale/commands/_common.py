@@ -127,6 +127,33 @@ def catalog_or_file(what: str):
 
 SEED = number(ge=0, lt=2**63)
 
+_SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
+
+
+def parse_count(text: str | None, what: str, base: int = 1000) -> float | None:
+    """The one parser of a count on the command line (every --tokens): '16M' -> 16 x base^2, '15.6T' -> 15.6 x
+    base^4, '1.56e13' and plain numbers as they are; positive and at most 1e18, else one sentence."""
+    import re
+
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgbt]?)\s*", str(text).lower())
+    if not m:
+        raise TrainscaleError(f"{what} '{str(text)[:60]}' is not a number (suffixes K, M, G/B, T are allowed)")
+    value = float(m.group(1)) * base ** _SUFFIX.get(m.group(2), 0)
+    if not 0 < value <= 1e18:  # also refuses 1e400 (inf) and 0
+        raise TrainscaleError(f"{what} must be a positive number of at most 1e18, not '{text}'")
+    return value
+
+
+def counted(base: int = 1000):
+    """A typer callback: ``parse_count`` of the option's text (``--tokens 2T``) -> the number."""
+
+    def check(param: typer.CallbackParam, value: Any) -> Any:
+        return parse_count(value, _opt(param), base)
+
+    return check
+
 
 def input_folder(what: str, holding: str | None = None):
     """A typer callback: an existing folder (holding the regular file ``holding``, if given)."""

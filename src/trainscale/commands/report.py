@@ -9,6 +9,7 @@ import typer
 from trainscale.commands._common import (
     catalog_or_file,
     console,
+    counted,
     emit_json,
     input_file,
     input_folder,
@@ -31,8 +32,8 @@ def report(
     cluster: str = typer.Option("meta-h100", callback=catalog_or_file("cluster"),
                                 help="cluster (servers, racks, links)"),
     layout: str = typer.Option("tp8,cp1,pp16,dp128,mb1,v8,zero2", help="layout to draw ('' for none)"),
-    tokens: float = typer.Option(None, callback=number(gt=0, le=1e18),
-                                 help="training tokens (default: Llama 3.1's 15.6T)"),
+    tokens: str = typer.Option(None, callback=counted(1000), help="training tokens, e.g. 2T or 1.56e13; K/M/B/T are "
+                               "powers of 1000 (default: Llama 3.1's 15.6T)"),
     mfu: float = typer.Option(0.40, callback=number(gt=0, le=1), help="MFU for time and energy"),
     seq: int = typer.Option(None, callback=number(gt=0, le=1 << 24),
                             help="training sequence length of the attention FLOPs (default 8,192)"),
