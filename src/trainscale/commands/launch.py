@@ -15,6 +15,13 @@ def register(app: typer.Typer) -> None:
     app.command()(launch)
 
 
+def _slurm_time(value: str) -> str:
+    from trainscale.runtime.job.slurm import time_limit_s
+
+    time_limit_s(value)  # sbatch's forms, each field within its clock: 99:99 is refused here
+    return value
+
+
 def launch(
     config: Path = typer.Option(..., "--config", callback=input_file("config"), help="training config TOML"),
     layout: str = typer.Option(None, help="parallel layout; its world size must equal nodes x GPUs per node "
@@ -28,7 +35,8 @@ def launch(
     mem: str = typer.Option(None, help="memory per node in Slurm syntax, e.g. 480G (default: the partition's)"),
     partition: str = typer.Option(None, help="Slurm partition"),
     account: str = typer.Option(None, help="Slurm account"),
-    time_limit: str = typer.Option("24:00:00", "--time", help="Slurm time limit"),
+    time_limit: str = typer.Option("24:00:00", "--time", callback=_slurm_time,
+                                   help="Slurm time limit: MINUTES, H:MM:SS or DAYS-HH:MM:SS"),
     signal_before: int = typer.Option(120, callback=number(ge=0, le=86400),
                                        help="seconds before the time limit to write a checkpoint (0: off)"),
     setup: str = typer.Option(None, help="a shell line run first on the node, e.g. 'source ~/venv/bin/activate'; "

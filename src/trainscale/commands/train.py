@@ -151,14 +151,14 @@ def _job(config: Path, layout: str | None, steps: int | None, plan: bool, sets: 
     from trainscale.runtime.job.launch import parse_nnodes, torchrun_command
     from trainscale.runtime.job.preflight import preflight
 
-    _, max_nodes = parse_nnodes(nnodes)
-    if fallback_layout is not None:
-        from trainscale.specs import Layout
-
-        Layout.parse(fallback_layout)  # a bad fallback is a one-line error here, not in every worker later
+    min_nodes, max_nodes = parse_nnodes(nnodes)
     if extend and not resume:
         raise TrainscaleError("--extend continues a run past its total steps: use it with --resume and --steps")
     cfg, layout_text, lay, why = _resolve(config, layout, steps, plan, sets)
+    if fallback_layout is not None:  # checked here, not when a machine is lost
+        from trainscale.runtime.job.elastic import check_fallback
+
+        check_fallback(cfg, lay, fallback_layout, min_nodes, max_nodes)
     from trainscale.runtime.data.corpus import check_data
 
     check_data(cfg)  # the config's own inputs before the run folder's checks: a wrong path is named as one
