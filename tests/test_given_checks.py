@@ -53,3 +53,21 @@ def test_a_slurm_time_limit_out_of_its_clock_is_refused_where_given(tmp_path, mo
     (tmp_path / "c.toml").write_text(CONFIG)
     code, out = run_cli(monkeypatch, capsys, "launch", "--slurm", "--time", text, "--config", "c.toml")
     assert code == 2 and f"--time '{text}' " in out and "#SBATCH" not in out, out
+
+
+@pytest.mark.parametrize("into", ["base", "base/adapter"])
+def test_a_peft_export_into_its_own_base_is_refused_before_writing(tmp_path, into):
+    import json
+
+    from trainscale.infer.peft import export_peft
+
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    base.mkdir()
+    (base / "tokenizer.json").write_text("{}")
+    lora.mkdir()
+    (lora / "adapter.json").write_text(json.dumps({"base": str(base), "rank": 4, "alpha": 8.0,
+                                                   "targets": ["wq", "wv"]}))
+    with pytest.raises(TrainscaleError, match="would write the adapter into .* its base model folder"):
+        export_peft(lora, tmp_path / into)
+    assert sorted(p.name for p in base.iterdir()) == ["tokenizer.json"]
+    assert (base / "tokenizer.json").read_text() == "{}"

@@ -30,7 +30,7 @@ def test_one_baseline_and_the_folder_as_the_runs_name(tmp_path):
     out = build_report(tmp_path / "page", run_dir=run, walkthrough=False)
     report = json.loads((out.parent / "report.json").read_text() if out.is_file() else
                         (out / "report.json").read_text())
-    page = ((out if out.is_file() else out / "index.html")).read_text()
+    page = (out if out.is_file() else out / "index.html").read_text()
     baselines = [v for k, v in report["summary"].items() if "unigram" in k]
     assert baselines == [f"{uni:.4f} nats/token (held-out loss of the unigram model)"]
     assert f"{ent:.4f}" not in page and "run run" not in page.lower()
