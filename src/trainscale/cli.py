@@ -81,13 +81,15 @@ def _help_as_written(command: typer.models.CommandInfo) -> None:
 
 def _flags_show_no_type() -> None:
     """A flag takes no value, so its help row shows no type: typer 0.29 prints "<bool>" for each, --help included
-    (the one place its option rows are drawn; a value's row keeps its metavar)."""
+    (the one place its option rows are drawn; a value's row keeps its metavar); an argument's row shows its name
+    (CHECKPOINT), not its Python type beside it ("<str>")."""
     shown = typer.core.TyperOption.display_type_rich
 
     def display_type_rich(self, ctx):
         return "" if self.is_flag else shown(self, ctx)
 
     typer.core.TyperOption.display_type_rich = display_type_rich
+    typer.core.TyperArgument.display_type_rich = lambda self, ctx: ""
 
 
 _flags_show_no_type()
