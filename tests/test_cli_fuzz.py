@@ -935,6 +935,133 @@ def test_generate_chat_texts_and_templates(tmp, model_dir):
     case()
 
 
+# ------------------------------------------------------------------ issue 35: fields, patterns, outputs, given values
+
+FEW = settings(FUZZ, max_examples=10)
+TOKENS = st.one_of(st.sampled_from(["<|endoftext|>", "not-a-token", "", "x" * 3000]), st.text(max_size=6))
+TOKEN_VALUES = st.one_of(TOKENS, st.lists(TOKENS, max_size=3), st.fixed_dictionaries({"content": TOKENS}),
+                         SCALARS, st.lists(st.integers(), max_size=2), st.just([{"content": "<|endoftext|>"}]))
+
+
+def test_tokenizer_config_fields(tmp, model_dir):
+    """tokenizer_config.json's fields with any value (eos_token a list, a token the vocabulary lacks, an object, a
+    number; bos_token, pad_token, chat_template, add_bos_token, model_max_length): generate --chat answers and stops
+    or refuses in one sentence (runtime/data/tokenizer.tokenizer_settings)."""
+    import shutil
+
+    folder = tmp / "tokcfg-model"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(model_dir / "final", folder)
+    template = "{% for m in messages %}{{ m['content'] }}<|endoftext|>{% endfor %}"
+
+    @FUZZ
+    @given(key=st.sampled_from(["eos_token", "eos_token", "bos_token", "pad_token", "chat_template", "add_bos_token",
+                                "model_max_length", "additional_special_tokens", "unknown_field"]),
+           value=TOKEN_VALUES)
+    def case(key, value):
+        cfg = {"chat_template": template, "eos_token": "<|endoftext|>", key: value}
+        (folder / "tokenizer_config.json").write_text(json.dumps(cfg, allow_nan=True))
+        cli("generate", str(folder), "--chat", "-p", "to be", "-n", "2", "--json")
+
+    case()
+
+
+PATTERNS = st.sampled_from([r"(a+)+$", r"(?:a|aa)+$", r"((\s)*)*x", r"(\w+\s?)+$", r"(x(a*))*y", r"(a|a?)+",
+                            r" ?\p{L}+| ?\p{N}+|\s+(?!\S)|\s+", r"\p{N}{1,3}", r"[(a+)]+", "(", "\\"])
+
+
+def test_tokenizer_patterns(tmp, model_dir):
+    """A tokenizer.json whose pre-tokenizer splits on a regex built for catastrophic backtracking (or a broken one):
+    prepare-data refuses it in one sentence at load instead of a Rust panic; a published-style pattern prepares."""
+    import shutil
+
+    import tomli_w
+
+    good = json.loads((model_dir / "final" / "tokenizer.json").read_text())
+    (tmp / "pat-corpus.txt").write_text(("a" * 60 + "b to be or not to be\n\n") * 20)
+
+    @FEW
+    @given(pattern=PATTERNS, where=st.sampled_from(["pre_tokenizer", "normalizer"]))
+    def case(pattern, where):
+        split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False}
+        part = split if where == "pre_tokenizer" else {"type": "Replace", "pattern": {"Regex": pattern}, "content": ""}
+        if where == "pre_tokenizer":
+            part = {"type": "Sequence", "pretokenizers": [split, good["pre_tokenizer"]]}
+        tok = tmp / "pat-tokenizer.json"
+        tok.write_text(json.dumps({**good, where: part}))
+        cfg = {"name": "pat", "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
+                                        "vocab_size": 512, "max_seq_len": 32},
+               "train": {"steps": 1, "seq_len": 16, "global_batch": 2},
+               "data": {"files": [str(tmp / "pat-corpus.txt")], "tokenizer": str(tok),
+                        "prepared": str(tmp / "pat-prepared")}}
+        (tmp / "pat.toml").write_text(tomli_w.dumps(cfg))
+        shutil.rmtree(tmp / "pat-prepared", ignore_errors=True)
+        cli("prepare-data", "--config", str(tmp / "pat.toml"), "--workers", "1", "--json")
+
+    case()
+
+
+def test_output_paths_and_given_values(tmp):
+    """Where a command writes, checked before anything is read: prepare-data's [data] prepared (NUL, /proc, /sys, a
+    file, a FIFO, a read-only folder, a device) and every --out/--script/--plot; Slurm's --time, --fallback-layout
+    and every --tokens checked where they are given."""
+    import tomli_w
+
+    (tmp / "ro").mkdir(exist_ok=True)
+    os.chmod(tmp / "ro", 0o555)
+    (tmp / "out-corpus.txt").write_text("to be or not to be\n\n" * 50)
+    outs = st.sampled_from(["a\x00b", "/proc/x", "/proc/self/fd/0", "/sys/kernel/x", "/dev/null", "/dev/zero/x",
+                            str(tmp / "a-file"), str(tmp / "fifo.json"), str(tmp / "ro" / "x"), "", " ",
+                            str(tmp / ("y" * 300)), str(tmp / "folder.toml")])
+
+    @FUZZ
+    @given(out=outs, writer=st.sampled_from(["prepared", "cache", "report", "calibrate", "script", "plot", "train"]))
+    def case(out, writer):
+        if writer in ("prepared", "cache"):
+            cfg = {"name": "outs", "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "n_kv_heads": 1, "d_ff": 64,
+                                             "vocab_size": 512, "max_seq_len": 32},
+                   "data": {"files": [str(tmp / "out-corpus.txt")], writer: out}}
+            (tmp / "outs.toml").write_text(tomli_w.dumps(cfg))
+            code, _, err = cli("prepare-data", "--config", str(tmp / "outs.toml"), "--workers", "1", "--json")
+        elif "\x00" in out:
+            return  # a command line cannot carry a NUL byte; the config can (above)
+        elif writer == "report":
+            code, _, err = cli("report", "--out", out, "--run", str(tmp / "missing"))
+        elif writer == "calibrate":
+            code, _, err = cli("calibrate", "--out", out, "--processes", "0")
+        elif writer == "script":
+            code, _, err = cli("launch", "--slurm", "--script", out, "--config", str(TINY), "--layout", "dp2")
+        elif writer == "plot":
+            code, _, err = cli("reliability", "--plot", out, "--trials", "10", "--json")
+        else:
+            code, _, err = cli("train", "--out", out, "--config", str(TINY), "--dry-run")
+        if out in ("a\x00b", "/proc/x", "/sys/kernel/x", str(tmp / "a-file"), str(tmp / "fifo.json")) and \
+                writer in ("prepared", "cache", "report", "train"):
+            assert code == 2, (writer, out, err)
+
+    case()
+
+    clock = st.one_of(st.sampled_from(["99:99", "1-25", "0", "00:60:00", "1:2:3:4", "-1", "UNLIMITED", "2-00:00:00"]),
+                      st.tuples(st.integers(0, 120), st.integers(0, 120), st.integers(0, 120)).map(
+                          lambda t: f"{t[0]}:{t[1]:02d}:{t[2]:02d}"), NUMBERS)
+
+    @FUZZ
+    @given(time_limit=clock, fallback=LAYOUTS, nnodes=st.sampled_from(["1", "1:2", "2:4", "2:1"]), tokens=NUMBERS)
+    def given_values(time_limit, fallback, nnodes, tokens):
+        code, out, err = cli("launch", "--slurm", "--time", time_limit, "--config", str(TINY), "--layout", "dp2",
+                             "--nodes", "1", "--gpus-per-node", "2")
+        if code == 0:
+            parts = time_limit.rpartition("-")[2].split(":")
+            assert all(int(x) < 60 for x in parts[1:]), time_limit
+        cli("train", "--config", str(TINY), "--layout", "dp2", "--nnodes", nnodes, "--fallback-layout", fallback,
+            "--rdzv-endpoint", "localhost:1", "--dry-run")
+        for command in ("explain", "report"):
+            cli(command, "--tokens", tokens, *(["--json"] if command == "explain" else
+                                              ["--out", str(tmp / "report-tokens"), "--run", str(tmp / "missing")]))
+
+    given_values()
+
+
 def test_cases_per_sub_command():
     """Runs last (file order): every sub-command was fuzzed, and no case hung."""
     names = {c.name for c in app.registered_commands} | {c.callback.__name__ for c in app.registered_commands}

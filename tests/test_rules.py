@@ -194,7 +194,8 @@ CASES = {
     "experts_dense": (L8, dict(dp=2, ep=2), 8192, 8, None, "needs a mixture-of-experts model, and llama3.1-8b is "
                       "a dense model"),
     "experts": (MIXTRAL, dict(dp=6, ep=3), 4096, 12, None, "ep3 must divide the model's 8 experts; use ep in [1, 2]"),
-    "heads": (L8, dict(tp=3), 8192, 8, None, "tp3 must divide llama3.1-8b's 32 attention heads; use tp in [1]"),
+    "heads": (L8, dict(tp=3), 8192, 8, None,
+              "tp3 must divide llama3.1-8b's 32 attention heads; use tp in [1, 2, 4, 8]"),
     "kv_heads": (L8, dict(tp=16), 8192, 8, None, "tp16 must divide llama3.1-8b's 8 KV heads; use tp in [1, 2, 4, 8]"),
     "ffn": (ModelSpec(**{**CUSTOM, "d_ff": 102}), dict(tp=4), 32, 8, None, "MLP width of 102; use tp in [1, 2]"),
     "vocab": (ModelSpec(**{**CUSTOM, "vocab_size": 1001}), dict(tp=2), 32, 8, None, "vocabulary of 1,001"),

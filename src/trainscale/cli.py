@@ -53,8 +53,46 @@ def _register_commands() -> None:
         if info.name.startswith("_"):
             continue
         importlib.import_module(f"trainscale.commands.{info.name}").register(app)
+    for command in app.registered_commands:
+        _help_as_written(command)
 
 
+def _help_as_written(command: typer.models.CommandInfo) -> None:
+    """A command's help as its module wrote it: square brackets are config sections ("[checkpoint]", "[train]"),
+    not Rich markup to be swallowed (escaped once here); and every value's metavar where the module names none:
+    its own name (--layout LAYOUT, CHECKPOINT), never the Python type ("<str>", "<int>")."""
+    import inspect
+
+    from rich.markup import escape
+
+    callback = command.callback
+    if command.help is None and callback.__doc__:
+        command.help = escape(inspect.cleandoc(callback.__doc__))
+    for name, p in inspect.signature(callback).parameters.items():
+        info = p.default
+        if not isinstance(info, typer.models.ParameterInfo):
+            continue
+        if isinstance(info.help, str) and not getattr(info, "_escaped", False):
+            info.help = escape(info.help)
+            info._escaped = True  # a module imported twice (tests) keeps its OptionInfo objects
+        if info.metavar is None and p.annotation not in (bool, "bool"):
+            info.metavar = name.upper()
+
+
+def _flags_show_no_type() -> None:
+    """A flag takes no value, so its help row shows no type: typer 0.29 prints "<bool>" for each, --help included
+    (the one place its option rows are drawn; a value's row keeps its metavar); an argument's row shows its name
+    (CHECKPOINT), not its Python type beside it ("<str>")."""
+    shown = typer.core.TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return "" if self.is_flag else shown(self, ctx)
+
+    typer.core.TyperOption.display_type_rich = display_type_rich
+    typer.core.TyperArgument.display_type_rich = lambda self, ctx: ""
+
+
+_flags_show_no_type()
 _register_commands()
 
 

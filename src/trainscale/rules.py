@@ -120,9 +120,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def _good_tp(r: SimpleNamespace) -> list[int]:
-    """Tensor-parallel degrees that split the heads, KV heads and MLP and divide the GPU count."""
-    m, n = r.model, r.gpus or r.tp * r.cp * r.pp * r.dp
-    return [t for t in _divisors(gcd(m.n_heads, m.n_kv_heads, m.d_ff)) if n % t == 0][:8]
+    """Every tensor-parallel degree that trains this model: it splits the heads, the KV heads, the MLP and (above
+    tp1) the vocabulary. Not only those that divide this layout's process count: the other degrees (dp) change
+    with tp, and the world rule speaks for the count."""
+    m = r.model
+    return [t for t in _divisors(gcd(m.n_heads, m.n_kv_heads, m.d_ff)) if t == 1 or m.vocab_size % t == 0]
 
 
 def _tp_says(what: Callable[[Any], str]) -> Callable[[SimpleNamespace], str]:

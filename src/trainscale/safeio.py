@@ -198,7 +198,7 @@ def check_output(path: str | Path, what: str, folder: bool, inputs: tuple[str | 
         probe = probe.parent
     if not probe.is_dir():
         raise TrainscaleError(f"{what} {p} cannot be created: {probe} is a file, not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK) or str(probe).startswith(("/proc", "/sys")):
+    if not os.access(probe, os.W_OK | os.X_OK) or any(_inside(probe, Path(d)) for d in ("/proc", "/sys", "/dev")):
         raise TrainscaleError(f"{what} {p} cannot be written: {probe} is not writable")
     return p
 

@@ -76,6 +76,30 @@ def input_file(what: str):
     return check
 
 
+def output_path(folder: bool, what: str | None = None, remote: bool = False):
+    """A typer callback for every option that names where a command writes (``--out``, ``--script``, ``--plot``):
+    before anything is read, the path is a path (no NUL byte, not too long) and, unless ``remote`` (a path on
+    another machine, e.g. a Slurm job's run folder), it can be written here as a ``folder`` (or a file): not the
+    other kind, not a FIFO or device, its nearest existing parent a writable folder outside /proc and /sys
+    (``safeio.check_output``). One sentence (TrainscaleError, exit 2) otherwise."""
+
+    def check(param: typer.CallbackParam, value: Any) -> Any:
+        if value is None:
+            return value
+        from trainscale.safeio import check_output
+
+        name = what or _opt(param)
+        text = str(value)
+        if remote:
+            if not text.strip() or "\0" in text or len(text) > 4000:
+                raise TrainscaleError(f"{name} must be a path, not {text[:60]!r}")
+            return value
+        check_output(value, name, folder=folder)
+        return value
+
+    return check
+
+
 def catalog_or_file(what: str):
     """A typer callback for 'a catalog name or a file': a value that names an existing path must be a
     regular file (a folder with config.json is fine too)."""
@@ -102,6 +126,33 @@ def catalog_or_file(what: str):
 
 
 SEED = number(ge=0, lt=2**63)
+
+_SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
+
+
+def parse_count(text: str | None, what: str, base: int = 1000) -> float | None:
+    """The one parser of a count on the command line (every --tokens): '16M' -> 16 x base^2, '15.6T' -> 15.6 x
+    base^4, '1.56e13' and plain numbers as they are; positive and at most 1e18, else one sentence."""
+    import re
+
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgbt]?)\s*", str(text).lower())
+    if not m:
+        raise TrainscaleError(f"{what} '{str(text)[:60]}' is not a number (suffixes K, M, G/B, T are allowed)")
+    value = float(m.group(1)) * base ** _SUFFIX.get(m.group(2), 0)
+    if not 0 < value <= 1e18:  # also refuses 1e400 (inf) and 0
+        raise TrainscaleError(f"{what} must be a positive number of at most 1e18, not '{text}'")
+    return value
+
+
+def counted(base: int = 1000):
+    """A typer callback: ``parse_count`` of the option's text (``--tokens 2T``) -> the number."""
+
+    def check(param: typer.CallbackParam, value: Any) -> Any:
+        return parse_count(value, _opt(param), base)
+
+    return check
 
 
 def input_folder(what: str, holding: str | None = None):

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number
+from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number, output_path
 from trainscale.errors import TrainscaleError
 
 DEFAULT_CONFIG = Path("configs/small.toml")
@@ -74,7 +74,8 @@ def calibrate_command(
                                     help="sequences per micro-batch "
                                     "(default: the config's global_batch, or 1 with --model)"),
     processes: str = typer.Option("1,2,4", help="process counts to measure with, comma-separated"),
-    out: Path = typer.Option(None, help="where to write the profile (default: the cache's profile.toml)"),
+    out: Path = typer.Option(None, callback=output_path(folder=False),
+                             help="where to write the profile (default: the cache's profile.toml)"),
     quick: bool = typer.Option(False, "--quick", help="short timings and small buffers (a rough profile in seconds)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:

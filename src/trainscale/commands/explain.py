@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from trainscale.commands._common import catalog_or_file, console, emit_json, number
+from trainscale.commands._common import catalog_or_file, console, counted, emit_json, number
 from trainscale.units import short_source
 
 
@@ -16,8 +16,8 @@ def register(app: typer.Typer) -> None:
 def explain(
     model: str = typer.Option("llama3.1-405b", callback=catalog_or_file("model"),
                               help="catalog name, TOML file or HF config.json"),
-    tokens: float = typer.Option(None, callback=number(gt=0, le=1e18),
-                                 help="training tokens (default: Llama 3.1's 15.6T)"),
+    tokens: str = typer.Option(None, callback=counted(1000), help="training tokens, e.g. 2T or 1.56e13; K/M/B/T are "
+                               "powers of 1000 (default: Llama 3.1's 15.6T)"),
     gpu: str = typer.Option("h100-sxm", callback=catalog_or_file("GPU"), help="the cluster's GPU"),
     gpus: int = typer.Option(None, callback=number(gt=0, le=1e8), help="GPUs in the cluster (default: Meta's 16,384)"),
     mfu: float = typer.Option(0.40, callback=number(gt=0, le=1),

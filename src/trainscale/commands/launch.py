@@ -7,12 +7,19 @@ from pathlib import Path
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number
+from trainscale.commands._common import console, emit_json, input_file, number, output_path
 from trainscale.errors import TrainscaleError
 
 
 def register(app: typer.Typer) -> None:
     app.command()(launch)
+
+
+def _slurm_time(value: str) -> str:
+    from trainscale.runtime.job.slurm import time_limit_s
+
+    time_limit_s(value)  # sbatch's forms, each field within its clock: 99:99 is refused here
+    return value
 
 
 def launch(
@@ -28,7 +35,8 @@ def launch(
     mem: str = typer.Option(None, help="memory per node in Slurm syntax, e.g. 480G (default: the partition's)"),
     partition: str = typer.Option(None, help="Slurm partition"),
     account: str = typer.Option(None, help="Slurm account"),
-    time_limit: str = typer.Option("24:00:00", "--time", help="Slurm time limit"),
+    time_limit: str = typer.Option("24:00:00", "--time", callback=_slurm_time,
+                                   help="Slurm time limit: MINUTES, H:MM:SS or DAYS-HH:MM:SS"),
     signal_before: int = typer.Option(120, callback=number(ge=0, le=86400),
                                        help="seconds before the time limit to write a checkpoint (0: off)"),
     setup: str = typer.Option(None, help="a shell line run first on the node, e.g. 'source ~/venv/bin/activate'; "
@@ -49,10 +57,12 @@ def launch(
                                        help="times the job requeues itself after its checkpoint before the time limit"),
     steps: int = typer.Option(None, callback=number(gt=0, le=1e9), help="optimizer steps (default: the config's)"),
     inject: str = typer.Option(None, help="faults to inject, as for `trainscale train --inject`"),
-    out: Path = typer.Option(None, help="run folder on the cluster (default: the config's run.out); passed as is, "
-                                        "no $VARIABLE expansion"),
-    script: Path = typer.Option(None, help="where to write the script (default: stdout); the Slurm log goes beside "
-                                           "it"),
+    out: Path = typer.Option(None, callback=output_path(folder=True, remote=True),
+                             help="run folder on the cluster (default: the config's run.out); passed as is, "
+                                  "no $VARIABLE expansion"),
+    script: Path = typer.Option(None, callback=output_path(folder=False),
+                                help="where to write the script (default: stdout); the Slurm log goes beside "
+                                     "it"),
     as_json: bool = typer.Option(False, "--json", help="print the script and its settings as JSON"),
     sets: list[str] = typer.Option(None, "--set", metavar="SECTION.KEY=VALUE",
                                    help="override a config value, e.g. --set train.lr=1e-4 (repeatable); the config "

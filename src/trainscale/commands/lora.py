@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from trainscale.commands._common import SEED, console, emit_json, number
+from trainscale.commands._common import SEED, console, emit_json, number, output_path
 from trainscale.errors import TrainscaleError
 
 
@@ -40,8 +40,9 @@ def lora(
                                    help="fraction of --data's documents held out to measure the adapters, by the "
                                         "trainer's rule (a hash of each document's position; 0: none)"),
     seed: int = typer.Option(0, callback=SEED, help="seed for the adapter init and the batches"),
-    out: Path = typer.Option(None, "--out", "-o", help="output folder (default: CHECKPOINT-lora-rR beside it; "
-                             "RUN/step-N-lora-rR for a checkpoint)"),
+    out: Path = typer.Option(None, "--out", "-o", callback=output_path(folder=True),
+                             help="output folder (default: CHECKPOINT-lora-rR beside it; "
+                                  "RUN/step-N-lora-rR for a checkpoint)"),
     merge: bool = typer.Option(False, "--merge", help="also fold the adapters into the weights: a plain model folder "
                                "(over a quantized base, into its dequantized weights)"),
     base_bits: int = typer.Option(None, "--base-bits", help="QLoRA: hold the frozen base's layer projections "

@@ -3,7 +3,6 @@ or one layout evaluated."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from typing import Any
 
@@ -11,27 +10,12 @@ import typer
 from rich.table import Table
 
 from trainscale import units as fmt
-from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number
+from trainscale.commands._common import catalog_or_file, console, emit_json, input_file, number, parse_count
 from trainscale.errors import TrainscaleError
-
-_SUFFIX = {"k": 1, "m": 2, "g": 3, "b": 3, "t": 4}
 
 
 def register(app: typer.Typer) -> None:
     app.command()(plan)
-
-
-def parse_count(text: str | None, what: str, base: int) -> float | None:
-    """'16M' -> 16 x base^2, '15.6T' -> 15.6 x base^4, plain numbers as they are."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgbt]?)\s*", text.lower())
-    if not m:
-        raise TrainscaleError(f"{what} '{text}' is not a number (suffixes K, M, G/B, T are allowed)")
-    value = float(m.group(1)) * base ** _SUFFIX.get(m.group(2), 0)
-    if not 0 < value <= 1e18:  # also refuses 1e400 (inf) and 0
-        raise TrainscaleError(f"{what} must be a positive number of at most 1e18, not '{text}'")
-    return value
 
 
 def _settings(pairs: list[str] | None) -> dict[str, float]:

@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from trainscale.commands._common import SEED, catalog_or_file, console, emit_json, number
+from trainscale.commands._common import SEED, catalog_or_file, console, emit_json, number, output_path
 from trainscale.errors import TrainscaleError
 from trainscale.units import short_source
 
@@ -42,7 +42,8 @@ def reliability(
     trials: int = typer.Option(1000, callback=number(gt=0, le=100_000), help="Monte Carlo trials"),
     seed: int = typer.Option(0, callback=SEED, help="random seed"),
     sweep: bool = typer.Option(False, "--sweep", help="also simulate a range of checkpoint intervals"),
-    plot: Path = typer.Option(None, help="write the interval sweep as a PNG (implies --sweep)"),
+    plot: Path = typer.Option(None, callback=output_path(folder=False),
+                              help="write the interval sweep as a PNG (implies --sweep)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """Failure rate, checkpoint size and interval (Young, Daly), and a Monte Carlo of the run's effective time."""

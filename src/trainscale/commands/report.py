@@ -9,10 +9,12 @@ import typer
 from trainscale.commands._common import (
     catalog_or_file,
     console,
+    counted,
     emit_json,
     input_file,
     input_folder,
     number,
+    output_path,
 )
 
 
@@ -21,7 +23,8 @@ def register(app: typer.Typer) -> None:
 
 
 def report(
-    out: Path = typer.Option(..., "--out", help="folder for index.html and the figures"),
+    out: Path = typer.Option(..., "--out", callback=output_path(folder=True),
+                             help="folder for index.html and the figures"),
     model: str = typer.Option("llama3.1-405b", callback=catalog_or_file("model"),
                               help="catalog name, TOML file or HF config.json"),
     gpu: str = typer.Option("h100-sxm", callback=catalog_or_file("GPU"), help="GPU of the cluster"),
@@ -29,8 +32,8 @@ def report(
     cluster: str = typer.Option("meta-h100", callback=catalog_or_file("cluster"),
                                 help="cluster (servers, racks, links)"),
     layout: str = typer.Option("tp8,cp1,pp16,dp128,mb1,v8,zero2", help="layout to draw ('' for none)"),
-    tokens: float = typer.Option(None, callback=number(gt=0, le=1e18),
-                                 help="training tokens (default: Llama 3.1's 15.6T)"),
+    tokens: str = typer.Option(None, callback=counted(1000), help="training tokens, e.g. 2T or 1.56e13; K/M/B/T are "
+                               "powers of 1000 (default: Llama 3.1's 15.6T)"),
     mfu: float = typer.Option(0.40, callback=number(gt=0, le=1), help="MFU for time and energy"),
     seq: int = typer.Option(None, callback=number(gt=0, le=1 << 24),
                             help="training sequence length of the attention FLOPs (default 8,192)"),

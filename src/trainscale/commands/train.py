@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import typer
 
-from trainscale.commands._common import console, emit_json, input_file, number
+from trainscale.commands._common import console, emit_json, input_file, number, output_path
 from trainscale.errors import TrainscaleError
 from trainscale.safeio import check_output
 
@@ -47,7 +47,8 @@ def train(
     layout: str = typer.Option(None, help="parallel layout, e.g. dp2,tp2,pp2 (default: the config's run.layout)"),
     steps: int = typer.Option(None, callback=number(gt=0, le=1e9),
                               help="optimizer steps (default: the config's train.steps)"),
-    out: Path = typer.Option(None, help="run folder (default: the config's run.out)"),
+    out: Path = typer.Option(None, callback=output_path(folder=True, what="the run folder"),
+                             help="run folder (default: the config's run.out)"),
     plan: bool = typer.Option(False, "--plan", help="ask the planner for the best layout for this machine"),
     nnodes: str = typer.Option("1", help="machines in the job (run the same command on each); MIN:MAX makes it "
                                "elastic: it goes on after losing machines, down to MIN"),
@@ -150,14 +151,17 @@ def _job(config: Path, layout: str | None, steps: int | None, plan: bool, sets: 
     from trainscale.runtime.job.launch import parse_nnodes, torchrun_command
     from trainscale.runtime.job.preflight import preflight
 
-    _, max_nodes = parse_nnodes(nnodes)
-    if fallback_layout is not None:
-        from trainscale.specs import Layout
-
-        Layout.parse(fallback_layout)  # a bad fallback is a one-line error here, not in every worker later
+    min_nodes, max_nodes = parse_nnodes(nnodes)
     if extend and not resume:
         raise TrainscaleError("--extend continues a run past its total steps: use it with --resume and --steps")
     cfg, layout_text, lay, why = _resolve(config, layout, steps, plan, sets)
+    if fallback_layout is not None:  # checked here, not when a machine is lost
+        from trainscale.runtime.job.elastic import check_fallback
+
+        check_fallback(cfg, lay, fallback_layout, min_nodes, max_nodes)
+    from trainscale.runtime.data.corpus import check_data
+
+    check_data(cfg)  # the config's own inputs before the run folder's checks: a wrong path is named as one
     run_dir = out or Path(cfg.run.out)
     check_output(run_dir, "the run folder", folder=True)
     parse_faults(inject, lay.world_size)  # a bad fault spec is a one-line error here, not a crash in every worker

@@ -43,16 +43,6 @@ def _settings(folder: Path, name: str) -> dict[str, Any]:
         if p.exists() or p.is_symlink() else {}
 
 
-def _token(value: Any, key: str, where: Path) -> str | None:
-    """A named special token as tokenizer_config.json writes it: a string or an AddedToken object; else refused."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    if value is None or isinstance(value, str):
-        return value
-    raise TrainscaleError(f"{where}: '{key}' is a {type(value).__name__}, not a token (a string, or an object with "
-                          "'content')")
-
-
 def _ids(value: Any, where: Path, vocab: int) -> list[int]:
     """generation_config.json's eos_token_id: an id or a list of ids, each in the vocabulary."""
     items = value if isinstance(value, list) else [value]
@@ -94,23 +84,18 @@ def generation_config(chat: ChatFiles) -> dict[str, Any]:
 def read_chat_files(folder: str | Path, tokenizer: Any) -> ChatFiles:
     """The folder's chat template, named special tokens and end ids (``tokenizer``: its tokenizers.Tokenizer).
     A named token the vocabulary does not hold is refused in one sentence (generation would never stop)."""
-    from trainscale.runtime.data.chat import SPECIAL_TOKEN_NAMES, NoChatTemplate, _template_of
+    from trainscale.runtime.data.chat import NoChatTemplate, _template_of
+    from trainscale.runtime.data.tokenizer import tokenizer_settings
 
     folder = Path(folder)
-    cfg = _settings(folder, TOKENIZER_CONFIG)
-    where = folder / TOKENIZER_CONFIG
-    special = {k: t for k in SPECIAL_TOKEN_NAMES if (t := _token(cfg.get(k), k, where)) is not None}
-    for key in ("bos_token", "eos_token"):
-        if key in special and tokenizer.token_to_id(special[key]) is None:
-            raise TrainscaleError(f"{where}: '{key}' {special[key][:40]!r} is not a token of the folder's "
-                                  "tokenizer.json")
+    cfg, special, end_tokens = tokenizer_settings(folder, tokenizer)  # the schema; bos and end tokens in the vocab
     try:
         template = _template_of(folder, cfg)
     except NoChatTemplate:
         template = None
     if "eos_token" not in special:  # a folder trained from scratch: a usual end-of-text name, when it has one
         special.update({"eos_token": t} if (t := _usual_eot(tokenizer, folder)) else {})
-    ends = [tokenizer.token_to_id(special["eos_token"])] if "eos_token" in special else []
+    ends = [tokenizer.token_to_id(t) for t in end_tokens or (special.get("eos_token"),) if t is not None]
     gen = _settings(folder, GENERATION_CONFIG)
     if gen.get("eos_token_id") is not None:
         ends += _ids(gen["eos_token_id"], folder / GENERATION_CONFIG, tokenizer.get_vocab_size())

@@ -80,6 +80,16 @@ def peft_config(spec: ModelSpec, rank: int, alpha: float, targets: tuple[str, ..
             "alpha_pattern": {}}
 
 
+def check_not_into_base(out: Path, base: Path) -> None:
+    """A PEFT adapter goes beside its base, never into it (nor into a folder inside it): peft loads the base from
+    its own folder, and the adapter's tokenizer files would overwrite the base's. One sentence otherwise."""
+    o, b = out.resolve(), base.resolve()
+    if o == b or b in o.parents:
+        raise TrainscaleError(f"--to peft would write the adapter into {out}, which is {'' if o == b else 'inside '}"
+                              f"its base model folder {base} (its tokenizer files would be overwritten); give "
+                              "another output folder")
+
+
 def export_peft(folder: Path, out: str | Path, dtype: str = "float32") -> dict[str, Any]:
     """Write OUT/{adapter_config.json, adapter_model.safetensors} from the LoRA folder ``folder``
     (``trainscale lora``'s output); the tensors checked against the base's projections first."""
@@ -89,6 +99,7 @@ def export_peft(folder: Path, out: str | Path, dtype: str = "float32") -> dict[s
         raise TrainscaleError(f"--to peft exports a LoRA folder (trainscale lora's output); {folder} has no "
                               "adapter.json")
     cfg = read_adapter_config(folder)
+    check_not_into_base(Path(out), Path(cfg.base))
     if cfg.base_bits:
         raise TrainscaleError(f"{folder} was trained on its base quantized to int{cfg.base_bits} (lora --base-bits); "
                               "peft would add it to the full-precision base, another model: merge it (lora --merge) "

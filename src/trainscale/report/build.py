@@ -203,23 +203,39 @@ def _run_info(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
+def unigram_baseline(info: dict[str, Any], evals: dict[int, dict[str, Any]]) -> tuple[str, float] | None:
+    """The one unigram baseline of a run -> (what it is, nats/token): the held-out loss of the unigram model
+    (train-split token frequencies, add-one smoothed: runtime/data/loader.unigram_loss) on the same held-out
+    targets as the model's held-out loss, which it is compared with, and which train prints beside it; only a run
+    without a held-out evaluation falls back to the entropy of the training tokens (a lower, in-sample figure)."""
+    if evals and evals[max(evals)].get("unigram_loss") is not None:
+        return "held-out loss of the unigram model", float(evals[max(evals)]["unigram_loss"])
+    if info.get("unigram_loss") is not None:
+        return "held-out loss of the unigram model", float(info["unigram_loss"])
+    if info.get("unigram_entropy") is not None:
+        return "entropy of the training tokens' unigram distribution", float(info["unigram_entropy"])
+    return None
+
+
+def run_label(run_dir: Path) -> str:
+    """How a page names a run: its folder as given ("runs/run"), never the bare last name ("run run")."""
+    return f"the run in {run_dir}"
+
+
 def run_loss_plot(out: Path, run_dir: Path, steps: list[dict[str, Any]], rows: list[dict[str, Any]],
                   info: dict[str, Any], marks: dict[str, float], note: str) -> plots.Plot:
-    """Training loss per step, the held-out loss as points, the unigram entropy of the training tokens as a level."""
+    """Training loss per step, the held-out loss as points, the run's unigram baseline as a level."""
     xs = [float(r["step"]) for r in steps]
     series = {"train loss (global batch)": (xs, [float(r["loss"]) for r in steps])}
     evals = eval_points(rows)
     if evals:
         ks = sorted(evals)
         series["held-out loss"] = ([float(k) for k in ks], [float(evals[k]["val_loss"]) for k in ks])
-    levels = {}
-    if info.get("unigram_entropy") is not None:
-        levels["unigram baseline: entropy of the training tokens"] = float(info["unigram_entropy"])
-    elif evals:  # a folder from before run.json kept the entropy: the held-out loss of the unigram model
-        levels["unigram baseline: held-out loss of the unigram model"] = float(evals[max(evals)]["unigram_loss"])
+    base = unigram_baseline(info, evals)
+    levels = {f"unigram baseline: {base[0]}": base[1]} if base else {}
     caption = ("Per-step loss on the global batch; dots: held-out loss (eval_every and the end); dotted: the "
                "unigram baseline, the loss of a model that ignores context." + note)
-    return plots.lines("run_loss", f"Training loss of {run_dir.name}", "step", "cross-entropy (nats/token)",
+    return plots.lines("run_loss", f"Training loss of {run_label(run_dir)}", "step", "cross-entropy (nats/token)",
                        series, out, caption, marks=marks, unit="nats/token", points={"held-out loss"}, levels=levels)
 
 
@@ -270,13 +286,14 @@ def run_sections(out: Path, run_dir: Path) -> tuple[list, list[tuple[str, str]]]
         k = max(evals)
         summary.append(("held-out loss", f"{float(evals[k]['val_loss']):.4f} nats/token at step {k} "
                                          f"({len(evals)} evaluation(s))"))
-    if info.get("unigram_entropy") is not None:
-        summary.append(("unigram baseline", f"{float(info['unigram_entropy']):.4f} nats/token (entropy of the "
-                                            "training tokens' unigram distribution)"))
+    base = unigram_baseline(info, evals)
+    if base is not None:
+        summary.append(("unigram baseline", f"{base[1]:.4f} nats/token ({base[0]})"))
     for r in rows:
         if "goodput" in r:
             summary.append(("goodput", f"{float(r['goodput']):.1%} of wall time"))
-    return [(f"Run {run_dir.name}", figs)], summary
+    label = run_label(run_dir)
+    return [(label[0].upper() + label[1:], figs)], summary
 
 
 def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100-sxm", gpus: int = 16384,
@@ -299,7 +316,7 @@ def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100
         sections += rs
         summary += rsum
         if not walkthrough:
-            return _write(out, f"trainscale report: run {Path(run_dir).name}",
+            return _write(out, f"trainscale report: {run_label(Path(run_dir))}",
                           "Every number below is read from the run folder's records (metrics.jsonl, run.json).",
                           sections, summary)
     tokens = tokens if tokens is not None else facts()["llama3_405b_training"]["tokens"]
@@ -329,7 +346,7 @@ def build_report(out: str | Path, model: str = "llama3.1-405b", gpu: str = "h100
     summary += rel_summary
     title = f"trainscale report: {model} on {gpus:,} x {gpu}"
     if run_dir is not None:
-        title = f"trainscale report: run {Path(run_dir).name}, then {model} on {gpus:,} x {gpu}"
+        title = f"trainscale report: {run_label(Path(run_dir))}, then {model} on {gpus:,} x {gpu}"
     return _write(out, title, "Every number below is computed by trainscale from the model, hardware and run inputs.",
                   sections, summary)
 

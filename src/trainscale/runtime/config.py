@@ -235,6 +235,11 @@ def check_sections(data: dict[str, Any], what: str = "config") -> None:
     if unknown:
         raise TrainscaleError(f"{what}: unknown section or key '{sorted(unknown)[0]}'; "
                               "use [model], [train], [data], [run], [checkpoint], [profile]")
+    for section in _SECTIONS:
+        table = data.get(section)
+        if isinstance(table, dict):
+            for key in table:
+                _known_key(section, str(key), what)
     init = data["model"].get("init")
     if init is not None and not isinstance(init, str):
         raise TrainscaleError(f"{what}: [model] init must be a folder path (a string), not {init!r}")
@@ -251,7 +256,10 @@ def config_from_dict(data: dict[str, Any], what: str = "config", init: str | Non
                               "(resolved_config), not by the config parser")
     section = {k: v for k, v in data["model"].items() if k != "init"}
     # a resolved init: its fields are complete (the folder's, the section's over them), no catalog entry under them
-    data["model"] = load_model(section) if init is not None else _model_from(section)
+    try:
+        data["model"] = load_model(section) if init is not None else _model_from(section)
+    except TrainscaleError as e:  # name the file: "config c.toml: [model] max_seq_len: Field required"
+        raise TrainscaleError(f"{what}: [model] {str(e).removeprefix('model is invalid: ')}") from None
     if init is not None:
         data["init"] = init
     try:
@@ -275,6 +283,17 @@ def _keys(section: str) -> set[str]:
     fields = _SECTIONS[section].model_fields
     keys = set(fields) | {f.alias for f in fields.values() if f.alias}
     return keys | {"init"} if section == "model" else keys
+
+
+def _known_key(section: str, key: str, what: str) -> None:
+    """A key the section has, or one sentence naming the key, the nearest known one and where it was written."""
+    import difflib
+
+    if key in _keys(section):
+        return
+    near = difflib.get_close_matches(key, sorted(_keys(section)), n=1)
+    hint = f"; did you mean {near[0]}?" if near else f"; its keys are {', '.join(sorted(_keys(section)))}"
+    raise TrainscaleError(f"{what}: [{section}] has no key {key[:80]!r}{hint}")
 
 
 def parse_set(text: str) -> tuple[str | None, str, Any]:

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from trainscale.errors import TrainscaleError
-from trainscale.safeio import check_regular, read_json_object, read_text
+from trainscale.safeio import check_regular, read_text
 
 ROLES = ("system", "user", "assistant")
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens apply_chat_template passes to the template
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 MAX_TEMPLATE_BYTES = 1 << 20  # published chat templates are a few kilobytes (the longest, with tools, ~20 KB)
 MAX_LINE_BYTES = 16 << 20  # one conversation per line; 128K tokens of text is ~0.5 MB
 MAX_MESSAGES = 10_000  # messages of one conversation: far beyond any context window's worth of turns
@@ -316,13 +315,6 @@ def _compile(source: str, folder: Path):
                               f"({_first_line(e)})") from None
 
 
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string, or an AddedToken object with 'content'."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
 def _template_of(folder: Path, config: dict) -> str:
     jinja = folder / "chat_template.jinja"
     if jinja.exists() or jinja.is_symlink():
@@ -342,16 +334,14 @@ def _template_of(folder: Path, config: dict) -> str:
 
 def load_chat_tokenizer(folder: Path) -> ChatTokenizer:
     """A model folder's tokenizer.json, chat template and special tokens (from tokenizer_config.json)."""
-    from trainscale.runtime.data.tokenizer import load_tokenizer
+    from trainscale.runtime.data.tokenizer import load_tokenizer, tokenizer_settings
 
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise TrainscaleError(f"chat model folder {folder} is not a folder")
-    cfg_path = folder / "tokenizer_config.json"
-    config = read_json_object(cfg_path, "tokenizer settings") if cfg_path.exists() or cfg_path.is_symlink() else {}
+    config, special, _ = tokenizer_settings(folder)  # tokenizer_config.json through its schema
     template = _template_of(folder, config)
     tok = load_tokenizer(folder)
-    special = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None}
     control = tuple(sorted({t.content for t in tok.get_added_tokens_decoder().values() if t.special and t.content},
                            key=lambda s: (-len(s), s)))
     chat = ChatTokenizer(folder, tok, template, special, control)

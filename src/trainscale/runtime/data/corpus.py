@@ -35,9 +35,10 @@ class Corpus:
         return self.folder / "tokenizer.json"
 
     def tokens(self, split: str):
-        import numpy as np
 
-        return np.load(self.folder / f"{split}.npy", mmap_mode="r")
+        from trainscale.runtime.data.pretokenized import read_npy
+
+        return read_npy(self.folder / f"{split}.npy").array()  # a regular file: a FIFO there is refused
 
     @property
     def vocab_size(self) -> int:
@@ -49,9 +50,42 @@ class Corpus:
         return np.bincount(np.asarray(self.tokens("train")), minlength=self.vocab_size)
 
 
+def check_data(cfg) -> None:
+    """The config's data, checked before any run folder or shard is touched (a wrong data path must be named as
+    such, not as a run folder's conflict): every file, glob and folder it names exists and holds input files, its
+    tokenizer path exists, and chat data has a tokenizer folder with the chat template (``[model] init``'s, when
+    that folder has one), and the folder the shards go to can be written. One sentence (TrainscaleError)
+    otherwise; reads no file's contents."""
+    import os
+
+    d = cfg.data
+    if d.format == "chat" and d.tokenizer is None:
+        if cfg.init is not None:
+            raise TrainscaleError(f"[data] format = \"chat\" needs the model's tokenizer and chat template, and "
+                                  f"[model] init {cfg.init} has no tokenizer.json; copy the model's tokenizer files "
+                                  "there or set [data] tokenizer = \"FOLDER\"")
+        raise TrainscaleError("[data] format = \"chat\" needs the model's tokenizer folder with its chat template: "
+                              "set [data] tokenizer = \"FOLDER\", or [model] init")
+    if d.tokenizer is not None and not os.path.lexists(Path(d.tokenizer).expanduser()):
+        raise TrainscaleError(f"[data] tokenizer {d.tokenizer} does not exist")
+    from trainscale.safeio import check_output
+
+    if d.prepared is not None:  # where the shards are written: refused before anything is read
+        check_output(Path(d.prepared).expanduser(), "[data] prepared", folder=True)
+    else:
+        check_output(Path(d.cache) if d.cache else cache_root(), "[data] cache" if d.cache else "the cache folder "
+                     "($TRAINSCALE_CACHE)", folder=True)
+    req = d.request()
+    if req is not None and (d.files or d.sources):
+        from trainscale.runtime.data.shards import resolve_request
+
+        resolve_request(req)
+
+
 def corpus_for(cfg, progress=None, log=lambda _m: None):
     """The tokenised corpus a TrainConfig asks for: the user's shards (prepared now if they are not yet,
     a no-op if they are), or the Shakespeare plays. -> Corpus or shards.ShardCorpus (same interface)."""
+    check_data(cfg)
     cache = Path(cfg.data.cache) if cfg.data.cache else None
     req = cfg.data.request()
     if req is not None:

@@ -83,6 +83,12 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 # --------------------------------------------------------------------------- one unit, in a worker
 
 
+def _npy(path: Path) -> np.ndarray:
+    """A small .npy of the folder (document ends, unigram counts) read into memory through ``read_npy``: a regular
+    file (a FIFO or device among the folder's files is refused, not waited on) whose header matches its size."""
+    return np.array(read_npy(path).array())
+
+
 def _save_array(path: Path, array: np.ndarray) -> None:
     """``array`` as a .npy file, whole or not at all."""
     def write(tmp: Path) -> None:
@@ -323,10 +329,10 @@ class ShardCorpus:
 
     def documents(self, split: str) -> np.ndarray:
         """Where each document of the split ends (int64 token offsets in ``tokens(split)``)."""
-        return np.load(self.folder / self.index["splits"][split]["documents_file"], allow_pickle=False)
+        return _npy(self.folder / self.index["splits"][split]["documents_file"])
 
     def unigram_counts(self) -> np.ndarray:
-        return np.load(self.folder / "unigram.npy", allow_pickle=False)
+        return _npy(self.folder / "unigram.npy")
 
 
 # --------------------------------------------------------------------------- prepare
@@ -449,7 +455,7 @@ def default_folder(req: DataRequest, cache: Path) -> Path:
     return cache / f"data-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _resolve(req: DataRequest) -> list[Source]:
+def resolve_request(req: DataRequest) -> list[Source]:
     """Every component's sources, in order; a file in two components is refused."""
     out: list[Source] = []
     owner: dict[str, int] = {}
@@ -496,7 +502,7 @@ def prepare(req: DataRequest, model_vocab: int, cache: Path, progress: Progress 
             log: Callable[[str], None] = lambda _m: None) -> ShardCorpus:
     """Tokenise ``req``'s corpus into shards (or find them done): -> the opened folder."""
     folder = Path(req.folder).expanduser() if req.folder else default_folder(req, cache)
-    sources = _resolve(req)
+    sources = resolve_request(req)
     files = [f for c in req.parts() for f in c.files]
     if not sources or all(s.size == 0 for s in sources):
         raise TrainscaleError(f"the corpus is empty: {', '.join(files)} hold no text")
@@ -682,7 +688,7 @@ def _splits(work: Path, metas: list[dict[str, Any]]) -> dict[str, Any]:
                            "documents": m[f"{split}_docs"], "group": m["group"]})
             if (work / f"{split}-{m['unit']:05d}.flags.npy").exists():
                 shards[-1]["flags_file"] = f"{split}-{m['unit']:05d}.flags.npy"
-            ends.append(np.load(work / f"{split}-{m['unit']:05d}.ends.npy", allow_pickle=False) + offset)
+            ends.append(_npy(work / f"{split}-{m['unit']:05d}.ends.npy") + offset)
             offset += m[f"{split}_tokens"]
         _save_array(work / f"{split}-docs.npy", np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64))
         splits[split] = {"tokens": offset, "documents": sum(m[f"{split}_docs"] for m in metas), "shards": shards,
@@ -693,7 +699,7 @@ def _splits(work: Path, metas: list[dict[str, Any]]) -> dict[str, Any]:
 def _unigram(work: Path, shards: list[dict[str, Any]], vocab_size: int) -> np.ndarray:
     counts = np.zeros(vocab_size, dtype=np.int64)
     for sh in shards:
-        arr = np.load(work / sh["file"], mmap_mode="r")
+        arr = read_npy(work / sh["file"]).array()
         for i in range(0, len(arr), 1 << 24):
             counts += np.bincount(arr[i: i + (1 << 24)], minlength=vocab_size)[:vocab_size]
         del arr  # its map (and file descriptor) closes now, not at the end

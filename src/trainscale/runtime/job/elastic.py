@@ -62,3 +62,23 @@ def layout_for_world(cfg: TrainConfig, layout: Layout, world: int, fallback: Lay
             return fallback, f"world size {world}: the fallback layout (the layout's own rule failed: {reasons[0]})"
     raise TrainscaleError(f"no layout for the {world} processes left: {'; '.join(reasons)}"
                           + ("" if fallback else "; give --fallback-layout for this world size"))
+
+
+def check_fallback(cfg: TrainConfig, layout: Layout, text: str, min_nodes: int, max_nodes: int) -> None:
+    """``--fallback-layout`` (``text``), checked where it is given (not when a node is lost): the job is elastic
+    (MIN < MAX machines), the fallback trains this config (every runtime rule, with its sentence: tp3 on 4 heads
+    names the tp that trains), and its world size is one the re-formed job can have (fewer machines, the same
+    processes per machine). One sentence (TrainscaleError) otherwise, naming the fallback as it was given."""
+    fallback = Layout.parse(text)
+    if min_nodes >= max_nodes:
+        raise TrainscaleError(f"--fallback-layout {text} serves an elastic job re-formed on fewer machines; give "
+                              "--nnodes MIN:MAX with MIN < MAX, or leave the fallback out")
+    if (why := _valid(cfg, fallback)) is not None:
+        raise TrainscaleError(f"--fallback-layout {text}: {why}")
+    per_node = max(1, layout.world_size // max_nodes)
+    worlds = [n * per_node for n in range(min_nodes, max_nodes)]
+    if fallback.world_size not in worlds:
+        shown = ", ".join(str(w) for w in worlds[:8]) + (", ..." if len(worlds) > 8 else "")
+        raise TrainscaleError(f"--fallback-layout {text} runs {fallback.world_size} process(es), but this job "
+                              f"re-forms with {shown} ({min_nodes}..{max_nodes - 1} machine(s) x {per_node} "
+                              "process(es) each)")

@@ -115,9 +115,6 @@ class SlurmJob:
                           ("--account", self.account)):
             if val is not None and not _NAME.match(val):
                 raise TrainscaleError(f"{what} {val!r} is not a Slurm name (letters, digits, '.', '_', '-')")
-        if not _TIME.match(self.time_limit):
-            raise TrainscaleError(f"--time {self.time_limit!r} is not a Slurm time limit "
-                                  "(e.g. 90, 04:00:00, 2-00:00:00)")
         if self.mem is not None and not _MEM.match(self.mem):
             raise TrainscaleError(f"--mem {self.mem!r} is not a Slurm memory size (e.g. 480G)")
         if not 1 <= self.cpus_per_proc <= 1024:
@@ -128,7 +125,7 @@ class SlurmJob:
             raise TrainscaleError("--max-resubmits must be between 0 and 10000")
         if not 0 <= self.signal_before_s <= 86400:
             raise TrainscaleError("--signal-before must be between 0 and 86400 seconds")
-        limit = time_limit_s(self.time_limit)
+        limit = time_limit_s(self.time_limit)  # sbatch's forms, each field within its clock
         if self.signal_before_s and limit is not None and self.signal_before_s >= limit:
             raise TrainscaleError(f"--signal-before {self.signal_before_s} s is not below --time {self.time_limit} "
                                   f"({limit} s): every attempt would checkpoint and requeue as it starts")
@@ -162,19 +159,32 @@ class SlurmJob:
 
 def time_limit_s(text: str) -> int | None:
     """A Slurm time limit in seconds (sbatch(1) --time: minutes, minutes:seconds, hours:minutes:seconds,
-    days-hours, days-hours:minutes, days-hours:minutes:seconds); None for UNLIMITED/INFINITE."""
+    days-hours, days-hours:minutes, days-hours:minutes:seconds); None for UNLIMITED/INFINITE and 0 (no limit). A
+    form sbatch does not read or a field past its clock's range (99:99, 1-25) is refused in one sentence."""
     if text in ("UNLIMITED", "INFINITE"):
         return None
+    if not _TIME.match(text):
+        raise TrainscaleError(f"--time {text[:40]!r} is not a Slurm time limit (e.g. 90, 04:00:00, 2-00:00:00)")
     days, _, rest = text.rpartition("-")
     parts = [int(x) for x in rest.split(":")]
     if days:
         h, m, sec = (parts + [0, 0])[:3]
-        return ((int(days) * 24 + h) * 60 + m) * 60 + sec
-    if len(parts) == 1:
-        return parts[0] * 60
-    if len(parts) == 2:
-        return parts[0] * 60 + parts[1]
-    return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+        fields = (("hours", h, 24), ("minutes", m, 60), ("seconds", sec, 60))
+        total = ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    elif len(parts) == 1:
+        fields, total = (), parts[0] * 60
+    elif len(parts) == 2:
+        fields, total = (("seconds", parts[1], 60),), parts[0] * 60 + parts[1]
+    else:
+        fields = (("minutes", parts[1], 60), ("seconds", parts[2], 60))
+        total = (parts[0] * 60 + parts[1]) * 60 + parts[2]
+    for name, value, bound in fields:
+        if value >= bound:
+            raise TrainscaleError(f"--time {text!r} has {value} {name}; a Slurm time limit's {name} run 0..{bound - 1} "
+                                  "(e.g. 90, 04:00:00, 2-00:00:00)")
+    if total > 366 * 86400 * 100:
+        raise TrainscaleError(f"--time {text!r} is longer than a job can run (give e.g. 04:00:00)")
+    return total or None  # sbatch(1): "A time limit of zero requests that no time limit be imposed"
 
 
 def parse_env(items: list[str] | tuple[str, ...]) -> tuple[tuple[str, str], ...]:
