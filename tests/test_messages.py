@@ -57,7 +57,8 @@ def test_chat_data_with_an_init_folder_without_a_tokenizer_names_the_folder(tmp_
     code, out = _train(tmp_path, monkeypatch, capsys, f'[model]\ninit = "{hf}"\n' + TRAIN +
                        '[data]\nformat = "chat"\nfiles = ["chat.jsonl"]\n', "--dry-run")
     assert code == 2
-    assert f"[model] init {hf} has no tokenizer.json" in out and "or [model] init" not in out
+    # the init folder is named, with the way out ([data] tokenizer), never "set [model] init" (it is set)
+    assert f"[model] init {hf} holds no tokenizer" in out and "[data] tokenizer" in out and "or [model] init" not in out
 
 
 @pytest.mark.parametrize(("section", "typo", "meant"), [("model", "d_modle", "d_model"),
