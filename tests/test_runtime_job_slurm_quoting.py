@@ -35,7 +35,7 @@ NASTY = [
 FAKE = {  # argv one per line into $FAKE_DIR/<name>.argv; scontrol answers `show hostnames` with one host
     "srun": 'printf "%s\\n" "$@" > "$FAKE_DIR/srun.argv"\nprintf "%s\\n" "$TRAINSCALE_SAVE_REQUEST" '
             '"$OMP_NUM_THREADS" "$TORCH_NCCL_ASYNC_ERROR_HANDLING" "$NCCL_DEBUG" "${TS_VALUE-unset}" '
-            '> "$FAKE_DIR/srun.env"\n'
+            '"$PYTORCH_CUDA_ALLOC_CONF" > "$FAKE_DIR/srun.env"\n'
             # FAKE_STOP: leave the mark the trainer leaves after the early checkpoint; FAKE_RC: srun's exit code
             '[ -n "${FAKE_STOP:-}" ] && echo 8 > "$TRAINSCALE_STOPPED"\nexit "${FAKE_RC:-0}"\n',
     "sbatch": 'printf "%s\\n" "$@" > "$FAKE_DIR/sbatch.argv"\necho "Submitted batch job 42"\n',
@@ -135,8 +135,9 @@ def test_every_user_value_reaches_srun_as_one_argument(env, capsys, monkeypatch,
         # the job's own rendezvous port: 20000 + 42 % 12768
         assert argv[argv.index("--rdzv-endpoint") + 1] == "node7:20042" and argv[argv.index("--rdzv-id") + 1] == "42"
         # the --env value arrives as it was given; the NCCL defaults are set
-        assert (env / "fakebin" / "srun.env").read_text().split("\n")[:5] == [
-            str(Path(value) / ".save-request"), "1", "1", "WARN", "unset" if via_config else value]
+        assert (env / "fakebin" / "srun.env").read_text().split("\n")[:6] == [
+            str(Path(value) / ".save-request"), "1", "1", "WARN", "unset" if via_config else value,
+            "expandable_segments:True"]
         assert (env / "work" / value).is_dir()  # mkdir made the folder named by the value itself, unexpanded
         assert f"#SBATCH --chdir={env / 'work'}\n" in script.read_text()
         assert not (env / "home" / "runs").exists() and not (env / "work" / "x").exists()

@@ -172,3 +172,19 @@ def test_blocks_are_compiled_by_default_on_cuda_only_and_as_asked_otherwise():
     assert [compiled_blocks(False, cuda), compiled_blocks(True, cpu)] == [False, True]
     cfg = load_config(TINY, {"train": {"compile": False}})
     assert "compile = false" in cfg.to_toml() and "compile" not in load_config(TINY).to_toml()
+
+
+def test_a_local_launch_exports_the_nccl_and_allocator_defaults_the_slurm_script_does(monkeypatch):
+    import trainscale.runtime.data.corpus as corpus
+    import trainscale.runtime.measure as measure
+    from trainscale.runtime.config import load_config
+    from trainscale.runtime.job.local import job_env
+    from trainscale.runtime.job.slurm import NCCL_DEFAULTS
+
+    monkeypatch.setattr(corpus, "corpus_for", lambda cfg: None)
+    monkeypatch.setattr(measure, "cpu_peak_flops", lambda remeasure=False: 1e9)
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")  # what the environment sets wins
+    env = job_env(load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"))
+    assert env["NCCL_DEBUG"] == "INFO" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    defaults = dict(NCCL_DEFAULTS)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == defaults["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

@@ -50,6 +50,10 @@ def job_env(cfg: TrainConfig, status: Status = _quiet) -> dict[str, str]:
         with status("measuring this CPU's matmul peak (once)"):
             env["TRAINSCALE_CPU_PEAK"] = repr(measure.cpu_peak_flops(remeasure=True))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    from trainscale.runtime.job.slurm import NCCL_DEFAULTS
+
+    for key, value in NCCL_DEFAULTS:  # as the Slurm script exports them: NCCL errors end the rank, no holes
+        env.setdefault(key, value)
     return env
 
 

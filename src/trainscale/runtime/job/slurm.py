@@ -57,8 +57,12 @@ EXIT_NOT_REQUEUED = 75
 # (docs: torch_nccl_environment_variables): TORCH_NCCL_ASYNC_ERROR_HANDLING=1 aborts the communicator and ends
 # the process on an NCCL error or a collective timeout (default 3 ends it without the abort), so torchrun sees
 # a failed rank and restarts instead of hanging. NCCL's NCCL_DEBUG=WARN prints NCCL's own warnings and errors
-# (NCCL docs, Environment Variables), which are otherwise silent.
-NCCL_DEFAULTS = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"), ("NCCL_DEBUG", "WARN"))
+# (NCCL docs, Environment Variables), which are otherwise silent. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# (PyTorch "CUDA semantics", memory management; torchtitan's run_train.sh sets it) grows the caching allocator's
+# segments instead of leaving holes between them: the fragmentation catalog/planner.toml's memory_reserve_bytes
+# does not count. The same defaults for a local launch (runtime/job/local.job_env).
+NCCL_DEFAULTS = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"), ("NCCL_DEBUG", "WARN"),
+                 ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"))
 # the per-job rendezvous port: 20000 + job id mod 12768 stays in 20000..32767, below Linux's default ephemeral
 # range 32768-60999 (ip_local_port_range, kernel Documentation/networking/ip-sysctl.rst), so no outgoing
 # connection holds it; two jobs on one node collide only when their ids differ by a multiple of 12768
