@@ -181,3 +181,19 @@ def test_a_model_with_a_long_window_is_scored_and_sampled_within_what_its_text_n
     tok = load_tokenizer_for(folder)
     ids = evaluation_text(folder, tok, max_tokens=300, default_plays=True).ids[:300]
     assert rep["perplexity"]["f16"] == pytest.approx(perplexity(model, ids), rel=2e-3)  # f16 weights vs fp32
+
+
+def test_the_default_prompt_leaves_room_for_the_tokens_to_generate():
+    """A 64-token model asked for 48 new tokens gets a prompt of at most 16 (make demo's quantize sample did not fit
+    with the 24-token default); without ``room`` the first 24 tokens, cut at a line or word end."""
+    from trainscale.runtime.data.sources import corpus_text
+    from trainscale.runtime.data.tokenizer import train_bpe
+
+    text = corpus_text("val", max_chars=20000)
+    tok = train_bpe([text], 300)
+    ids = tok.encode(text).ids
+    for room in (16, 5, 1):
+        got = default_prompt(tok, ids, room=room)
+        assert got and len(tok.encode(got).ids) <= room and text.startswith(got)
+    free = default_prompt(tok, ids)
+    assert text.startswith(free) and len(tok.encode(free).ids) <= 24

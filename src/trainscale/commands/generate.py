@@ -63,7 +63,7 @@ def generate(
         tok, ids, stops = rendered.tokenizer, rendered.ids, rendered.stop_ids
     else:
         tok = load_tokenizer_for(folder)
-        prompt = held_out_prompt(folder, tok) if prompt is None else prompt
+        prompt = held_out_prompt(folder, tok, spec.max_seq_len - max_new_tokens) if prompt is None else prompt
         ids, stops = tok.encode(prompt).ids, (stop_token_id(tok, folder),)
     stops = tuple(i for i in stops if i is not None) if stop else ()
     dt = getattr(torch, kv_dtype)

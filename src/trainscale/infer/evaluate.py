@@ -361,19 +361,25 @@ def check_window(seq_len: int | None, spec) -> int:
     return seq_len
 
 
-def default_prompt(tok: Any, ids: list[int], n: int = 24) -> str:
+def default_prompt(tok: Any, ids: list[int], n: int = 24, room: int | None = None) -> str:
     """The start of the held-out text as a prompt: its first ``n`` tokens, cut after their last whole line (else
-    their last whole word) so that the prompt ends where the text paused."""
-    text = tok.decode(ids[:n])
-    for sep in ("\n", " "):
-        cut = text.rstrip().rfind(sep)
-        if cut > 0:
-            return text[:cut + 1] if sep == "\n" else text[:cut]
-    return text
+    their last whole word) so that the prompt ends where the text paused; with ``room`` (the model's window less
+    the tokens to generate) at most that many tokens once encoded again."""
+    n = max(1, min(n, room)) if room is not None else n
+    while True:
+        text = tok.decode(ids[:n])
+        for sep in ("\n", " "):
+            cut = text.rstrip().rfind(sep)
+            if cut > 0:
+                text = text[:cut + 1] if sep == "\n" else text[:cut]
+                break
+        if room is None or n == 1 or len(tok.encode(text).ids) <= room:
+            return text
+        n -= 1
 
 
-def held_out_prompt(folder: Path, tok: Any) -> str:
+def held_out_prompt(folder: Path, tok: Any, room: int | None = None) -> str:
     """``generate``'s and ``quantize``'s default prompt: the start of the model's own held-out text
     (``evaluation_text``: its run's or adapter's held-out data, else the held-out plays), not a line of Hamlet for a
     model trained on something else."""
-    return default_prompt(tok, evaluation_text(folder, tok, max_tokens=64, default_plays=True).ids)
+    return default_prompt(tok, evaluation_text(folder, tok, max_tokens=64, default_plays=True).ids, room=room)

@@ -246,7 +246,7 @@ def _perplexities(f16: Path, out: Path, kind: str, text: Any, seq_len: int, thre
 
 def _sample(out: Path, tok: Any, s: GgufQuantSettings, text: Any, seq_len: int, threads: int) -> dict[str, Any]:
     """llama.cpp's completion from the quantized file, the prompt given as our tokenizer's ids."""
-    prompt = s.prompt if s.prompt is not None else default_prompt(tok, text.ids)
+    prompt = s.prompt if s.prompt is not None else default_prompt(tok, text.ids, room=seq_len - s.max_new_tokens)
     ids = tok.encode(prompt).ids
     if not ids or len(ids) >= seq_len:
         raise TrainscaleError(f"the prompt must be 1 to {seq_len - 1} tokens, not {len(ids)}")

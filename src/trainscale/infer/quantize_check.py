@@ -84,7 +84,8 @@ def quantize_and_check(checkpoint: str, s: QuantSettings,
     if s.max_new_tokens:
         from trainscale.infer.evaluate import default_prompt
 
-        prompt = s.prompt if s.prompt is not None else default_prompt(tok, text.ids)
+        room = spec.max_seq_len - s.max_new_tokens  # the sample fits the model's window
+        prompt = s.prompt if s.prompt is not None else default_prompt(tok, text.ids, room=room)
         qmodel, _, _ = load_for_inference(out)  # from the file just written
         g = generate_ids(qmodel, tok.encode(prompt).ids, s.max_new_tokens, Sampling(0.8, 0, 0.95, s.seed))
         report["sample"] = {"prompt": prompt, "prompt_default": s.prompt is None, "completion": tok.decode(g.new_ids)}
