@@ -81,9 +81,13 @@ def test_two_nodes_each_with_its_own_run_folder(tmp_path, one_node):
     _clean(a)
     _clean(b)
     owner, other = (a_dir, b_dir) if (a_dir / "run.json").exists() else (b_dir, a_dir)
-    # the node that ran rank 0 holds the run's files; the other holds only its own log
+    # the node that ran rank 0 holds the run's files; the other holds only its own log and its rank's heartbeat
+    # and stack-dump files (runtime/job/ranks.py: a hang's stacks land on the node where the rank ran)
     assert {"run.json", "metrics.jsonl", "config.toml", "final"} <= {p.name for p in owner.iterdir()}
-    assert [p.name for p in other.iterdir() if not p.name.startswith("train-")] == []
+    assert sorted(p.name for p in other.iterdir() if not p.name.startswith("train-")) == ["ranks", "stacks"]
+    assert [p.name for p in (other / "ranks").iterdir()] == ["rank00001.jsonl"]
+    assert [p.name for p in (owner / "ranks").iterdir()] == ["rank00000.jsonl"]
+    assert [p.name for p in (other / "stacks").iterdir()] == ["rank00001.txt"]
     assert len(list(other.glob("train-*.log"))) == 1 and len(list(owner.glob("train-*.log"))) == 1
     notes = [json.loads(x.stdout) for x in (a, b)]
     assert sorted(n.get("rank0_here", True) for n in notes) == [False, True]

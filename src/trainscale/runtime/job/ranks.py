@@ -9,8 +9,9 @@ collective). Under FSDP, TP and pipelines ranks also meet inside the forward pas
 shows in its peers' own time too, smaller; the slowest rank is still the one named.
 
 ``RankBeats``: every rank appends its step rows' own times and wall clock (its **heartbeat**) to
-``RUN/ranks/rankNNNNN.jsonl``; rank 0 reads its peers' new lines at each of its own logging read-backs and names a
-rank whose own time exceeds both the median of its peers' and the plan's prediction for it
+``RUN/ranks/rankNNNNN.jsonl`` (with a run folder per node, in its own node's: there rank 0 sees only its node's
+ranks, and names no straggler among ranks it cannot see); rank 0 reads its peers' new lines at each of its own
+logging read-backs and names a rank whose own time exceeds both the median of its peers' and the plan's prediction for it
 (estimate/measured/rank.rank_step_time's compute part on this machine's hardware profile, when one exists) by
 ``margin`` and by at least ``MIN_EXCESS_S``: a console line, a ``straggler`` row in metrics.jsonl and a
 TensorBoard scalar.
@@ -39,6 +40,7 @@ from trainscale.runtime.job.metrics import read_rows
 
 MIN_EXCESS_S = 0.25  # a straggler costs its peers at least this much per step: below it, a busy host's noise
 WINDOW = 20  # steps of own time kept for the hang reference
+KEEP_STEPS = 1000  # steps rank 0 keeps waiting for every rank's heartbeat
 
 
 def ranks_dir(run_dir: str | Path) -> Path:
@@ -100,7 +102,9 @@ class RankBeats:
                     if isinstance(row.get("own_s"), (int, float)) and isinstance(row.get("step"), int):
                         self.own.setdefault(row["step"], {})[r] = float(row["own_s"])
         complete = sorted(s for s, by in self.own.items() if len(by) == self.world)
-        if not complete:
+        if not complete:  # (a run folder per node: the peers' heartbeats are on their own nodes, never complete)
+            for s in sorted(self.own)[:-KEEP_STEPS]:
+                del self.own[s]
             return []
         window = [self.own.pop(s) for s in complete]
         for s in [s for s in self.own if s < complete[-1]]:  # a step a rank never reported (restarted)
