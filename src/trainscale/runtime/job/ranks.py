@@ -11,8 +11,9 @@ shows in its peers' own time too, smaller; the slowest rank is still the one nam
 ``RankBeats``: every rank appends its step rows' own times and wall clock (its **heartbeat**) to
 ``RUN/ranks/rankNNNNN.jsonl`` (with a run folder per node, in its own node's: there rank 0 sees only its node's
 ranks, and names no straggler among ranks it cannot see); rank 0 reads its peers' new lines at each of its own
-logging read-backs and names a rank whose own time exceeds both the median of its peers' and the plan's prediction for it
-(estimate/measured/rank.rank_step_time's compute part on this machine's hardware profile, when one exists) by
+logging read-backs and names a rank whose own time exceeds both the median of its peers' and the plan's
+prediction for it (estimate/measured/rank.rank_step_time's compute part on this machine's hardware profile, when
+one exists) by
 ``margin`` and by at least ``MIN_EXCESS_S``: a console line, a ``straggler`` row in metrics.jsonl and a
 TensorBoard scalar.
 
