@@ -9,6 +9,7 @@ the held-out losses do not depend on the layout and writes the profiler's traces
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import re
@@ -133,13 +134,16 @@ def test_report_leads_with_the_run_and_marks_each_restart(runs):
     keys = [f["key"] for f in data["figures"]]
     assert keys[0] == "run_loss" and "training_state" not in keys  # no walkthrough pages unless asked
     page = (out / "index.html").read_text()
-    assert page.index("<h2>Run killed</h2>") < page.index("<figure")
+    # the run named by its folder (report/build.run_label), not "Run killed"
+    assert page.index(f"<h2>The run in {html.escape(str(runs['killed']))}</h2>") < page.index("<figure")
     assert "llama3.1-405b" not in page and "Training state" not in page
     loss = data["figures"][0]["table"]
     marks = {k: v for k, v in loss.items() if k.startswith("restart")}
     assert marks == {"restart 1: resumed by hand (--resume), resumed after step 3": "at step 4",
                      "restart 2: resumed by hand (--resume), resumed after step 6": "at step 7"}
-    assert "held-out loss" in loss and loss["unigram baseline: entropy of the training tokens"].endswith("nats/token")
+    # one unigram baseline: the held-out loss of the unigram model, what the held-out loss is compared with
+    assert "held-out loss" in loss and loss["unigram baseline: held-out loss of the unigram model"].endswith(
+        "nats/token")
     for f in data["figures"]:  # every value of every table carries a unit (or is a sentence)
         for k, v in f["table"].items():
             assert re.search(r"[A-Za-z%]", v), (f["key"], k, v)
