@@ -262,10 +262,10 @@ DIGEST = "xxh3_128"  # the manifest's key for a file's digest (older manifests: 
 DIGEST_FILE = "digest-rank{rank:05d}.json"  # a rank's digests of the files it wrote, folded into the manifest
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def _hash_file(path: Path, h: Any) -> str:
+    """The hex digest of a file's bytes, read in 4 MiB chunks, with the hash object ``h``."""
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in iter(lambda: f.read(4 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
 
@@ -273,15 +273,13 @@ def _sha256(path: Path) -> str:
 def _xxh3(path: Path) -> str:
     import xxhash
 
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(4 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return _hash_file(path, xxhash.xxh3_128())
 
 
 def _digest_matches(path: Path, meta: dict[str, Any]) -> bool:
-    return _xxh3(path) == meta[DIGEST] if DIGEST in meta else _sha256(path) == meta["sha256"]
+    if DIGEST in meta:
+        return _xxh3(path) == meta[DIGEST]
+    return _hash_file(path, hashlib.sha256()) == meta["sha256"]  # a manifest of an earlier version
 
 
 def _own_files(tmp: Path, rank: int) -> list[Path]:
