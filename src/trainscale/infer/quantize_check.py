@@ -40,12 +40,12 @@ class QuantResult:
     path: Path
 
 
-def _quiet(_what: str) -> AbstractContextManager[Any]:
+def quiet(_what: str) -> AbstractContextManager[Any]:
     return nullcontext()
 
 
 def quantize_and_check(checkpoint: str, s: QuantSettings,
-                       status: Callable[[str], AbstractContextManager[Any]] = _quiet) -> QuantResult:
+                       status: Callable[[str], AbstractContextManager[Any]] = quiet) -> QuantResult:
     """Quantize ``checkpoint`` (a model, run or checkpoint folder, or a Hugging Face folder) into ``s.out`` and
     measure it; ``status(what)`` wraps the perplexity measurement (a spinner, for a person)."""
     from trainscale.estimate.inference import quantized_model_bytes
@@ -79,7 +79,7 @@ def quantize_and_check(checkpoint: str, s: QuantSettings,
     if (res.source / "model.safetensors").exists():
         report["file"]["source_file_bytes"] = safetensors_layout(res.source / "model.safetensors")["file_bytes"]
     tok = load_tokenizer_for(out)
-    text = _held_out(src, tok, s, spec.vocab_size)
+    text = held_out_text(src, tok, s, spec.vocab_size)
     report["perplexity"] = _perplexities(res, text, s, status)
     if s.max_new_tokens:
         from trainscale.infer.evaluate import default_prompt
@@ -92,9 +92,10 @@ def quantize_and_check(checkpoint: str, s: QuantSettings,
     return QuantResult(report=report, path=res.path)
 
 
-def _held_out(src: Path, tok: Any, s: QuantSettings, vocab: int) -> Any:
+def held_out_text(src: Path, tok: Any, s: Any, vocab: int) -> Any:
     """The held-out text (infer/evaluate.evaluation_text: --eval-text, else the model's own held-out data), for the
-    perplexity and the default prompt; None when neither needs it."""
+    perplexity and the default prompt; None when neither needs it. ``s``: QuantSettings or
+    infer/gguf_quant.GgufQuantSettings (eval_tokens, eval_text, prompt, max_new_tokens)."""
     from trainscale.infer.evaluate import evaluation_text
 
     if not s.eval_tokens and (s.prompt is not None or not s.max_new_tokens):
